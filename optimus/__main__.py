@@ -1,0 +1,7 @@
+"""`python -m optimus` is the `optimus` command."""
+
+import sys
+
+from optimus.cli import main
+
+sys.exit(main())

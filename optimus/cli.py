@@ -1,0 +1,295 @@
+"""The `optimus` command: parse arguments, load the config, call one function per verb.
+
+Bad input (config, data, checkpoint, flags) ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(ValueError):
+    """A command line or run directory that cannot be used, with the fix in the message."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from optimus.checkpoint.manager import CheckpointError
+    from optimus.config import ConfigError
+    from optimus.data.errors import DataError
+    from optimus.models.hf import InteropError
+
+    return (ConfigError, DataError, CheckpointError, InteropError, UsageError)
+
+
+# ---------------------------------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.config import load_config
+
+    config = load_config(args.config, overrides)
+    if args.dry_run:
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    from optimus.train.trainer import Trainer
+
+    trainer = Trainer(config, progress_bar=not args.no_progress)
+    summary = trainer.fit()
+    _print_train_summary(trainer, summary, args.config, overrides)
+    return 0
+
+
+def _print_train_summary(trainer, summary, config_path: str, overrides: list[str]) -> None:
+    from optimus.data.sources import load_tokenizer
+    from optimus.models.generate import generate
+
+    run = summary.run_dir
+    print(f"\nrun directory: {run}")
+    if summary.heldout_loss is not None:
+        print(f"held-out loss: {summary.heldout_loss:.4f}")
+    tokenizer = load_tokenizer(trainer.config.data.tokenizer)
+    prompt = "The United States"
+    ids = tokenizer.encode(prompt).ids
+    import torch
+
+    new = generate(trainer.model, torch.tensor([ids]), max_new_tokens=24)
+    print(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+    again = " ".join(["optimus train", config_path, *overrides])
+    print("next:")
+    print(f"  resume / extend:  {again} --train.max_steps={summary.step * 2}")
+    print(f"  evaluate:         optimus eval {run}")
+    print(f"  generate:         optimus generate {run} --prompt 'The Constitution'")
+    print(f"  export to HF:     optimus export {run} --format hf --out hf/{run.name}")
+
+
+# ------------------------------------------------------------------------------ run-dir helpers
+def load_run(run_dir: str):
+    """(config, model with the newest committed weights) of a run directory."""
+    from optimus.checkpoint.manager import CheckpointManager
+    from optimus.config import load_config
+    from optimus.models.transformer import build_model
+    from optimus.train.state import ModelState
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise UsageError(f"'{run}' is not a run directory (no config.yaml): pass the run.dir of a training run")
+    config = load_config(run / "config.yaml")
+    manager = CheckpointManager(run)
+    step = manager.latest()
+    if step is None:
+        raise UsageError(f"run '{run}' has no committed checkpoint yet: train it first (optimus train ...)")
+    model = build_model(config.model, device="cpu")
+    manager.load(step, {"model": ModelState(model)})
+    model.eval()
+    return config, model
+
+
+# ------------------------------------------------------------------------------------- tokenize
+def cmd_tokenize(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.data.tokenize import tokenize_command
+
+    return tokenize_command(args)
+
+
+# ----------------------------------------------------------------------------------------- eval
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from optimus.data.dataset import open_token_dataset
+    from optimus.data.loader import heldout_batches
+    from optimus.data.sources import load_tokenizer
+    from optimus.train.evaluate import evaluate
+
+    config, model = load_run(args.run)
+    seq_len = args.seq_len or config.train.seq_len
+    if args.data:
+        data = Path(args.data)
+        split = "heldout" if data.is_dir() and (data / "heldout.bin").exists() else "train"
+        datasets = [open_token_dataset(data, split=split)]
+    else:
+        from optimus.data.build import build_training_data
+
+        datasets = build_training_data(config).heldout
+    batches = heldout_batches(datasets, seq_len, args.batch_size, args.batches)
+    if not batches:
+        raise UsageError("no evaluation data: pass --data with a tokenized directory or .bin file")
+    result = evaluate(model, batches, torch.device("cpu"), "fp32", load_tokenizer(config.data.tokenizer))
+    print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  bits/byte {result.bits_per_byte:.4f}  "
+          f"({result.tokens:,} tokens)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from optimus.data.sources import load_tokenizer, tokenizer_info
+    from optimus.models.generate import generate
+
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0 (0 = greedy)")
+    config, model = load_run(args.run)
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise UsageError("--prompt is empty: give some text to continue")
+    generator = torch.Generator().manual_seed(args.seed)
+    eos = tokenizer_info(config.data.tokenizer)["eos_id"]
+    new = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, eos, generator)
+    print(tokenizer.decode(new[0].tolist()))
+    return 0
+
+
+# ------------------------------------------------------------------------------- export/import
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.models.hf import export_hf
+
+    config, model = load_run(args.run)
+    out = export_hf(model, config.model, args.out, dense_format=args.dense_format)
+    print(f"exported {args.run} to {out} (Hugging Face transformers layout)")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.checkpoint.manager import CheckpointManager
+    from optimus.config import build_config, save_config
+    from optimus.models.hf import import_hf
+    from optimus.models.transformer import build_model
+    from optimus.train.state import ModelState
+
+    out = Path(args.out)
+    if CheckpointManager(out).latest() is not None:
+        raise UsageError(f"'{out}' already holds checkpoints: choose a new --out so nothing is overwritten")
+    model_config, state_dict = import_hf(args.hf_dir)
+    config = build_config({"model": model_config.model_dump(), "run": {"dir": str(out)}})
+    model = build_model(config.model, device="cpu")
+    model.load_state_dict(state_dict, strict=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(config, out / "config.yaml")
+    CheckpointManager(out).save(0, {"model": ModelState(model)}, {"model": config.model.model_dump(), "contents": ["model"]})
+    print(f"imported {args.hf_dir} into {out} (step 0): continue with optimus train {out}/config.yaml")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- info
+def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from optimus.config import ConfigError, load_config
+    from optimus.models.flops import count_parameters, flops_per_token
+    from optimus.models.presets import PRESETS
+    from optimus.models.transformer import build_model
+
+    rows = dict(PRESETS)
+    highlight = None
+    if args.target:
+        if args.target in PRESETS:
+            highlight = args.target
+        elif Path(args.target).is_file():
+            highlight = "config"
+            rows = {"config": load_config(args.target, overrides).model}
+        else:
+            raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
+    table = Table(title=f"Optimus models (FLOPs per token at sequence length {args.seq_len}, training)")
+    for column in ("preset", "kind", "layers", "d_model", "experts", "total params", "active params", "FLOPs/token"):
+        table.add_column(column, justify="left" if column in ("preset", "kind") else "right")
+    for name, config in rows.items():
+        model = build_model(config, device="meta")  # no memory is allocated for any preset
+        params = count_parameters(model, config)
+        kind = f"MoE top-{config.top_k}" if config.is_moe else "dense"
+        experts = str(config.n_experts) if config.is_moe else "-"
+        table.add_row(
+            name, kind, str(config.n_layers), str(config.d_model), experts, _human(params.total), _human(params.active),
+            f"{flops_per_token(params, config, args.seq_len) / 1e9:.2f} G", style="bold green" if name == highlight else None,
+        )
+    Console().print(table)
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="optimus", description="Pretrain dense and MoE language models.")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    train = verbs.add_parser("train", help="train (or resume) a run from a YAML config; --section.key=value overrides")
+    train.add_argument("config", help="YAML config, e.g. configs/mula-tiny-moe.yaml")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    train.set_defaults(func=cmd_train, takes_overrides=True)
+
+    tokenize = verbs.add_parser("tokenize", help="turn txt/jsonl[.gz|.zst]/parquet into token memmaps")
+    from optimus.data.tokenize import add_tokenize_arguments
+
+    add_tokenize_arguments(tokenize)
+    tokenize.set_defaults(func=cmd_tokenize)
+
+    ev = verbs.add_parser("eval", help="held-out loss, perplexity and bits per byte of a run")
+    ev.add_argument("run")
+    ev.add_argument("--data", help="tokenized directory or .bin file (default: the run's own held-out split)")
+    ev.add_argument("--batches", type=int, default=16)
+    ev.add_argument("--batch-size", type=int, default=4)
+    ev.add_argument("--seq-len", type=int, default=None)
+    ev.set_defaults(func=cmd_eval)
+
+    gen = verbs.add_parser("generate", help="continue a prompt with a trained run")
+    gen.add_argument("run")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=cmd_generate)
+
+    export = verbs.add_parser("export", help="write a run's weights in another format")
+    export.add_argument("run")
+    export.add_argument("--format", choices=["hf"], required=True)
+    export.add_argument("--out", required=True)
+    export.add_argument("--dense-format", choices=["auto", "olmo2", "llama"], default="auto",
+                        help="dense models: OLMo-2 (post-norm, QK-norm) or Llama (pre-norm, no QK-norm)")
+    export.set_defaults(func=cmd_export)
+
+    imp = verbs.add_parser("import", help="turn a Hugging Face OLMoE / OLMo-2 / Llama directory into a run")
+    imp.add_argument("hf_dir")
+    imp.add_argument("--out", required=True)
+    imp.set_defaults(func=cmd_import)
+
+    info = verbs.add_parser("info", help="parameters and FLOPs per token of the presets (or of a config)")
+    info.add_argument("target", nargs="?", help="a preset name or a config file")
+    info.add_argument("--seq-len", type=int, default=4096)
+    info.set_defaults(func=cmd_info, takes_overrides=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `optimus` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except _user_errors() as err:
+        print(f"optimus {args.verb}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"optimus {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

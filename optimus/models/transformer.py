@@ -1,0 +1,127 @@
+"""The decoder: token embedding, dense or MoE blocks, final norm, LM head; returns logits or losses.
+
+Single-device code: parallelism is applied from outside (optimus.parallel) by functions that take
+this model and a mesh. Blocks live in a ModuleDict keyed by layer index so that a pipeline stage
+can drop the blocks it does not own and keep the names (and checkpoint keys) of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from optimus.models.attention import Attention
+from optimus.models.config import ModelConfig
+from optimus.models.layers import RMSNorm, SwiGLUMLP, rotary_cos_sin
+from optimus.models.moe import MoE, RouterStats
+from optimus.ops.cross_entropy import linear_cross_entropy
+
+
+class Block(nn.Module):
+    """Attention then feed-forward, each with a residual; norms before (OLMoE) or after (OLMo-2)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.post_norm = config.norm_placement == "post"
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MoE(config) if config.is_moe else SwiGLUMLP(config.d_model, config.ffn_hidden)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        if self.post_norm:
+            h = h + self.attn_norm(self.attn(h, cos, sin))
+            mlp_out, stats = self._mlp(h)
+            return h + self.mlp_norm(mlp_out), stats
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        mlp_out, stats = self._mlp(self.mlp_norm(h))
+        return h + mlp_out, stats
+
+    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats | None]:
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x), None
+
+
+@dataclass
+class ModelOutput:
+    """`loss` is the training objective: ce_loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
+
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    expert_counts: torch.Tensor | None = None  # [moe layers here, n_experts]
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model (OLMoE when config.n_experts > 0, else a dense decoder)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids [B, S] -> logits [B, S, V]; with labels [B, S], the losses instead of logits."""
+        h = self.embed(input_ids)
+        cos, sin = rotary_cos_sin(
+            input_ids.shape[1], self.config.head_dim, self.config.rope_theta, h.device, h.dtype
+        )
+        router_stats: list[RouterStats] = []
+        for block in self.layers.values():
+            h, stats = block(h, cos, sin)
+            if stats is not None:
+                router_stats.append(stats)
+        h = self.norm(h)
+        if labels is None:
+            return ModelOutput(logits=self.lm_head(h))
+        ce_loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self._assemble_loss(ce_loss, router_stats)
+
+    def _assemble_loss(self, ce_loss: torch.Tensor, router_stats: list[RouterStats]) -> ModelOutput:
+        if not router_stats:
+            return ModelOutput(loss=ce_loss, ce_loss=ce_loss)
+        # Sum over the layers present, divided by all layers: a pipeline stage's share adds up exactly.
+        aux_loss = torch.stack([s.aux_loss for s in router_stats]).sum() / self.config.n_layers
+        z_loss = torch.stack([s.z_loss for s in router_stats]).sum() / self.config.n_layers
+        loss = ce_loss + self.config.aux_loss_coef * aux_loss + self.config.z_loss_coef * z_loss
+        counts = torch.stack([s.expert_counts for s in router_stats])
+        return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, z_loss=z_loss, expert_counts=counts)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter in place (normal(0, init_std) matrices, unit norms)."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight") or param.ndim == 1:
+                continue
+            # Output projections scaled down with depth (GPT-2 style) to keep the residual stream tame
+            is_output = name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
+            scale = 1.0 / math.sqrt(2 * self.config.n_layers) if is_output else 1.0
+            nn.init.normal_(param, mean=0.0, std=std * scale)
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+    """Build on the meta device, then materialise on `device` and initialise (seeded if given)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights()
+    return model

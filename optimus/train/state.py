@@ -1,0 +1,80 @@
+"""Stateful wrappers: what a checkpoint holds, each piece saved and restored through DCP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    """Model weights (full or sharded: DCP reshards on load)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """Optimizer moments and step counts, keyed by parameter name so they survive resharding."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class ProgressState(Stateful):
+    """Where training stands: the last completed step and the tokens seen so far."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+
+
+class RNGState(Stateful):
+    """The global torch CPU generator (identical on every rank: all seed it the same way)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+
+
+class LoaderState(Stateful):
+    """The data loader's position, stored as tensors (no pickled objects in a checkpoint)."""
+
+    def __init__(self, loader: Any):
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: torch.tensor(value) for key, value in self.loader.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict({key: int(value) for key, value in state_dict.items()})

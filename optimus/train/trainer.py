@@ -1,0 +1,189 @@
+"""The training loop: build everything from a config, resume if a checkpoint exists, step, evaluate,
+checkpoint. What a step computes lives in step.py; side concerns are callbacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optimus.checkpoint.manager import CheckpointError, CheckpointManager
+from optimus.config import Config, save_config
+from optimus.data.build import build_training_data
+from optimus.data.loader import heldout_batches
+from optimus.models.flops import count_parameters, flops_per_token
+from optimus.models.transformer import Transformer, build_model
+from optimus.optim.build import build_optimizer, set_lr
+from optimus.optim.schedule import lr_at
+from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
+from optimus.train.evaluate import evaluate
+from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
+from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
+from optimus.train.step import train_step
+
+# Model fields that do not change the weights' meaning: a checkpoint may be resumed across them.
+_MODEL_FIELDS_FREE_TO_CHANGE = {"preset", "moe_impl", "aux_loss_coef", "z_loss_coef", "init_std"}
+
+
+@dataclass
+class TrainSummary:
+    run_dir: Path
+    step: int
+    heldout_loss: float | None
+    resumed_from: int | None
+
+
+def model_fingerprint(config: Config) -> dict:
+    """The model settings a checkpoint must agree with to be loaded."""
+    return {k: v for k, v in config.model.model_dump().items() if k not in _MODEL_FIELDS_FREE_TO_CHANGE}
+
+
+def check_checkpoint_matches(meta: dict, config: Config, where: Path) -> None:
+    """Refuse a checkpoint written for another model, naming the first field that differs."""
+    saved = meta.get("model", {})
+    for key, value in model_fingerprint(config).items():
+        if key in saved and saved[key] != value:
+            raise CheckpointError(
+                f"checkpoint in {where} was written for a different model (model.{key} = {saved[key]!r}, "
+                f"config says {value!r}): use the same model settings or another run.dir"
+            )
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpoints of one run; `fit()` trains to max_steps."""
+
+    def __init__(self, config: Config, callbacks: list[Callback] | None = None, progress_bar: bool = True):
+        self.config = config
+        self.run_dir = config.run.path
+        self.device = torch.device("cpu")
+        torch.manual_seed(config.train.seed)
+        self.data = build_training_data(config)
+        self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k)
+        self.resume_step = self.checkpoints.latest()
+        if self.resume_step is not None:
+            check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
+
+        self.model: Transformer = build_model(config.model, device=self.device, seed=config.train.seed)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.progress = ProgressState()
+        self.state = {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "progress": self.progress,
+            "loader": LoaderState(self.data.loader),
+            "rng": RNGState(),
+        }
+        params = count_parameters(self.model, config.model)
+        self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
+        peak, self.peak_source = device_peak_flops(self.device, torch.bfloat16 if config.train.dtype == "bf16" else torch.float32)
+        self.throughput = Throughput(self.flops_per_token, peak)
+        self.callbacks = callbacks if callbacks is not None else self._default_callbacks(progress_bar)
+        self._heldout = None
+
+    def _default_callbacks(self, progress_bar: bool) -> list[Callback]:
+        callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir)]
+        if progress_bar:
+            callbacks.insert(0, ConsoleProgress())
+        if self.config.train.tensorboard:
+            from optimus.train.callbacks.tensorboard import TensorBoardLogger
+
+            callbacks.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        return callbacks
+
+    def _restore(self) -> None:
+        if self.resume_step is None:
+            return
+        meta = self.checkpoints.read_meta(self.resume_step)
+        # An imported checkpoint holds weights only; everything else starts fresh.
+        state = {key: value for key, value in self.state.items() if key in meta.get("contents", self.state)}
+        self.checkpoints.load(self.resume_step, state)
+
+    def _save(self, step: int) -> None:
+        meta = {"model": self.config.model.model_dump(), "contents": sorted(self.state)}
+        self.checkpoints.save(step, self.state, meta)
+        for callback in self.callbacks:
+            callback.on_checkpoint(step)
+
+    def heldout(self):
+        """The fixed held-out batches used for every evaluation of this run."""
+        if self._heldout is None:
+            t = self.config.train
+            self._heldout = heldout_batches(self.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches)
+        return self._heldout
+
+    def evaluate(self) -> float | None:
+        """Held-out loss of the current weights (None when no source has a held-out split)."""
+        batches = self.heldout()
+        if not batches:
+            return None
+        return evaluate(self.model, batches, self.device, self.config.train.dtype).loss
+
+    def fit(self) -> TrainSummary:
+        """Train from the latest checkpoint (or from scratch) to train.max_steps."""
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._restore()
+        save_config(cfg, self.run_dir / "config.yaml")
+        start = self.progress.step
+        for callback in self.callbacks:
+            callback.on_train_start(start, cfg.train.max_steps)
+        heldout_loss = None
+        step = start
+        try:
+            for step in range(start + 1, cfg.train.max_steps + 1):
+                self._one_step(step)
+                at_end = step == cfg.train.max_steps
+                if at_end or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                    heldout_loss = self._log_eval(step)
+                if at_end or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
+                    self._save(step)
+            if start == cfg.train.max_steps:
+                heldout_loss = self.evaluate()
+        finally:
+            for callback in self.callbacks:
+                callback.on_train_end(step)
+        return TrainSummary(self.run_dir, step, heldout_loss, self.resume_step)
+
+    def _one_step(self, step: int) -> None:
+        cfg = self.config
+        lr = lr_at(step - 1, cfg.train.max_steps, cfg.optim)
+        set_lr(self.optimizer, lr)
+        result = train_step(
+            self.model,
+            self.optimizer,
+            self.data.loader.next_batch(),
+            device=self.device,
+            dtype=cfg.train.dtype,
+            grad_clip=cfg.optim.grad_clip,
+        )
+        self.progress.step = step
+        self.progress.tokens_seen += result.tokens
+        self.throughput.add(result.tokens)
+        if step % cfg.train.log_every and step != cfg.train.max_steps:
+            return
+        tokens_per_s, mfu = self.throughput.report()
+        metrics = {
+            "step": step,
+            "loss": result.loss,
+            "ce_loss": result.ce_loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens_seen": self.progress.tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "skipped": result.skipped,
+        }
+        if result.aux_loss is not None:
+            metrics.update(aux_loss=result.aux_loss, z_loss=result.z_loss)
+            metrics.update(expert_load_summary(result.expert_counts))
+        for callback in self.callbacks:
+            callback.on_step_end(step, metrics)
+
+    def _log_eval(self, step: int) -> float | None:
+        loss = self.evaluate()
+        if loss is not None:
+            for callback in self.callbacks:
+                callback.on_eval(step, {"step": step, "eval_loss": loss})
+        return loss
