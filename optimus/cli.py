@@ -22,8 +22,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from optimus.config import ConfigError
     from optimus.data.errors import DataError
     from optimus.models.hf import InteropError
+    from optimus.parallel.launch import LaunchError
+    from optimus.parallel.mesh import LayoutError
 
-    return (ConfigError, DataError, CheckpointError, InteropError, UsageError)
+    return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, UsageError)
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -59,7 +61,8 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
 
     new = generate(trainer.model, torch.tensor([ids]), max_new_tokens=24)
     print(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
-    again = " ".join(["optimus train", config_path, *overrides])
+    kept = [o for o in overrides if not o.startswith("--train.max_steps")]
+    again = " ".join(["optimus train", config_path, *kept])
     print("next:")
     print(f"  resume / extend:  {again} --train.max_steps={summary.step * 2}")
     print(f"  evaluate:         optimus eval {run}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.checkpoint.safe_reader import SafeFileSystemReader
+
+# DCP warns on every single-process save/load that it assumes one process; that is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 COMMITTED = "COMMITTED"
 META = "meta.json"

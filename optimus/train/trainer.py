@@ -17,6 +17,9 @@ from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
+from optimus.parallel.launch import detect_launch_env, device_for, init_distributed
+from optimus.parallel.mesh import ParallelDims
+from optimus.parallel.parallelize import parallelize_model
 from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
 from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
@@ -57,15 +60,25 @@ class Trainer:
     def __init__(self, config: Config, callbacks: list[Callback] | None = None, progress_bar: bool = True):
         self.config = config
         self.run_dir = config.run.path
-        self.device = torch.device("cpu")
+        launch = detect_launch_env()
+        self.device = device_for(launch.local_rank)
+        self.is_rank0 = launch.rank == 0
+        p = config.parallel
+        self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=launch.world_size)
+        self.dims.check_model(config.model, p.pp_virtual_stages)
+        init_distributed(launch, self.device)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.dims.is_parallel else None
+        dp_rank = self.mesh.local_rank("dp") if self.mesh else 0
         torch.manual_seed(config.train.seed)
-        self.data = build_training_data(config)
+        self.data = build_training_data(config, dp_rank=dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k)
         self.resume_step = self.checkpoints.latest()
         if self.resume_step is not None:
             check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
 
+        # Initialised whole on every rank with one seed, then split: every layout starts from the same weights.
         self.model: Transformer = build_model(config.model, device=self.device, seed=config.train.seed)
+        self.model = parallelize_model(self.model, self.dims, self.mesh, config)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.progress = ProgressState()
         self.state = {
@@ -79,6 +92,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
         peak, self.peak_source = device_peak_flops(self.device, torch.bfloat16 if config.train.dtype == "bf16" else torch.float32)
         self.throughput = Throughput(self.flops_per_token, peak)
+        if not self.is_rank0:
+            callbacks = []
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks(progress_bar)
         self._heldout = None
 
@@ -125,10 +140,12 @@ class Trainer:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._restore()
-        save_config(cfg, self.run_dir / "config.yaml")
+        if self.is_rank0:
+            save_config(cfg, self.run_dir / "config.yaml")
         start = self.progress.step
         for callback in self.callbacks:
             callback.on_train_start(start, cfg.train.max_steps)
+        self.throughput.report()  # start the throughput window now, not at construction
         heldout_loss = None
         step = start
         try:

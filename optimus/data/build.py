@@ -1,0 +1,45 @@
+"""Assemble the training mixture, loader and held-out sets that a config asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus.config import Config
+from optimus.data.dataset import TokenDataset, open_token_dataset
+from optimus.data.errors import DataError
+from optimus.data.loader import BatchLoader
+from optimus.data.mixture import Mixture
+from optimus.data.sources import check_tokenizer_fits
+from optimus.data.tokenize import prepare_packaged
+
+
+@dataclass
+class TrainingData:
+    loader: BatchLoader
+    heldout: list[TokenDataset]
+
+
+def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> TrainingData:
+    """Tokenize packaged corpora if needed (cached), open every source, blend them, and shard by DP rank."""
+    check_tokenizer_fits(config.data.tokenizer, config.model.vocab_size)
+    train_sets, heldout_sets, weights = [], [], []
+    for source in config.data.sources:
+        if source.name is not None:
+            train_path, heldout_path = prepare_packaged(
+                source.name, config.data.tokenizer, config.data.cache_dir, config.data.heldout_fraction
+            )
+            train_sets.append(open_token_dataset(train_path))
+            heldout_sets.append(open_token_dataset(heldout_path))
+        else:
+            train_sets.append(open_token_dataset(source.path, split="train"))
+            try:
+                heldout_sets.append(open_token_dataset(source.path, split="heldout"))
+            except DataError:
+                pass  # a source without a held-out split simply does not take part in evaluation
+        weights.append(source.weight)
+    for dataset in train_sets:
+        if dataset.num_instances(config.train.seq_len) == 0:
+            raise DataError(f"data source {dataset.path} holds fewer than seq_len+1 tokens: add text or lower train.seq_len")
+    mixture = Mixture(train_sets, weights, config.train.seq_len, config.train.seed)
+    loader = BatchLoader(mixture, config.train.global_batch_size, config.train.micro_batch_size, dp_rank, dp_size)
+    return TrainingData(loader=loader, heldout=heldout_sets)

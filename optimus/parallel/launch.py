@@ -1,0 +1,151 @@
+"""Who am I in the job: rank, world size, local rank and rendezvous address from any launcher.
+
+Reads torchrun, Slurm (`srun`), PBS/PALS (`mpiexec` on Aurora), MPICH/Intel MPI (`PMI_*`) and Open
+MPI (`OMPI_COMM_WORLD_*`) environments, picks the device and the collective backend for it, and
+initialises torch.distributed. The only module besides cli.py that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+class LaunchError(RuntimeError):
+    """An environment that does not describe a usable job (one-line message with the fix)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "single", "torchrun", "slurm", "pals", "pmi", "openmpi"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm nodelist: 'nid[001-004,010],gpu7' -> 'nid001'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise LaunchError(f"cannot read Slurm nodelist '{nodelist}': set MASTER_ADDR explicitly")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _ints(env: Mapping[str, str], *names: str) -> list[int]:
+    try:
+        return [int(env[name]) for name in names]
+    except ValueError as err:
+        raise LaunchError(f"launcher variable is not an integer ({err}): check the job script") from None
+
+
+def _master(env: Mapping[str, str], fallback_host: str) -> tuple[str, int]:
+    addr = env.get("MASTER_ADDR") or fallback_host
+    port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+    return addr, port
+
+
+def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Rank, world and rendezvous from whichever launcher started this process (one process if none)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or any launcher that exports the standard names
+        rank, world = _ints(env, "RANK", "WORLD_SIZE")
+        local = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        addr, port = _master(env, "127.0.0.1")
+        return LaunchEnv(rank, world, local, local_world, addr, port, "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _ints(env, "SLURM_PROCID", "SLURM_NTASKS")
+        local = int(env.get("SLURM_LOCALID", 0))
+        per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", str(world)))
+        local_world = int(re.match(r"\d+", per_node).group())
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        addr, port = _master(env, first_host(nodelist))
+        return LaunchEnv(rank, world, local, local_world, addr, port, "slurm")
+    if "PALS_RANKID" in env:  # Cray PALS (Aurora's mpiexec); the world size comes from PMI
+        rank = _ints(env, "PALS_RANKID")[0]
+        world = int(env.get("PMI_SIZE", env.get("PALS_SIZE", 0)) or 0)
+        if world <= 0:
+            raise LaunchError("PALS_RANKID is set but PMI_SIZE is not: launch with mpiexec -n N so PMI_SIZE is exported")
+        local = int(env.get("PALS_LOCAL_RANKID", 0))
+        local_world = int(env.get("PALS_LOCAL_SIZE", env.get("PMI_LOCAL_SIZE", 1)))
+        addr, port = _master(env, _pbs_first_host(env))
+        return LaunchEnv(rank, world, local, local_world, addr, port, "pals")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = _ints(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+        local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+        addr, port = _master(env, _pbs_first_host(env))
+        return LaunchEnv(rank, world, local, local_world, addr, port, "openmpi")
+    if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH, Intel MPI
+        rank, world = _ints(env, "PMI_RANK", "PMI_SIZE")
+        local = int(env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", 0)))
+        local_world = int(env.get("MPI_LOCALNRANKS", env.get("PMI_LOCAL_SIZE", 1)))
+        addr, port = _master(env, _pbs_first_host(env))
+        return LaunchEnv(rank, world, local, local_world, addr, port, "pmi")
+    return LaunchEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)), "single")
+
+
+def _pbs_first_host(env: Mapping[str, str]) -> str:
+    nodefile = env.get("PBS_NODEFILE")
+    if nodefile and os.path.isfile(nodefile):
+        with open(nodefile) as handle:
+            for line in handle:
+                if line.strip():
+                    return line.strip()
+    return "127.0.0.1"
+
+
+def device_for(local_rank: int, device_type: str | None = None) -> torch.device:
+    """This process's device: its GPU (CUDA/ROCm), its XPU tile, or the CPU."""
+    if device_type is None:
+        if torch.cuda.is_available():
+            device_type = "cuda"
+        elif hasattr(torch, "xpu") and torch.xpu.is_available():
+            device_type = "xpu"
+        else:
+            device_type = "cpu"
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """Collective backend per device: nccl (CUDA; RCCL behind the same name on ROCm), xccl, gloo."""
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+
+
+def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the process group described by `launch` (nothing to do for a single process)."""
+    if launch.world_size == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "xpu":
+        torch.xpu.set_device(device)
+    if launch.launcher == "torchrun":
+        # torchrun's agent already hosts the rendezvous store; env:// joins it
+        dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s))
+        return
+    store = dist.TCPStore(
+        launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    dist.init_process_group(
+        backend=backend_for(device), rank=launch.rank, world_size=launch.world_size, store=store,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,90 @@
+"""run_distributed: run a function on N forked CPU ranks joined by gloo, for tests.
+
+Settings that held up on a 2-core machine (see ../shared/CPU-NOTES.md): fork after importing
+torch.distributed, one thread per child, a file:// rendezvous, a deadline, and ending each child
+with barrier + destroy_process_group + os._exit so no rank aborts at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint  # noqa: F401  (import in the parent, before forking)
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or hung; the message carries that rank's traceback."""
+
+
+def _child(rank: int, world_size: int, init_file: str, result_dir: str, fn: Callable, args, kwargs) -> None:
+    torch.set_num_threads(1)
+    status, payload = "ok", None
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        payload = fn(rank, world_size, *args, **kwargs)
+        dist.barrier()
+    except BaseException:  # report everything, including assertion failures, to the parent
+        status, payload = "error", traceback.format_exc()
+    try:
+        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
+            pickle.dump((status, payload), handle)
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as handle:
+            pickle.dump(("error", f"rank {rank}: result not picklable\n{traceback.format_exc()}"), handle)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` forked ranks; return each rank's result.
+
+    fn must be importable state-free code; its return value must be picklable (use .tolist() or
+    tensors). Raises DistributedTestError with the first failing rank's traceback.
+    """
+    with tempfile.TemporaryDirectory(prefix="optimus-dist-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        pids = {}
+        for rank in range(world_size):
+            pid = os.fork()
+            if pid == 0:
+                _child(rank, world_size, init_file, tmp, fn, args, kwargs)
+            pids[rank] = pid
+        deadline = time.monotonic() + timeout
+        pending = dict(pids)
+        while pending and time.monotonic() < deadline:
+            for rank, pid in list(pending.items()):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    del pending[rank]
+            time.sleep(0.02)
+        for pid in pending.values():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        results = []
+        for rank in range(world_size):
+            path = Path(tmp) / f"rank{rank}.pkl"
+            if not path.exists():
+                reason = "hung (killed at the deadline)" if rank in pending else "died without a result"
+                raise DistributedTestError(f"rank {rank} of {world_size} {reason}")
+            status, payload = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
+            results.append(payload)
+        return results

@@ -1,0 +1,90 @@
+"""Per-rank batches, exact resume and held-out batches (optimus/data/loader.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus.data.dataset import open_token_dataset
+from optimus.data.errors import DataError
+from optimus.data.loader import BatchLoader, heldout_batches
+from optimus.data.mixture import Mixture
+
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def mixture(sotu_tokenized, wiki_tokenized) -> Mixture:
+    sources = [open_token_dataset(sotu_tokenized), open_token_dataset(wiki_tokenized)]
+    return Mixture(sources, [2.0, 1.0], SEQ_LEN, seed=7)
+
+
+def _rows(micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([x for x, _ in micro_batches]), torch.cat([y for _, y in micro_batches])
+
+
+def test_micro_batches_have_shifted_labels(mixture):
+    batch = BatchLoader(mixture, global_batch_size=8, micro_batch_size=2).next_batch()
+    assert len(batch) == 4
+    for inputs, labels in batch:
+        assert inputs.shape == labels.shape == (2, SEQ_LEN) and inputs.dtype == labels.dtype == torch.int64
+        assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    inputs, labels = _rows(batch)
+    assert torch.equal(inputs[3], torch.from_numpy(mixture.sample(3)[:-1]))
+
+
+def test_ranks_concatenated_equal_the_single_process_batch(mixture):
+    single = BatchLoader(mixture, global_batch_size=8, micro_batch_size=4)
+    ranks = [BatchLoader(mixture, 8, micro_batch_size=2, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(3):
+        expected = _rows(single.next_batch())
+        combined = [_rows(rank.next_batch()) for rank in ranks]
+        assert torch.equal(torch.cat([x for x, _ in combined]), expected[0])
+        assert torch.equal(torch.cat([y for _, y in combined]), expected[1])
+
+
+def test_resume_gives_the_same_batches_at_any_dp_size(mixture):
+    uninterrupted = BatchLoader(mixture, 8, 4)
+    reference = [_rows(uninterrupted.next_batch()) for _ in range(5)]
+    first_run = BatchLoader(mixture, 8, 4)
+    for _ in range(3):
+        first_run.next_batch()
+    state = first_run.state_dict()
+    assert state == {"step": 3}
+    resumed = BatchLoader(mixture, 8, 4)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(_rows(resumed.next_batch()), reference[3]))
+    # Resume the same state on 4 ranks: their slices still make up batches 3 and 4.
+    ranks = [BatchLoader(mixture, 8, 1, dp_rank=r, dp_size=4) for r in range(4)]
+    for rank in ranks:
+        rank.load_state_dict({"step": torch.tensor(3)})
+    for step in (3, 4):
+        combined = [_rows(rank.next_batch()) for rank in ranks]
+        assert torch.equal(torch.cat([x for x, _ in combined]), reference[step][0])
+
+
+def test_batch_size_and_state_errors(mixture):
+    with pytest.raises(DataError, match="not divisible by the 3 data-parallel ranks"):
+        BatchLoader(mixture, 8, 1, dp_rank=0, dp_size=3)
+    with pytest.raises(DataError, match="not divisible by micro batch size 3"):
+        BatchLoader(mixture, 8, 3)
+    with pytest.raises(DataError, match="rank 2 of 2 is invalid"):
+        BatchLoader(mixture, 8, 1, dp_rank=2, dp_size=2)
+    with pytest.raises(DataError, match="no valid step"):
+        BatchLoader(mixture, 8, 1).load_state_dict({"steps": 3})
+
+
+def test_heldout_batches_are_fixed_and_round_robin(sotu_tokenized, wiki_tokenized):
+    sources = [open_token_dataset(d, split="heldout") for d in (sotu_tokenized, wiki_tokenized)]
+    batches = heldout_batches(sources, SEQ_LEN, batch_size=3, n_batches=2)
+    assert len(batches) == 2 and all(x.shape == (3, SEQ_LEN) for x, _ in batches)
+    inputs, labels = _rows(batches)
+    expected_order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    for row, (source, index) in enumerate(expected_order):
+        window = torch.from_numpy(sources[source].instance(index, SEQ_LEN))
+        assert torch.equal(inputs[row], window[:-1]) and torch.equal(labels[row], window[1:])
+    again = heldout_batches(sources, SEQ_LEN, batch_size=3, n_batches=2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))
+    assert heldout_batches([], SEQ_LEN, 3, 2) == []  # nothing held out: the trainer skips evaluation
+    with pytest.raises(DataError, match="must be positive"):
+        heldout_batches(sources, SEQ_LEN, 0, 2)
