@@ -1,0 +1,19 @@
+"""Suite-wide settings: quiet, deterministic, and marker handling for GPU tests."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,73 @@
+"""A run killed with SIGKILL at any moment and started again gives exactly the losses of a run never stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import run_cli, start_cli
+
+pytestmark = pytest.mark.slow
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+def kill_when(run_dir: Path, args: list[str], condition, deadline_s: float = 120) -> None:
+    proc = start_cli(*args)
+    deadline = time.monotonic() + deadline_s
+    while not condition() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigkill_anywhere_then_rerun_gives_identical_losses(tmp_path, config_file):
+    reference = tmp_path / "reference"
+    result = run_cli("train", str(config_file), f"--run.dir={reference}", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    expected = losses(reference)
+    assert sorted(expected) == list(range(1, 9))
+
+    run = tmp_path / "killed"
+    args = ["train", str(config_file), f"--run.dir={run}", "--no-progress"]
+    # 1) mid-step, after a checkpoint: steps 3+ are recomputed from step 2
+    kill_when(run, args, lambda: last_step(run) >= 3)
+    # 2) during a checkpoint write: the half-written one must be ignored
+    kill_when(run, args, lambda: any(p.name.startswith(".tmp-step") for p in (run / "checkpoints").glob(".tmp-*")))
+    # 3) right after start-up, before any new step
+    kill_when(run, args, lambda: (run / "config.yaml").exists() and last_step(run) >= 4)
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert losses(run) == expected  # bit-for-bit: fp32 on CPU is deterministic
+    committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").exists())
+    assert committed == ["step-6", "step-8"]  # keep_last_k = 2
+    assert (run / "latest").read_text().strip() == "8"
+    assert (run / "loss.png").stat().st_size > 1000
+
+
+def test_rerun_of_a_finished_run_changes_nothing(tmp_path, config_file):
+    run = tmp_path / "done"
+    first = run_cli("train", str(config_file), f"--run.dir={run}", "--no-progress", "--train.max_steps=2")
+    assert first.returncode == 0, first.stderr
+    before = losses(run)
+    again = run_cli("train", str(config_file), f"--run.dir={run}", "--no-progress", "--train.max_steps=2")
+    assert again.returncode == 0, again.stderr
+    assert losses(run) == before

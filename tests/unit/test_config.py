@@ -1,0 +1,60 @@
+import pytest
+
+from optimus.config import ConfigError, build_config, load_config, parse_overrides, save_config
+
+
+def test_preset_fills_model_and_explicit_fields_win():
+    config = build_config({"model": {"preset": "mula-7b-a1b", "n_layers": 2}})
+    assert config.model.d_model == 2048 and config.model.n_experts == 64
+    assert config.model.n_layers == 2
+
+
+def test_overrides_are_typed_and_nested():
+    assert parse_overrides(["--train.max_steps=10", "--optim.betas", "[0.9, 0.99]", "--model.qk_norm=false"]) == {
+        "train": {"max_steps": 10},
+        "optim": {"betas": [0.9, 0.99]},
+        "model": {"qk_norm": False},
+    }
+
+
+def test_override_beats_file_and_preset(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  preset: mula-tiny-moe\ntrain:\n  max_steps: 5\n")
+    config = load_config(path, ["--train.max_steps=7", "--model.top_k=2"])
+    assert config.train.max_steps == 7 and config.model.top_k == 2 and config.model.n_experts == 16
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"train": {"max_step": 3}}, "unknown config key 'train.max_step'"),
+        ({"modle": {}}, "unknown config key 'modle'"),
+        ({"model": {"preset": "gpt-5"}}, "unknown model.preset 'gpt-5'"),
+        ({"train": {"seq_len": -1}}, "bad value for 'train.seq_len'"),
+        ({"train": {"micro_batch_size": 3, "global_batch_size": 8}}, "multiple of"),
+        ({"model": {"n_experts": 2, "top_k": 4}}, "top_k"),
+        ({"data": {"sources": [{"weight": 1.0}]}}, "exactly one of"),
+        ({"optim": {"betas": [0.9, 1.5]}}, "beta"),
+    ],
+)
+def test_bad_configs_give_one_line(raw, needle):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="--section.key=value"):
+        load_config(None, ["train.max_steps=3"])
+
+
+def test_saved_config_round_trips(tmp_path):
+    config = build_config({"model": {"preset": "mula-tiny-dense"}, "train": {"max_steps": 3}})
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config
