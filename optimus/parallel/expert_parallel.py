@@ -1,0 +1,203 @@
+"""Expert parallelism: each EP rank holds n_experts / ep experts and computes them for every EP rank.
+
+The seam is `GroupedExperts.forward(rows, counts)` (rows sorted by global expert id, counts per
+expert): `apply_expert_parallel` swaps each MoE layer's experts for an `ExpertParallelExperts`
+whose weights are DTensors sharded Shard(0) over mesh["ep"] (same parameter names, so DCP
+checkpoints and `get_model_state_dict` keep working and reshard), and whose forward
+
+    dispatch rows to the ranks owning their experts -> grouped GEMM on local experts -> combine back
+
+returns the rows in the caller's order. Two dispatch styles, both dropless and differentiable:
+  * "all_to_all": exchange per-expert counts, then one uneven all_to_all_single each way.
+  * "allgather" (Optimus): all-gather every rank's rows and counts, compute the local experts' rows,
+    reduce-scatter the results back to their owners (robust where all-to-all is not).
+
+Gradient convention (read this before wrapping experts with FSDP/DDP): an expert's weight gradient
+receives the tokens of every EP rank through the dispatch, i.e. the sum of `ep` ranks' local-batch
+gradients. We scale it by 1/ep inside the forward, so that afterwards *every* parameter's gradient is
+"this rank's share", to be averaged over the ranks that replicate it: non-expert weights over
+mesh["dp"], expert weights over mesh["dp_mod_ep"] (plain FSDP/DDP averaging; no special divide factor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from optimus import ops
+from optimus.models.moe import GroupedExperts, MoE
+
+EP_DISPATCH_STYLES = ("all_to_all", "allgather")
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Uneven all_to_all_single of rows; its backward is the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """[P*M, D] = every rank's [M, D] (rows padded to a common M); backward reduce-scatters (sums)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = rows.new_empty((dist.get_world_size(group) * rows.shape[0],) + tuple(rows.shape[1:]))
+        dist.all_gather_into_tensor(out, rows.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group),) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """[M, D] = sum over ranks of their [P*M, D] buffers' slice for this rank; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = rows.new_empty((rows.shape[0] // dist.get_world_size(group),) + tuple(rows.shape[1:]))
+        dist.reduce_scatter_tensor(out, rows.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0],) + tuple(grad.shape[1:]))
+        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def segment_starts(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum: the first row of each segment, same shape as counts."""
+    flat = counts.reshape(-1)
+    return (torch.cumsum(flat, 0) - flat).view_as(counts)
+
+
+def gather_index(counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Row indices that visit the segments in row-major order of `counts` (any shape), each segment
+    `counts[i]` rows long starting at `starts[i]`."""
+    flat_counts, flat_starts = counts.reshape(-1), starts.reshape(-1)
+    total = int(flat_counts.sum())
+    seg = torch.repeat_interleave(torch.arange(flat_counts.numel(), device=counts.device), flat_counts, output_size=total)
+    offset_in_seg = torch.arange(total, device=counts.device) - (torch.cumsum(flat_counts, 0) - flat_counts)[seg]
+    return flat_starts[seg] + offset_in_seg
+
+
+class ExpertParallelExperts(nn.Module):
+    """GroupedExperts with its experts split over mesh["ep"]; same parameter names and global shapes."""
+
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh, dispatch: str):
+        super().__init__()
+        if dispatch not in EP_DISPATCH_STYLES:
+            raise ValueError(f"parallel.ep_dispatch must be one of {EP_DISPATCH_STYLES}, got '{dispatch}'")
+        self.impl, self.dispatch, self.ep_mesh = experts.impl, dispatch, ep_mesh
+        self.ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        self.n_experts = experts.w_gate_up.shape[0]
+        if self.n_experts % self.ep:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide n_experts ({self.n_experts})")
+        self.n_local = self.n_experts // self.ep
+        for name in ("w_gate_up", "w_down"):
+            # Every rank built the same full weights (one seed), so each keeps its own slice: no communication.
+            local = getattr(experts, name).detach()[rank * self.n_local : (rank + 1) * self.n_local]
+            shard = DTensor.from_local(local.clone(), ep_mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(shard, requires_grad=getattr(experts, name).requires_grad))
+
+    def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = []
+        for w in (self.w_gate_up, self.w_down):
+            local = w.to_local() if isinstance(w, DTensor) else w  # plain when FSDP has unsharded it
+            weights.append(_ScaleGrad.apply(local, 1.0 / self.ep))
+        return weights[0], weights[1]
+
+    def _compute(self, rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+        w_gate_up, w_down = self._local_weights()
+        mm_impl = "reference" if self.impl == "reference" else "auto"
+        hidden = ops.swiglu(ops.grouped_mm(rows, w_gate_up, local_counts, impl=mm_impl))
+        return ops.grouped_mm(hidden, w_down, local_counts, impl=mm_impl)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, D] sorted by global expert, counts [E] -> [M, D] through each row's expert."""
+        if self.dispatch == "all_to_all":
+            return self._forward_all_to_all(rows, counts)
+        return self._forward_allgather(rows, counts)
+
+    def _forward_all_to_all(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
+        # recv_counts[q, e]: rows rank q sends to my local expert e
+        recv_counts = torch.empty(P * El, dtype=counts.dtype, device=counts.device)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+        recv_counts = recv_counts.view(P, El)
+        in_splits = counts.view(P, El).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        received = _AllToAllRows.apply(rows, out_splits, in_splits, group)  # (source rank, expert) order
+        # reorder to (expert, source rank) for the grouped GEMM, and back afterwards
+        order = gather_index(recv_counts.t(), segment_starts(recv_counts).t())
+        computed = self._compute(received.index_select(0, order), recv_counts.sum(0))
+        restored = torch.empty_like(computed).index_copy(0, order, computed)
+        return _AllToAllRows.apply(restored, in_splits, out_splits, group)
+
+    def _forward_allgather(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
+        rank = self.ep_mesh.get_local_rank()
+        all_counts = counts.new_empty(P * counts.numel())
+        dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)
+        all_counts = all_counts.view(P, -1)
+        # pad every rank's rows to the longest (at least 1 row: no empty collectives)
+        width = max(int(all_counts.sum(1).max()), 1)
+        padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]) if rows.shape[0] < width else rows
+        gathered = _AllGatherRows.apply(padded, group)  # [P * width, D]
+        # rows of my experts from every rank, ordered (expert, source rank)
+        mine = all_counts[:, rank * El : (rank + 1) * El]
+        row_starts = torch.cumsum(all_counts, 1) - all_counts  # within each rank's own rows
+        starts = row_starts[:, rank * El : (rank + 1) * El] + width * torch.arange(P, device=counts.device).unsqueeze(1)
+        index = gather_index(mine.t(), starts.t())
+        computed = self._compute(gathered.index_select(0, index), mine.sum(0))
+        # each row is computed by exactly one rank, so the reduce-scatter's sum is a placement
+        placed = torch.zeros_like(gathered).index_copy(0, index, computed)
+        return _ReduceScatterRows.apply(placed, group)[: rows.shape[0]]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_to_all") -> nn.Module:
+    """Split every MoE layer's experts over `ep_mesh` (1-D, e.g. mesh["ep"]) in place; returns model.
+
+    Call after the pipeline split and tensor parallelism, before activation checkpointing, compile and
+    FSDP (see parallelize.py). Works on materialised weights (each rank keeps its slice of the
+    identically seeded full weights) and on the meta device.
+    """
+    if ep_mesh.size() == 1:
+        return model
+    for module in list(model.modules()):
+        if isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
+            module.experts = ExpertParallelExperts(module.experts, ep_mesh, dispatch)
+    return model

@@ -1,0 +1,83 @@
+"""Expert parallelism against one process: the MoE layer (outputs and every gradient) under both
+dispatch styles, ep=2 and ep=4, with uniform routing, an expert that gets no tokens, and all
+tokens forced onto the first rank's experts (so the other ranks receive nothing)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from optimus.models.config import ModelConfig
+from optimus.models.moe import MoE
+from optimus.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from optimus.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+CFG = ModelConfig(d_model=64, n_layers=1, n_heads=4, vocab_size=128, n_experts=8, top_k=2, expert_ffn_hidden=32)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _routed_inputs(routing: str, tokens: int) -> tuple[MoE, torch.Tensor]:
+    torch.manual_seed(0)
+    moe = MoE(CFG)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(tokens, CFG.d_model)
+    with torch.no_grad():
+        if routing == "empty_expert":  # expert 5 always scores lowest: never chosen
+            x[:, 0] = x[:, 0].abs() + 1.0
+            moe.router.weight[5] = 0.0
+            moe.router.weight[5, 0] = -50.0
+        elif routing == "one_rank":  # only experts 0 and 1 (both on EP rank 0) are ever chosen
+            x[:, 0] = x[:, 0].abs() + 1.0
+            moe.router.weight.zero_()
+            moe.router.weight[0, 0], moe.router.weight[1, 0] = 2.0, 1.0
+    return moe, x
+
+
+def _check_layer(rank: int, world: int, dispatch: str) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    sizes = [5 + 3 * r for r in range(world)]  # uneven token counts per rank
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    seen = {}
+    for routing in ("uniform", "empty_expert", "one_rank"):
+        reference, x_all = _routed_inputs(routing, sum(sizes))
+        parallel = apply_expert_parallel(copy.deepcopy(reference), mesh["ep"], dispatch)
+        assert isinstance(parallel.experts, ExpertParallelExperts)
+        g_all = torch.randn(x_all.shape, generator=torch.Generator().manual_seed(1))
+
+        x_ref = x_all.clone().requires_grad_()
+        out_ref, stats = reference(x_ref)
+        (out_ref * g_all).sum().backward()
+
+        x = x_all[lo:hi].clone().requires_grad_()
+        out, _ = parallel(x)
+        (out * g_all[lo:hi]).sum().backward()
+
+        torch.testing.assert_close(out, out_ref[lo:hi], **TOL)
+        torch.testing.assert_close(x.grad, x_ref.grad[lo:hi], **TOL)
+        router_grad = parallel.router.weight.grad.clone()
+        dist.all_reduce(router_grad)
+        torch.testing.assert_close(router_grad, reference.router.weight.grad, **TOL)
+        n_local = CFG.n_experts // world
+        for name in ("w_gate_up", "w_down"):
+            local_grad = getattr(parallel.experts, name).grad.to_local()
+            full_grad = getattr(reference.experts, name).grad[rank * n_local : (rank + 1) * n_local]
+            # the 1/ep convention: every rank holds its share, averaged later over expert replicas
+            torch.testing.assert_close(local_grad * world, full_grad, **TOL)
+        seen[routing] = stats.expert_counts.tolist()
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatch", ["all_to_all", "allgather"])
+def test_moe_layer_matches_single_process(world, dispatch):
+    counts = run_distributed(_check_layer, world, dispatch)[0]
+    assert counts["empty_expert"][5] == 0
+    per_rank = CFG.n_experts // world
+    assert sum(counts["one_rank"][per_rank:]) == 0  # every rank but the first received nothing
