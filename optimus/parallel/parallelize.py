@@ -1,19 +1,105 @@
 """The one ordered entry point that turns a single-device model into its parallel form.
 
 Order (as torchtitan): pipeline split -> tensor parallel -> expert parallel -> activation
-checkpointing -> torch.compile -> FSDP. Each step is a function taking the model and the mesh.
+checkpointing -> torch.compile -> FSDP. Each step is a function taking the model and the mesh;
+each is one clearly separated call below.
+
+Every parallel layout starts from the weights one process would have: `build_parallel_model`
+builds the whole model with the run's seed on every rank and only then splits it (DTensor and
+FSDP keep each rank's slice of the identical full tensors). With device "meta" nothing is
+allocated: that is the dry run's path.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 
 from optimus.config import Config
 from optimus.parallel.mesh import ParallelDims, ParallelMesh
 
 
+def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh | None,
+                         device: torch.device | str) -> nn.Module:
+    """build_model (seeded, or on the meta device) then parallelize_model: the Trainer's path."""
+    from optimus.models.transformer import build_model
+
+    model = build_model(config.model, device=device, seed=None if str(device) == "meta" else config.train.seed)
+    return parallelize_model(model, dims, mesh, config)
+
+
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, config: Config) -> nn.Module:
-    """Apply the configured parallelisms, in order, to `model` (on the meta device or materialised)."""
-    if mesh is None or not dims.is_parallel:
-        return model
-    raise NotImplementedError("parallel layouts are being implemented (issue 3)")
+    """Apply the configured parallelisms, in order, to `model` (on the meta device or materialised).
+
+    One process: only activation checkpointing and compile (if configured) apply.
+    """
+    train = config.train
+    parallel = mesh is not None and dims.is_parallel
+
+    # 1. pipeline split (pipeline.py: apply_pipeline) -- slot for the PP helper.
+
+    # 2. tensor + sequence parallel
+    if parallel and dims.tp > 1:
+        from optimus.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)
+
+    # 3. expert parallel (expert_parallel.py: apply_expert_parallel) -- slot for the EP helper.
+
+    # 4. activation checkpointing
+    if train.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, train.activation_checkpointing)
+
+    # 5. torch.compile, per block (keeps parameter names; FSDP hooks stay outside the graph)
+    if train.compile:
+        for block in model.layers.values():
+            block.compile()
+
+    # 6. FSDP (ZeRO-3 / HSDP). Applied whenever there is more than one rank, even with
+    # dp_shard == 1: it makes every parameter a DTensor (optimizers and norms refuse a mix of
+    # DTensor and plain tensors) and hands the model plain full weights during forward.
+    if parallel:
+        from optimus.parallel.data_parallel import apply_fsdp
+
+        experts_mesh = None
+        if dims.ep > 1:
+            experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
+        apply_fsdp(
+            model, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
+            experts_gradient_divide_factor=dims.dp if dims.ep > 1 else None,
+        )
+    return model
+
+
+def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
+    """FSDP's mesh: dp_shard (ZeRO-3), or the 2-D (dp_replicate, dp_shard) mesh for HSDP."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+# Ops whose outputs selective checkpointing keeps (the expensive ones to recompute).
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default}
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Wrap each block: 'full' recomputes the whole block in backward, 'selective' keeps matmul and
+    attention outputs and recomputes the cheap elementwise ops (norms, activations)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs = {"preserve_rng_state": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, **kwargs)

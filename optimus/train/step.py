@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,15 +38,46 @@ def autocast_context(device: torch.device, dtype: str):
     return contextlib.nullcontext()
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global gradient L2 norm (returned), clipped to max_norm when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()
+def _norm_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients grouped by layout (plain, or one DTensor mesh + placements).
+
+    torch's norm and clip helpers refuse a mix of plain tensors and DTensors (and of meshes), so
+    each group is handled on its own. Groups are formed in parameter order: every rank of a mesh
+    meets the same groups in the same order, so the collectives below line up.
+    """
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is None:
+            continue
+        grad = param.grad
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_mesh=None) -> float:
+    """Global gradient L2 norm (returned), clipped to max_norm when max_norm > 0.
+
+    Works for plain, FSDP-sharded and tensor-parallel (DTensor) gradients: a DTensor group's norm
+    is reduced over its mesh by `full_tensor()` (sharded dims summed, replicated dims counted once).
+    Under pipeline parallelism pass the pp mesh: each stage holds different parameters, so the
+    squared norms are summed over the stages too. The result is the same on every rank.
+    """
+    groups = _norm_groups(params)
+    squares = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().pow(2))
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_mesh is not None:
+        total_sq = funcol.all_reduce(total_sq, "sum", pp_mesh)
+    total = total_sq.sqrt()
+    if max_norm > 0 and squares:
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total.item()
 
 
 def forward_backward(
@@ -67,6 +100,26 @@ def forward_backward(
     return sums
 
 
+def average_over_dp(sums: dict[str, torch.Tensor], dp_mesh) -> dict[str, torch.Tensor]:
+    """Loss terms averaged and expert counts summed over the data-parallel ranks (for logging).
+
+    Each rank's loss is the mean over the same number of micro-batches of equal size, so the mean
+    of the ranks' losses is the global batch's loss. One all-reduce carries every term.
+    """
+    keys = [key for key in ("loss", "ce_loss", "aux_loss", "z_loss") if key in sums]
+    packed = torch.stack([sums[key].float() for key in keys])
+    if "expert_counts" in sums:
+        packed = torch.cat([packed / dp_mesh.size(), sums["expert_counts"].float().flatten()])
+    else:
+        packed = packed / dp_mesh.size()
+    reduced = funcol.all_reduce(packed, "sum", dp_mesh)
+    out = {key: reduced[i] for i, key in enumerate(keys)}
+    if "expert_counts" in sums:
+        counts = sums["expert_counts"]
+        out["expert_counts"] = reduced[len(keys):].view(counts.shape).to(counts.dtype)
+    return out
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -75,8 +128,13 @@ def train_step(
     device: torch.device,
     dtype: str = "fp32",
     grad_clip: float = 0.0,
+    dp_mesh=None,
 ) -> StepResult:
-    """Run one full optimizer step on this rank's micro-batches."""
+    """Run one full optimizer step on this rank's micro-batches.
+
+    With `dp_mesh` (the data-parallel DeviceMesh), the reported losses are averaged and the expert
+    counts summed over the data-parallel ranks, so every rank reports the global batch's numbers.
+    """
     optimizer.zero_grad(set_to_none=True)
     sums = forward_backward(model, micro_batches, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -86,6 +144,8 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        sums = average_over_dp(sums, dp_mesh)
     return StepResult(
         loss=sums["loss"].item(),
         ce_loss=sums["ce_loss"].item(),

@@ -1,0 +1,64 @@
+"""Data parallelism: FSDP2 (ZeRO-3) over dp_shard, HSDP when dp_replicate > 1.
+
+`fully_shard` is applied per transformer block, then to the root, so each block's weights are
+all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
+reduce-scattered as soon as its backward is done. The module tree and parameter names are not
+changed, so checkpoints (DCP) and the single-process model share keys.
+
+Mixed precision (train.dtype == "bf16"): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
+The sharded parameters and optimizer state stay fp32 (the master weights); FSDP casts them to
+bf16 when it gathers them, which halves all-gather traffic and the unsharded weights' memory,
+and reduces gradients in fp32 so summing over many ranks loses nothing. The same policy is used
+on CPU: it ran within 1e-3 of one process there (see CPU-NOTES), and one code path for every
+device is worth more than the small extra rounding compared with fp32 params + autocast alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from optimus.models.moe import MoE
+
+
+def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction for 'bf16'; plain fp32 otherwise."""
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    dtype: str = "fp32",
+    experts_mesh: DeviceMesh | None = None,
+    experts_gradient_divide_factor: int | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard `model` with FSDP2 over `dp_mesh` (1-D: ZeRO-3; 2-D (replicate, shard): HSDP), in place.
+
+    experts_mesh: when expert parallelism is on, MoE expert weights are already split over ep, and
+    are sharded by FSDP over this other mesh (dp_shard_mod_ep, or (dp_replicate, dp_shard_mod_ep)).
+    They get their own FSDP group, applied before their block's.
+    experts_gradient_divide_factor: FSDP averages expert gradients over experts_mesh only, but
+    their tokens came from every data-parallel rank; pass the full dp degree so they are divided
+    like every other gradient (torchtitan does the same).
+    Works on the meta device too (dry runs): shapes and placements are real, no memory is used.
+    """
+    policy = mixed_precision_policy(dtype)
+    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for index, block in enumerate(blocks):
+        moe = getattr(block, "mlp", None)
+        if experts_mesh is not None and isinstance(moe, MoE):
+            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            if experts_gradient_divide_factor is not None:
+                moe.experts.set_gradient_divide_factor(float(experts_gradient_divide_factor))
+        # The last block's weights are needed again at once by backward: keep them gathered.
+        last = index == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
