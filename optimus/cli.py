@@ -203,7 +203,7 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
     table = Table(title=f"Optimus models (FLOPs per token at sequence length {args.seq_len}, training)")
     for column in ("preset", "kind", "layers", "d_model", "experts", "total params", "active params", "FLOPs/token"):
-        table.add_column(column, justify="left" if column in ("preset", "kind") else "right")
+        table.add_column(column, justify="left" if column in ("preset", "kind") else "right", no_wrap=True)
     for name, config in rows.items():
         model = build_model(config, device="meta")  # no memory is allocated for any preset
         params = count_parameters(model, config)
@@ -213,7 +213,8 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
             name, kind, str(config.n_layers), str(config.d_model), experts, _human(params.total), _human(params.active),
             f"{flops_per_token(params, config, args.seq_len) / 1e9:.2f} G", style="bold green" if name == highlight else None,
         )
-    Console().print(table)
+    # A pipe or a log file has no width: do not let rich squeeze the names to fit 80 columns.
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
     return 0
 
 

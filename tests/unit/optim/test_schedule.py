@@ -1,0 +1,19 @@
+import pytest
+
+from optimus.config import OptimConfig
+from optimus.optim.schedule import lr_at
+
+
+def test_cosine_warmup_then_decay_to_min():
+    config = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    assert lr_at(0, 100, config) == pytest.approx(0.1)
+    assert lr_at(9, 100, config) == pytest.approx(1.0)
+    assert lr_at(99, 100, config) == pytest.approx(0.1, abs=1e-3)
+    values = [lr_at(s, 100, config) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_is_flat_then_linear_decay():
+    config = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(50, 100, config) == 1.0 and lr_at(79, 100, config) == 1.0
+    assert lr_at(90, 100, config) == pytest.approx(0.5)
