@@ -1,0 +1,200 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage split, schedules, the MoE aux losses.
+
+`apply_pipeline` keeps, on each pp rank, only the blocks of its stages (plus the embedding on the first
+stage, the final norm and LM head on the last) in the model itself, so parameter names, optimizer
+state and DCP checkpoints keep their single-process names and reshard across layouts. The stages are
+`PipelineStageModule`s: views sharing those submodules, each a forward for one stage, driven by a
+schedule (GPipe, 1F1B, interleaved 1F1B with virtual stages in the loop order: rank r holds stages
+r, r + pp, r + 2 pp, ...). The runtime hangs off the model as `model.pipeline` (a plain attribute,
+not a submodule); `optimus.train.step.train_step` uses it when present.
+
+MoE aux losses across stages: the single-process objective of one micro-batch is
+ce + aux_coef * aux + z_coef * z, with aux and z summed over all layers (divided by n_layers) and the
+step's objective the mean over n micro-batches. Each stage adds its own layers' aux/z terms through
+`_InjectAuxLoss`, an identity on the stage output whose backward also hands d(objective)/d(aux) =
+aux_coef / n (and the same for z) to the stage's layers when the output gradient arrives (Megatron's
+aux-loss scaler). Summed over stages and micro-batches this is exactly the single-process gradient.
+The values are recorded per stage and summed over the pp ranks for logging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from optimus.models.layers import rotary_cos_sin
+from optimus.models.transformer import Transformer
+from optimus.ops.cross_entropy import IGNORE_INDEX
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class _InjectAuxLoss(torch.autograd.Function):
+    """Identity on h; backward also gives aux and z the constant gradients aux_scale and z_scale."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, aux_scale: float, z_scale: float):
+        ctx.scales = (aux_scale, z_scale)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_scale, z_scale = ctx.scales
+        return grad, torch.full((), aux_scale, device=grad.device), torch.full((), z_scale, device=grad.device), None, None
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[list[str]]:
+    """Layer keys per stage, contiguous and as even as possible (earlier stages take the remainder)."""
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} pipeline stages need at least as many layers (model has {n_layers})")
+    base, extra = divmod(n_layers, n_stages)
+    keys, start = [], 0
+    for stage in range(n_stages):
+        size = base + (1 if stage < extra else 0)
+        keys.append([str(i) for i in range(start, start + size)])
+        start += size
+    return keys
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of a Transformer: shares its blocks (and embed / norm + lm_head if first / last).
+
+    forward: token ids (first stage) or hidden states [B, S, D] -> hidden states, or logits on the last stage.
+    """
+
+    def __init__(self, model: Transformer, layer_keys: list[str], is_first: bool, is_last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed = model.embed if is_first else None
+        self.layers = nn.ModuleDict({key: model.layers[key] for key in layer_keys})
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+        self.loss_scale = 1.0  # 1 / micro-batches of the current step, set by the runtime
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (aux, z, counts) per micro-batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        cfg = self.config
+        cos, sin = rotary_cos_sin(h.shape[1], cfg.head_dim, cfg.rope_theta, h.device, h.dtype)
+        stats = []
+        for block in self.layers.values():
+            h, layer_stats = block(h, cos, sin)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        if stats:
+            aux = torch.stack([s.aux_loss for s in stats]).sum() / cfg.n_layers
+            z = torch.stack([s.z_loss for s in stats]).sum() / cfg.n_layers
+            counts = torch.stack([s.expert_counts for s in stats])
+            if torch.is_grad_enabled():  # training forward: the backward will carry the aux terms
+                self.records.append((aux.detach(), z.detach(), counts))
+                h = _InjectAuxLoss.apply(h, aux, z, cfg.aux_loss_coef * self.loss_scale, cfg.z_loss_coef * self.loss_scale)
+        if self.lm_head is None:
+            return h
+        return self.lm_head(self.norm(h))
+
+
+class PipelineRuntime:
+    """This rank's stages, their schedule (built per micro-batch count) and the pp mesh."""
+
+    def __init__(self, model: Transformer, stages: list[PipelineStageModule], stage_ids: list[int], n_stages: int,
+                 pp_mesh: DeviceMesh, schedule: str, device: torch.device):
+        self.config = model.config
+        self.stages, self.stage_ids, self.n_stages = stages, stage_ids, n_stages
+        self.pp_mesh, self.schedule_name, self.device = pp_mesh, schedule, device
+        self.has_first, self.has_last = 0 in stage_ids, n_stages - 1 in stage_ids
+        self._schedules: dict[int, object] = {}
+        self._n_microbatches = 1
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # one micro-batch's mean cross-entropy, pre-divided by n: gradients accumulate to the batch mean
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return ce / self._n_microbatches
+
+    def schedule(self, n_microbatches: int):
+        """The schedule for n micro-batches per step (built once per n)."""
+        if n_microbatches not in self._schedules:
+            group = self.pp_mesh.get_group()
+            pipe_stages = [
+                PipelineStage(module, sid, self.n_stages, self.device, group=group)
+                for module, sid in zip(self.stages, self.stage_ids)
+            ]
+            cls = SCHEDULES[self.schedule_name]
+            stage_arg = pipe_stages if self.schedule_name == "interleaved_1f1b" else pipe_stages[0]
+            self._schedules[n_microbatches] = cls(stage_arg, n_microbatches, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[n_microbatches]
+
+    def forward_backward(self, micro_batches, device: torch.device, autocast) -> dict[str, torch.Tensor]:
+        """One step's forward and backward over micro-batches through the schedule; returns the batch-mean
+        loss terms (and summed expert counts), identical on every pp rank, as train_step's forward_backward."""
+        n = len(micro_batches)
+        self._n_microbatches = n
+        for stage in self.stages:
+            stage.loss_scale, stage.records = 1.0 / n, []
+        inputs = torch.cat([mb[0] for mb in micro_batches]).to(device)
+        labels = torch.cat([mb[1] for mb in micro_batches]).to(device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        with autocast:
+            self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False)
+        return self._gather_terms(losses, n)
+
+    def _gather_terms(self, losses: list[torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        # packed: [ce, aux, z, counts of every layer (zeros for layers on other stages)]
+        counts = torch.zeros(cfg.n_layers, max(cfg.n_experts, 1), dtype=torch.float64)
+        aux = z = torch.zeros((), dtype=torch.float64)
+        for stage in self.stages:
+            keys = [int(k) for k in stage.layers]
+            # the last n: on its first step the schedule runs one extra forward to infer shapes
+            for rec_aux, rec_z, rec_counts in stage.records[-n:]:
+                aux, z = aux + rec_aux.double() / n, z + rec_z.double() / n
+                counts[keys] += rec_counts.double()
+        ce = torch.stack([loss.detach().double() for loss in losses]).sum() if losses else torch.zeros((), dtype=torch.float64)
+        packed = torch.cat([torch.stack([ce, aux, z]), counts.flatten()])
+        dist.all_reduce(packed, group=self.pp_mesh.get_group())
+        ce, aux, z = packed[0].float(), packed[1].float(), packed[2].float()
+        sums = {"ce_loss": ce, "loss": ce}
+        if cfg.is_moe:
+            sums.update(loss=ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z, aux_loss=aux, z_loss=z)
+            sums["expert_counts"] = packed[3:].view(cfg.n_layers, cfg.n_experts).round().long()
+        return sums
+
+
+def get_pipeline(model: nn.Module) -> PipelineRuntime | None:
+    """The pipeline runtime `apply_pipeline` attached to model, or None when not pipelined."""
+    return getattr(model, "pipeline", None)
+
+
+def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1b", virtual_stages: int = 1,
+                   device: torch.device | str = "cpu") -> Transformer:
+    """Keep only this pp rank's stages in `model` (in place) and attach their runtime as model.pipeline.
+
+    pp_mesh is mesh["pp"]. gpipe and 1f1b take one stage per rank; interleaved_1f1b takes
+    `virtual_stages` >= 2 per rank. Apply first, before tp, ep, activation checkpointing, compile, fsdp.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}, got '{schedule}'")
+    if schedule != "interleaved_1f1b" and virtual_stages != 1:
+        raise ValueError(f"parallel.pp_virtual_stages > 1 needs pp_schedule=interleaved_1f1b (got {schedule})")
+    if schedule == "interleaved_1f1b" and virtual_stages < 2:
+        raise ValueError("pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2")
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_stages = pp * virtual_stages
+    keys = split_layers(model.config.n_layers, n_stages)
+    stage_ids = [rank + k * pp for k in range(virtual_stages)]
+    stages = [PipelineStageModule(model, keys[s], s == 0, s == n_stages - 1) for s in stage_ids]
+    mine = {key for s in stage_ids for key in keys[s]}
+    for key in list(model.layers.keys()):
+        if key not in mine:
+            del model.layers[key]
+    if 0 not in stage_ids:
+        model.embed = None
+    if n_stages - 1 not in stage_ids:
+        model.norm = None
+        model.lm_head = None
+    model.pipeline = PipelineRuntime(model, stages, stage_ids, n_stages, pp_mesh, schedule, torch.device(device))
+    return model
