@@ -12,6 +12,7 @@ allocated: that is the dry run's path.
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import torch
@@ -75,9 +76,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
 def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
     """FSDP's mesh: dp_shard (ZeRO-3), or the 2-D (dp_replicate, dp_shard) mesh for HSDP."""
-    if dims.dp_replicate > 1:
+    if dims.dp_replicate == 1:
+        return mesh["dp_shard"]
+    if dims.ep == 1:  # dp_shard is dp_shard_mod_ep: slice real mesh dims, not a flattened one
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    with warnings.catch_warnings():  # slicing a flattened dim is deprecated; no other way to get the 2-D mesh yet
+        warnings.simplefilter("ignore", UserWarning)
         return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
 
 
 # Ops whose outputs selective checkpointing keeps (the expensive ones to recompute).

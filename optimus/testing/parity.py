@@ -132,13 +132,19 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(model: nn.Module, optimizer, config: Config, steps: int, micro_batches_of, device, dp_mesh,
-           keep_grads: bool) -> RunRecord:
+           keep_grads: bool, checkpoint: "CheckpointPlan | None" = None) -> RunRecord:
     from optimus.optim.build import set_lr
     from optimus.optim.schedule import lr_at
     from optimus.train.step import train_step
 
+    first = 1
+    if checkpoint is not None and checkpoint.load_step is not None:
+        _checkpoint_io(model, optimizer, checkpoint.run_dir, checkpoint.load_step, save=False)
+        first = checkpoint.load_step + 1
     record = RunRecord(losses=[])
     for step, batch in enumerate(global_batches(config, steps), start=1):
+        if step < first:
+            continue
         set_lr(optimizer, lr_at(step - 1, config.train.max_steps, config.optim))
         result = train_step(model, optimizer, micro_batches_of(batch), device=device, dtype=config.train.dtype,
                             grad_clip=config.optim.grad_clip, dp_mesh=dp_mesh)
@@ -148,11 +154,38 @@ def _train(model: nn.Module, optimizer, config: Config, steps: int, micro_batche
             grads = full_gradients(model)  # collective: every rank calls it
             if keep_grads:
                 record.grads = grads
+    if checkpoint is not None and checkpoint.save:
+        _checkpoint_io(model, optimizer, checkpoint.run_dir, steps, save=True)
     return record
 
 
-def run_single_process(config: Config, steps: int) -> RunRecord:
-    """Train `steps` steps in this process (build_model with the config's seed, AdamW, train_step)."""
+@dataclass
+class CheckpointPlan:
+    """Resume from `load_step` in run_dir (None: start fresh) and/or save after the last step."""
+
+    run_dir: str
+    load_step: int | None = None
+    save: bool = False
+
+
+def _checkpoint_io(model: nn.Module, optimizer, run_dir: str, step: int, save: bool) -> None:
+    """Save or load model + optimizer through CheckpointManager (DCP: loading reshards)."""
+    from optimus.checkpoint.manager import CheckpointManager
+    from optimus.train.state import ModelState, OptimizerState
+
+    manager = CheckpointManager(run_dir, keep_last_k=10)
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
+    if save:
+        manager.save(step, state, {"contents": sorted(state)})
+    else:
+        manager.load(step, state)
+
+
+def run_single_process(config: Config, steps: int, checkpoint: CheckpointPlan | None = None) -> RunRecord:
+    """Train `steps` steps in this process (build_model with the config's seed, AdamW, train_step).
+
+    With `checkpoint`, resume from / save to a DCP checkpoint (steps before the loaded one are skipped).
+    """
     from optimus.models.transformer import build_model
     from optimus.optim.build import build_optimizer
 
@@ -160,20 +193,21 @@ def run_single_process(config: Config, steps: int) -> RunRecord:
     model = build_model(config.model, device=device, seed=config.train.seed)
     optimizer = build_optimizer(model, config.optim)
     micro = functools.partial(_whole_batch_micro, config.train.micro_batch_size)
-    return _train(model, optimizer, config, steps, micro, device, None, keep_grads=True)
+    return _train(model, optimizer, config, steps, micro, device, None, keep_grads=True, checkpoint=checkpoint)
 
 
 def _whole_batch_micro(micro_batch_size: int, batch) -> TinyBatch:
     return rank_micro_batches(batch, micro_batch_size)
 
 
-def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int) -> RunRecord:
+def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int,
+                      checkpoint: CheckpointPlan | None = None) -> RunRecord:
     """Train `steps` steps as rank `rank` of a `run_distributed` job, the way the Trainer builds things.
 
     ParallelDims -> build_mesh -> build_parallel_model (build_model + parallelize_model) ->
     build_optimizer -> this rank's dp slice of each global batch -> train_step. Returns dp-averaged
     losses; gradients only on the first rank of each pipeline stage (the others return none, to keep
-    results small; merge them with merge_rank_records).
+    results small; merge them with merge_rank_records). `checkpoint` as in run_single_process.
     """
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
@@ -189,7 +223,8 @@ def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int) ->
     dp_rank, dp_size = mesh.local_rank("dp"), mesh.size("dp")
     micro = functools.partial(_rank_micro, config.train.micro_batch_size, dp_rank, dp_size)
     first_of_stage = all(mesh.local_rank(dim) == 0 for dim in ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
-    return _train(model, optimizer, config, steps, micro, device, mesh["dp"], keep_grads=first_of_stage)
+    return _train(model, optimizer, config, steps, micro, device, mesh["dp"], keep_grads=first_of_stage,
+                  checkpoint=checkpoint)
 
 
 def _rank_micro(micro_batch_size: int, dp_rank: int, dp_size: int, batch) -> TinyBatch:
@@ -228,3 +263,24 @@ def assert_parity(reference: RunRecord, candidate: RunRecord, check_grads: bool 
             worst = (got - want).abs().max().item()
             raise AssertionError(f"{name}: gradient differs from single process by up to {worst:.3e} "
                                  f"(atol {GRAD_ATOL}, rtol {GRAD_RTOL})")
+
+
+_REFERENCE_RUNS: dict[tuple[str, int], RunRecord] = {}
+
+
+def reference_run(config: Config, steps: int) -> RunRecord:
+    """run_single_process, memoised per process on everything but config.parallel (tests share it)."""
+    key = (config.model_copy(update={"parallel": type(config.parallel)()}).model_dump_json(), steps)
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run_single_process(config, steps)
+    return _REFERENCE_RUNS[key]
+
+
+def check_layout(config: Config, world_size: int, steps: int = 5) -> RunRecord:
+    """Train `config`'s layout on `world_size` forked ranks and assert parity with one process."""
+    from optimus.testing.distributed import run_distributed
+
+    reference = reference_run(config, steps)
+    candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps))
+    assert_parity(reference, candidate)
+    return candidate

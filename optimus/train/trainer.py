@@ -14,12 +14,12 @@ from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
 from optimus.data.loader import heldout_batches
 from optimus.models.flops import count_parameters, flops_per_token
-from optimus.models.transformer import Transformer, build_model
+from optimus.models.transformer import Transformer
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
 from optimus.parallel.launch import detect_launch_env, device_for, init_distributed
 from optimus.parallel.mesh import ParallelDims
-from optimus.parallel.parallelize import parallelize_model
+from optimus.parallel.parallelize import build_parallel_model
 from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
 from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
@@ -77,8 +77,7 @@ class Trainer:
             check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
 
         # Initialised whole on every rank with one seed, then split: every layout starts from the same weights.
-        self.model: Transformer = build_model(config.model, device=self.device, seed=config.train.seed)
-        self.model = parallelize_model(self.model, self.dims, self.mesh, config)
+        self.model: Transformer = build_parallel_model(config, self.dims, self.mesh, self.device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.progress = ProgressState()
         self.state = {
@@ -174,6 +173,7 @@ class Trainer:
             device=self.device,
             dtype=cfg.train.dtype,
             grad_clip=cfg.optim.grad_clip,
+            dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
         )
         self.progress.step = step
         self.progress.tokens_seen += result.tokens

@@ -1,0 +1,153 @@
+"""Tensor + sequence parallelism for the decoder, as DTensor plans (parallelize_module).
+
+What is split over the tp mesh, and why:
+- attention: q/k/v column-parallel (each rank owns n_heads/tp query heads and n_kv_heads/tp KV
+  heads), o_proj row-parallel. The model's attention reshapes with -1 heads, so it runs
+  unchanged on its local heads.
+- QK-norm is full-width (one RMS over all heads, as OLMoE/OLMo-2 compute it). Under TP a rank
+  holds only its heads' slice, so `ShardedRMSNorm` replaces q_norm/k_norm: it all-reduces the
+  sum of squares over tp (autograd-aware) and scales its own slice of the weight. That is the
+  exact full-width RMS, and the weight stays one full-width DTensor (checkpoints unchanged).
+- dense MLP: gate/up column-parallel, down row-parallel.
+- MoE blocks stay replicated over tp: their input is gathered, every tp rank computes the same
+  routing and experts (expert parallelism, not TP, is how experts are split).
+- sequence parallel: between blocks the residual stream is split along the sequence; norms run
+  on the local tokens (SequenceParallel), attention/MLP inputs are all-gathered and their
+  outputs reduce-scattered.
+- embedding: vocab-parallel (row-wise), output reduce-scattered to sequence shards.
+- final norm and LM head stay replicated over tp: the fused loss head takes the LM-head weight
+  directly, so the final hidden states are gathered and each tp rank computes the (same) loss.
+  This keeps the loss exactly the single-process one; loss_parallel would save the duplicated
+  vocab matmul and is a later optimisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from optimus.models.layers import RMSNorm
+from optimus.models.moe import MoE
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a process group; the gradient of every rank's input is the sum of output grads."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a feature dimension that is split across the tp ranks (full-width QK-norm).
+
+    Input: this rank's contiguous slice [..., width/tp]. The mean square is taken over the whole
+    width (local sums of squares all-reduced), so the output slice equals the slice of the
+    single-device RMSNorm output. The weight is a DTensor Shard(0) over tp: its full shape and
+    checkpoint key are those of the single-device norm.
+    """
+
+    def __init__(self, norm: RMSNorm, tp_mesh: DeviceMesh):
+        super().__init__()
+        self.eps = norm.eps
+        self.full_width = norm.weight.shape[0]
+        self.group = tp_mesh.get_group()
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        square_sum = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), self.group)
+        normed = x32 * torch.rsqrt(square_sum / self.full_width + self.eps)
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return weight * normed.to(x.dtype)
+
+
+def _attention_plan(sequence_parallel: bool) -> dict:
+    gathered = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "attn": PrepareModuleInput(
+            input_layouts=(gathered, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        ),
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=gathered),
+    }
+
+
+def _dense_mlp_plan(sequence_parallel: bool) -> dict:
+    residual = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+    }
+
+
+def _replicate_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Keep an MoE block whole on every tp rank: gather its tokens in, give back the rank's shard.
+
+    Every tp rank then routes the same tokens through the same experts, so outputs, router
+    statistics and gradients are identical across tp (no reduction needed).
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(moe, tp_mesh, PrepareModuleInput(
+        input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True))
+    if sequence_parallel:
+        # MoE returns (output, RouterStats): only the output tensor is re-split along the sequence.
+        parallelize_module(moe, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None), use_local_output=True))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
+    """Split `model` (a Transformer, or a pipeline stage of one) over `tp_mesh` in place.
+
+    Works on the meta device (dry runs) and on materialised weights: DTensor takes each rank's
+    slice of the full tensor, so every rank must hold the same full weights beforehand.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict = {}
+    if getattr(model, "embed", None) is not None:
+        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        # The loss head needs every token: gather the sequence shards before the final norm.
+        root_plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        plan = _attention_plan(sequence_parallel)
+        if sequence_parallel:
+            norm_style = SequenceParallel(use_local_output=True)
+            plan.update({"attn_norm": norm_style, "mlp_norm": SequenceParallel(use_local_output=True)})
+        if isinstance(block.mlp, MoE):
+            _replicate_moe(block.mlp, tp_mesh, sequence_parallel)
+        else:
+            plan.update(_dense_mlp_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, plan)
+        attn = block.attn
+        if attn.q_norm is not None:
+            attn.q_norm = ShardedRMSNorm(attn.q_norm, tp_mesh)
+            attn.k_norm = ShardedRMSNorm(attn.k_norm, tp_mesh)
+    return model
