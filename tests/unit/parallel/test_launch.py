@@ -1,0 +1,120 @@
+"""Launcher detection from pure environment dicts: torchrun, Slurm, PBS/PALS, PMI, Open MPI, single."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus.parallel.launch import (
+    DEFAULT_PORT,
+    LaunchError,
+    backend_for,
+    detect_launch_env,
+    device_for,
+    first_host,
+)
+
+
+def test_no_launcher_is_one_process():
+    launch = detect_launch_env({})
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (0, 1, 0, 1)
+    assert (launch.master_addr, launch.master_port, launch.launcher) == ("127.0.0.1", DEFAULT_PORT, "single")
+
+
+def test_torchrun_variables():
+    env = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (5, 16, 1, 4)
+    assert (launch.master_addr, launch.master_port, launch.launcher) == ("node0", 1234, "torchrun")
+
+
+def test_standard_names_win_over_scheduler_variables():
+    # torchrun inside an allocation: the scheduler's own variables describe the allocation, not the workers
+    env = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "64"}
+    assert detect_launch_env(env).launcher == "torchrun"
+
+
+def test_slurm_variables_and_master_from_nodelist():
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "8",
+           "SLURM_JOB_NODELIST": "frontier[00012-00013]"}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (9, 16, 1, 8)
+    assert (launch.master_addr, launch.master_port, launch.launcher) == ("frontier00012", DEFAULT_PORT, "slurm")
+
+
+def test_slurm_step_nodelist_and_tasks_per_node_format():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)",
+           "SLURM_STEP_NODELIST": "nid[000101,000200]", "SLURM_JOB_NODELIST": "other1", "MASTER_PORT": "29600"}
+    launch = detect_launch_env(env)
+    assert launch.local_world_size == 8
+    assert (launch.master_addr, launch.master_port) == ("nid000101", 29600)
+
+
+def test_slurm_explicit_master_addr_wins():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a[1-2]", "MASTER_ADDR": "10.0.0.1"}
+    assert detect_launch_env(env).master_addr == "10.0.0.1"
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("nid[001-004,010]", "nid001"),
+    ("nid001", "nid001"),
+    ("gpu7,gpu8", "gpu7"),
+    ("x1000c0s0b0n0", "x1000c0s0b0n0"),
+    ("frontier[00012,00020-00023],login1", "frontier00012"),
+    (" node[3-4] ", "node3"),
+])
+def test_first_host_of_nodelists(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_pals_on_aurora(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x4102c0s0b0n0.hsn.cm.aurora.alcf.anl.gov\nx4102c0s1b0n0.hsn.cm.aurora.alcf.anl.gov\n")
+    env = {"PALS_RANKID": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PALS_LOCAL_SIZE": "12",
+           "PBS_NODEFILE": str(nodefile)}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (13, 24, 1, 12)
+    assert launch.master_addr == "x4102c0s0b0n0.hsn.cm.aurora.alcf.anl.gov"
+    assert launch.launcher == "pals"
+
+
+def test_pals_without_world_size_says_how_to_launch():
+    with pytest.raises(LaunchError, match="mpiexec -n"):
+        detect_launch_env({"PALS_RANKID": "0"})
+
+
+def test_pmi_mpich_and_intel_mpi():
+    env = {"PMI_RANK": "3", "PMI_SIZE": "8", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4", "MASTER_ADDR": "h0"}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (3, 8, 3, 4)
+    assert (launch.master_addr, launch.launcher) == ("h0", "pmi")
+
+
+def test_pmi_without_nodefile_or_master_falls_back_to_localhost():
+    launch = detect_launch_env({"PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert launch.master_addr == "127.0.0.1"
+
+
+def test_openmpi_variables(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("\nhostA\nhostB\n")
+    env = {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PBS_NODEFILE": str(nodefile)}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (6, 8, 2, 4)
+    assert (launch.master_addr, launch.launcher) == ("hostA", "openmpi")
+
+
+def test_non_integer_rank_is_a_launch_error():
+    with pytest.raises(LaunchError, match="not an integer"):
+        detect_launch_env({"RANK": "zero", "WORLD_SIZE": "2"})
+
+
+def test_device_and_backend_choice():
+    assert device_for(3, "cpu") == torch.device("cpu")
+    assert device_for(3, "cuda") == torch.device("cuda", 3)
+    assert device_for(0, "xpu") == torch.device("xpu", 0)
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    assert backend_for(torch.device("xpu", 0)) == "xccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
