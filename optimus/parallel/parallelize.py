@@ -39,7 +39,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     train = config.train
     parallel = mesh is not None and dims.is_parallel
 
-    # 1. pipeline split (pipeline.py: apply_pipeline) -- slot for the PP helper.
+    # 1. pipeline split: this rank keeps its stages' blocks; the stages' runtime is model.pipeline
+    pipeline = None
+    if parallel and dims.pp > 1:
+        from optimus.parallel.pipeline import apply_pipeline
+
+        apply_pipeline(model, mesh["pp"], config.parallel.pp_schedule, config.parallel.pp_virtual_stages)
+        pipeline = model.pipeline
 
     # 2. tensor + sequence parallel
     if parallel and dims.tp > 1:
@@ -47,7 +53,11 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True)
 
-    # 3. expert parallel (expert_parallel.py: apply_expert_parallel) -- slot for the EP helper.
+    # 3. expert parallel: experts split over mesh["ep"], tokens dispatched to their experts' ranks
+    if parallel and dims.ep > 1:
+        from optimus.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh["ep"], config.parallel.ep_dispatch)
 
     # 4. activation checkpointing
     if train.activation_checkpointing != "none":
@@ -57,6 +67,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     if train.compile:
         for block in model.layers.values():
             block.compile()
+    if pipeline is not None:  # the stages must run the wrapped blocks
+        pipeline.refresh_layers(model)
 
     # 6. FSDP (ZeRO-3 / HSDP). Applied whenever there is more than one rank, even with
     # dp_shard == 1: it makes every parameter a DTensor (optimizers and norms refuse a mix of
@@ -67,10 +79,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
         experts_mesh = None
         if dims.ep > 1:
             experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
-        apply_fsdp(
-            model, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
-            experts_gradient_divide_factor=dims.dp if dims.ep > 1 else None,
-        )
+        # under pp the schedule calls the stage modules, never model: they are FSDP's roots
+        for root in pipeline.stages if pipeline is not None else [model]:
+            apply_fsdp(
+                root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
+                experts_gradient_divide_factor=dims.dp if dims.ep > 1 else None,
+            )
     return model
 
 

@@ -109,6 +109,12 @@ class PipelineRuntime:
         self._schedules: dict[int, object] = {}
         self._n_microbatches = 1
 
+    def refresh_layers(self, model: Transformer) -> None:
+        """Point the stages at model.layers' current blocks (after activation checkpointing wrapped them)."""
+        for stage in self.stages:
+            for key in list(stage.layers.keys()):
+                stage.layers[key] = model.layers[key]
+
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # one micro-batch's mean cross-entropy, pre-divided by n: gradients accumulate to the batch mean
         ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -170,11 +176,13 @@ def get_pipeline(model: nn.Module) -> PipelineRuntime | None:
 
 
 def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1b", virtual_stages: int = 1,
-                   device: torch.device | str = "cpu") -> Transformer:
+                   device: torch.device | str | None = None) -> Transformer:
     """Keep only this pp rank's stages in `model` (in place) and attach their runtime as model.pipeline.
 
     pp_mesh is mesh["pp"]. gpipe and 1f1b take one stage per rank; interleaved_1f1b takes
-    `virtual_stages` >= 2 per rank. Apply first, before tp, ep, activation checkpointing, compile, fsdp.
+    `virtual_stages` >= 2 per rank. Apply first, before tp, ep, activation checkpointing, compile, fsdp;
+    after activation checkpointing call `model.pipeline.refresh_layers(model)`, and give FSDP the stage
+    modules (`model.pipeline.stages`) as roots: the schedule calls their forward, never model's.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}, got '{schedule}'")
@@ -182,6 +190,7 @@ def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1
         raise ValueError(f"parallel.pp_virtual_stages > 1 needs pp_schedule=interleaved_1f1b (got {schedule})")
     if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise ValueError("pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * virtual_stages
     keys = split_layers(model.config.n_layers, n_stages)
@@ -196,5 +205,5 @@ def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1
     if n_stages - 1 not in stage_ids:
         model.norm = None
         model.lm_head = None
-    model.pipeline = PipelineRuntime(model, stages, stage_ids, n_stages, pp_mesh, schedule, torch.device(device))
+    model.pipeline = PipelineRuntime(model, stages, stage_ids, n_stages, pp_mesh, schedule, device)
     return model

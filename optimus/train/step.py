@@ -16,6 +16,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from optimus.parallel.pipeline import get_pipeline
+
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -136,9 +138,16 @@ def train_step(
     counts summed over the data-parallel ranks, so every rank reports the global batch's numbers.
     """
     optimizer.zero_grad(set_to_none=True)
-    sums = forward_backward(model, micro_batches, device, dtype)
+    # --- pipeline parallel path (optimus.parallel.pipeline): the schedule runs forward + backward ---
+    pipeline = get_pipeline(model)
+    if pipeline is not None:
+        sums = pipeline.forward_backward(micro_batches, device, autocast_context(device, dtype))
+    else:
+        sums = forward_backward(model, micro_batches, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = clip_gradients(params, grad_clip)
+    # each pp rank holds other parameters: the norm sums over the stages
+    grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
+    # --- end pipeline parallel path ---
     skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)

@@ -64,3 +64,20 @@ def test_split_layers():
     assert split_layers(5, 4) == [["0", "1"], ["2"], ["3"], ["4"]]
     with pytest.raises(ValueError):
         split_layers(2, 4)
+
+
+# --- whole training runs through the Trainer's code path (parity.py: 5 steps of losses, step-1 grads) ---
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pp_layout_matches_one_process(moe, schedule, virtual):
+    from optimus.testing.parity import check_layout, tiny_config
+
+    parallel = dict(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual)
+    check_layout(tiny_config(moe=moe, model={"n_layers": 4}, parallel=parallel), world_size=2)
+
+
+def test_pp_2_ep_2_layout_matches_one_process():
+    from optimus.testing.parity import check_layout, tiny_config
+
+    parallel = dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")
+    check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4)
