@@ -74,12 +74,13 @@ class PipelineStageModule(nn.Module):
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
         self.loss_scale = 1.0  # 1 / micro-batches of the current step, set by the runtime
+        self.seq_len: int | None = None  # full sequence length (a later stage may get sequence shards under SP)
         self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (aux, z, counts) per micro-batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
         cfg = self.config
-        cos, sin = rotary_cos_sin(h.shape[1], cfg.head_dim, cfg.rope_theta, h.device, h.dtype)
+        cos, sin = rotary_cos_sin(self.seq_len or h.shape[1], cfg.head_dim, cfg.rope_theta, h.device, h.dtype)
         stats = []
         for block in self.layers.values():
             h, layer_stats = block(h, cos, sin)
@@ -139,7 +140,7 @@ class PipelineRuntime:
         n = len(micro_batches)
         self._n_microbatches = n
         for stage in self.stages:
-            stage.loss_scale, stage.records = 1.0 / n, []
+            stage.loss_scale, stage.records, stage.seq_len = 1.0 / n, [], micro_batches[0][0].shape[1]
         inputs = torch.cat([mb[0] for mb in micro_batches]).to(device)
         labels = torch.cat([mb[1] for mb in micro_batches]).to(device)
         losses: list[torch.Tensor] = []

@@ -81,3 +81,11 @@ def test_pp_2_ep_2_layout_matches_one_process():
 
     parallel = dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4)
+
+
+@pytest.mark.parametrize("moe,schedule,virtual", [(False, "1f1b", 1), (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
+def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
+    from optimus.testing.parity import check_layout, tiny_config
+
+    parallel = dict(pp=2, tp=2, pp_schedule=schedule, pp_virtual_stages=virtual)
+    check_layout(tiny_config(moe=moe, model={"n_layers": 4}, parallel=parallel), world_size=4)
