@@ -149,6 +149,37 @@ class PipelineRuntime:
             self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False)
         return self._gather_terms(losses, n)
 
+    @torch.no_grad()
+    def evaluate_loss(self, batches, device: torch.device, autocast) -> float:
+        """Token-weighted mean cross-entropy over (inputs, labels) batches, forward only, on every pp rank.
+
+        Hidden states go from stage to stage with plain send/recv (a small header first: their shape
+        differs under sequence parallelism), one batch at a time: evaluation is rare, simplicity wins.
+        """
+        group, pp = self.pp_mesh.get_group(), self.pp_mesh.size()
+        owner = {sid: sid % pp for sid in range(self.n_stages)}  # the loop order of apply_pipeline
+        modules = dict(zip(self.stage_ids, self.stages))
+        total = torch.zeros(2, dtype=torch.float64)  # nats, tokens
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(device), labels.to(device)
+            h = None
+            for sid in range(self.n_stages):
+                if sid not in modules:
+                    continue
+                if sid > 0 and owner[sid - 1] != owner[sid]:
+                    h = _recv_tensor(dist.get_global_rank(group, owner[sid - 1]), group, device)
+                module = modules[sid]
+                module.seq_len = inputs.shape[1]
+                with autocast:
+                    h = module(inputs if sid == 0 else h)
+                if sid < self.n_stages - 1 and owner[sid + 1] != owner[sid]:
+                    _send_tensor(h, dist.get_global_rank(group, owner[sid + 1]), group)
+            if self.has_last:
+                ce = F.cross_entropy(h.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+                total += torch.tensor([ce.item() * labels.numel(), labels.numel()], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        return (total[0] / total[1].clamp(min=1)).item()
+
     def _gather_terms(self, losses: list[torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         cfg = self.config
         # packed: [ce, aux, z, counts of every layer (zeros for layers on other stages)]
@@ -169,6 +200,28 @@ class PipelineRuntime:
             sums.update(loss=ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z, aux_loss=aux, z_loss=z)
             sums["expert_counts"] = packed[3:].view(cfg.n_layers, cfg.n_experts).round().long()
         return sums
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _send_tensor(x: torch.Tensor, dst: int, group) -> None:
+    header = torch.zeros(8, dtype=torch.int64)  # dtype index, ndim, shape (ndim <= 6)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape)
+    header = header.to(x.device)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def _recv_tensor(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    header = header.cpu()
+    shape = header[2 : 2 + int(header[1])].tolist()
+    x = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
+    dist.recv(x, src, group=group)
+    return x
 
 
 def get_pipeline(model: nn.Module) -> PipelineRuntime | None:

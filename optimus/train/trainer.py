@@ -14,17 +14,18 @@ from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
 from optimus.data.loader import heldout_batches
 from optimus.models.flops import count_parameters, flops_per_token
-from optimus.models.transformer import Transformer
+from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
 from optimus.parallel.launch import detect_launch_env, device_for, init_distributed
 from optimus.parallel.mesh import ParallelDims
+from optimus.parallel.pipeline import get_pipeline
 from optimus.parallel.parallelize import build_parallel_model
 from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
 from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
-from optimus.train.step import train_step
+from optimus.train.step import autocast_context, train_step
 
 # Model fields that do not change the weights' meaning: a checkpoint may be resumed across them.
 _MODEL_FIELDS_FREE_TO_CHANGE = {"preset", "moe_impl", "aux_loss_coef", "z_loss_coef", "init_std"}
@@ -87,7 +88,8 @@ class Trainer:
             "loader": LoaderState(self.data.loader),
             "rng": RNGState(),
         }
-        params = count_parameters(self.model, config.model)
+        # the whole model's count (on meta, free): under PP this rank's model holds only its stages
+        params = count_parameters(build_model(config.model, device="meta"), config.model)
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
         peak, self.peak_source = device_peak_flops(self.device, torch.bfloat16 if config.train.dtype == "bf16" else torch.float32)
         self.throughput = Throughput(self.flops_per_token, peak)
@@ -132,6 +134,9 @@ class Trainer:
         batches = self.heldout()
         if not batches:
             return None
+        pipeline = get_pipeline(self.model)  # PP: each rank holds only its stages' layers
+        if pipeline is not None:
+            return pipeline.evaluate_loss(batches, self.device, autocast_context(self.device, self.config.train.dtype))
         return evaluate(self.model, batches, self.device, self.config.train.dtype).loss
 
     def fit(self) -> TrainSummary:

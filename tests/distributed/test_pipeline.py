@@ -13,6 +13,7 @@ from optimus.models.config import ModelConfig
 from optimus.models.transformer import build_model
 from optimus.parallel.pipeline import apply_pipeline, split_layers
 from optimus.testing.distributed import run_distributed
+from optimus.train.evaluate import evaluate
 from optimus.train.step import forward_backward
 
 pytestmark = pytest.mark.distributed
@@ -51,6 +52,11 @@ def _check_step(rank: int, world: int, moe: bool, schedule: str, virtual: int) -
     assert names and set(names) < set(want_grads)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=name)
+    # forward-only evaluation through the stages (the Trainer's held-out loss under PP)
+    heldout = _micro_batches(3, cfg.vocab_size)
+    want_eval = evaluate(reference, heldout, torch.device("cpu")).loss
+    got_eval = model.pipeline.evaluate_loss(heldout, torch.device("cpu"), contextlib.nullcontext())
+    assert abs(got_eval - want_eval) <= 1e-5 * abs(want_eval), (got_eval, want_eval)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
