@@ -37,6 +37,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         import yaml
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        if args.world_size is not None:
+            from optimus.parallel.dry_run import dry_run, format_report
+
+            if args.world_size < 1:
+                raise UsageError("--world-size must be at least 1")
+            print()
+            print(format_report(dry_run(config, args.world_size, args.device_memory_gb)))
         return 0
     from optimus.train.trainer import Trainer
 
@@ -233,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = verbs.add_parser("train", help="train (or resume) a run from a YAML config; --section.key=value overrides")
     train.add_argument("config", help="YAML config, e.g. configs/mula-tiny-moe.yaml")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--world-size", type=int, default=None,
+                       help="with --dry-run: also apply the layout for a job of N ranks (meta device, fake process "
+                            "group) and print each rank's memory")
+    train.add_argument("--device-memory-gb", type=float, default=64.0,
+                       help="with --dry-run --world-size: device memory to compare against (default 64)")
     train.add_argument("--no-progress", action="store_true", help="no live progress bar")
     train.set_defaults(func=cmd_train, takes_overrides=True)
 

@@ -15,10 +15,13 @@ device is worth more than the small extra rounding compared with fp32 params + a
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from optimus.models.moe import MoE
 
@@ -28,6 +31,16 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
     if dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def _expert_shard_dim(shard_ranks: int, param: torch.Tensor) -> Shard:
+    """Shard expert weights along the expert dim when it divides evenly, else along d_model.
+
+    FSDP pads uneven shards: 8 experts per ep rank over 32 FSDP ranks would be padded to one
+    expert per rank, 4x the memory. Dim 1 ([E, D, 2F] and [E, F, D]) divides for real models.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return Shard(0) if local.shape[0] % shard_ranks == 0 else Shard(1)
 
 
 def apply_fsdp(
@@ -54,7 +67,8 @@ def apply_fsdp(
     for index, block in enumerate(blocks):
         moe = getattr(block, "mlp", None)
         if experts_mesh is not None and isinstance(moe, MoE):
-            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=partial(_expert_shard_dim, experts_mesh.size()))
             if experts_gradient_divide_factor is not None:
                 moe.experts.set_gradient_divide_factor(float(experts_gradient_divide_factor))
         # The last block's weights are needed again at once by backward: keep them gathered.

@@ -231,6 +231,19 @@ def _rank_micro(micro_batch_size: int, dp_rank: int, dp_size: int, batch) -> Tin
     return rank_micro_batches(batch, micro_batch_size, dp_rank, dp_size)
 
 
+rank_micro_batches_of = _rank_micro  # partial(rank_micro_batches_of, mb, dp_rank, dp_size)(batch)
+
+
+def train_model(model: nn.Module, optimizer, config: Config, steps: int, micro_batches_of, dp_mesh=None,
+                keep_grads: bool = True, checkpoint: CheckpointPlan | None = None) -> RunRecord:
+    """The parity training loop for a model built by hand (e.g. to test one apply_* function alone).
+
+    micro_batches_of(global_batch) gives this rank's micro-batches; dp_mesh averages the losses.
+    """
+    return _train(model, optimizer, config, steps, micro_batches_of, torch.device("cpu"), dp_mesh, keep_grads,
+                  checkpoint)
+
+
 def merge_rank_records(records: list[RunRecord]) -> RunRecord:
     """One record from every rank's: rank 0's losses, the union of the gradients (pipeline stages)."""
     merged = RunRecord(losses=records[0].losses, grad_norms=records[0].grad_norms)

@@ -24,3 +24,33 @@ def test_hsdp_replicate_2_shard_2_matches_one_process():
 def test_fsdp_moe_with_full_activation_checkpointing_matches_one_process():
     config = tiny_config(moe=True, parallel=dict(dp_shard=2), train=dict(activation_checkpointing="full"))
     check_layout(config, world_size=2)
+
+
+def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
+    import functools
+
+    import torch
+
+    from optimus.models.transformer import build_model
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.data_parallel import apply_fsdp
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.testing import parity
+
+    mesh = ParallelDims(dp_shard=world, world_size=world).build_mesh("cpu")
+    model = build_model(config.model, "cpu", seed=config.train.seed)
+    apply_fsdp(model, mesh["dp_shard"], experts_mesh=mesh["dp_shard"])
+    # 6 experts over 4 ranks do not divide: expert weights are sharded along d_model instead
+    assert model.layers["0"].mlp.experts.w_gate_up.placements[0].dim == 1
+    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, rank, world)
+    return parity.train_model(model, build_optimizer(model, config.optim), config, 5, micro, mesh["dp"],
+                              keep_grads=rank == 0)
+
+
+def test_fsdp_experts_group_sharded_along_d_model_matches_one_process():
+    from optimus.testing.distributed import run_distributed
+    from optimus.testing.parity import assert_parity, merge_rank_records, reference_run
+
+    config = tiny_config(moe=True, model=dict(n_experts=6))
+    results = run_distributed(_train_with_experts_in_their_own_fsdp_group, 4, config)
+    assert_parity(reference_run(config, 5), merge_rank_records(results))

@@ -1,0 +1,73 @@
+"""Dry run at scale: the Mula presets at the Optimus paper's layouts give plausible per-rank figures,
+quickly, and the CLI prints the table."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from optimus.config import build_config
+from optimus.parallel.dry_run import activation_bytes, dry_run, format_report
+from optimus.parallel.mesh import ParallelDims
+
+TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
+
+PAPER_LAYOUTS = [
+    ("mula-1b", dict(dp_shard=384), 384),
+    ("mula-20b-a2b", dict(dp_shard=384, ep=12), 384),
+    ("mula-100b-a7b", dict(dp_shard=96, ep=12, pp=4), 384),
+    ("mula-220b-a10b", dict(dp_shard=384, ep=12, pp=8), 3072),
+]
+
+
+@pytest.mark.parametrize("preset, parallel, world", PAPER_LAYOUTS)
+def test_paper_layouts_give_plausible_per_rank_memory(preset, parallel, world):
+    config = build_config({"model": {"preset": preset}, "parallel": parallel, "train": TRAIN})
+    start = time.monotonic()
+    report = dry_run(config, world, device_memory_gb=64)
+    assert time.monotonic() - start < 20
+    fair_share = report.total_parameters / world
+    for rank in report.ranks:
+        # each rank holds at least its fair share and, with shard padding, not much more
+        assert fair_share <= rank.parameters <= 2 * fair_share + 2e7, (rank.parameters, fair_share)
+        assert rank.bytes["optimizer (AdamW, 2 x fp32)"] == 2 * rank.bytes["parameters (fp32)"]
+        assert 0 < rank.total < 64 * 1024**3
+    assert len(report.ranks) == (2 if parallel.get("pp", 1) > 1 else 1)
+    table = format_report(report)
+    assert "total" in table and "fits" in table
+
+
+def test_pipeline_stages_hold_their_share_of_layers():
+    config = build_config({"model": {"preset": "mula-100b-a7b"}, "parallel": dict(dp_shard=96, ep=12, pp=4),
+                           "train": TRAIN})
+    report = dry_run(config, 384)
+    assert [r.layers for r in report.ranks] == [12, 12]
+    assert [r.in_flight for r in report.ranks] == [4, 1]  # 1F1B: the first stage holds pp micro-batches
+
+
+def test_activation_estimate_orders_checkpointing_modes():
+    dims = ParallelDims(world_size=1)
+    sizes = {}
+    for mode in ("none", "selective", "full"):
+        config = build_config({"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": mode}})
+        sizes[mode] = activation_bytes(config, dims, layers=16, has_loss_head=False)
+    assert sizes["full"] < sizes["selective"] < sizes["none"]
+
+
+def test_tensor_parallel_splits_activations():
+    config = build_config({"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": "none"}})
+    one = activation_bytes(config, ParallelDims(world_size=1), 16, False)
+    two = activation_bytes(config, ParallelDims(tp=2, world_size=2), 16, False)
+    assert 0.5 * one < two < one
+
+
+def test_cli_dry_run_with_world_size_prints_config_and_table(capsys):
+    from optimus.cli import main
+
+    code = main(["train", "configs/mula-tiny-moe.yaml", "--dry-run", "--world-size", "8",
+                 "--parallel.dp_shard=4", "--parallel.tp=2", "--parallel.ep=2", "--device-memory-gb", "16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "preset: mula-tiny-moe" in out  # the resolved config still comes first
+    assert "dry run: mula-tiny-moe" in out and "vs 16 GiB device" in out
