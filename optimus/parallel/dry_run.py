@@ -214,8 +214,8 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
         per_ep_rank = config.model.n_experts // dims.ep
         notes.append(f"experts: {per_ep_rank} per ep rank, then FSDP-sharded over dp_shard_mod_ep ({dims.dp_shard_mod_ep})")
         if per_ep_rank % dims.dp_shard_mod_ep:
-            notes.append(f"FSDP shards experts along the expert dim: {per_ep_rank} experts over {dims.dp_shard_mod_ep} "
-                         f"ranks are padded to {-(-per_ep_rank // dims.dp_shard_mod_ep)} per rank (counted above)")
+            notes.append(f"{per_ep_rank} experts do not divide over {dims.dp_shard_mod_ep} FSDP ranks: expert weights "
+                         f"are sharded along d_model instead (no padding)")
     return DryRunReport(config, dims, device_memory_gb, ranks, total, notes)
 
 

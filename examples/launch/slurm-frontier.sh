@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Optimus on OLCF Frontier: Slurm + srun, 4x MI250X per node = 8 GCDs (8 ranks) per node, RCCL over
+# Slingshot (hsn0-3) through the aws-ofi-rccl libfabric plugin.
+#
+#   sbatch -A <project> -N 48 examples/launch/slurm-frontier.sh configs/mula-20b-a2b.yaml \
+#       --parallel.dp_shard=384 --parallel.ep=12
+#
+# Ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (optimus.parallel.launch); the
+# rendezvous host is the first node of SLURM_JOB_NODELIST unless MASTER_ADDR is set (it is, below).
+# Check the layout first, on a login node:  optimus train CONFIG ... --dry-run --world-size $((N*8))
+#SBATCH -J optimus
+#SBATCH -t 02:00:00
+#SBATCH -N 2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=7
+#SBATCH -o logs/%x-%j.out
+set -euo pipefail
+
+CONFIG=${1:?usage: sbatch slurm-frontier.sh CONFIG [--section.key=value ...]}
+shift
+
+# --- software: ROCm PyTorch in a venv or conda env of your own (module versions change; see the OLCF guide)
+module load PrgEnv-gnu
+module load rocm
+# source /path/to/venv/bin/activate
+# The aws-ofi-rccl plugin lets RCCL use libfabric/CXI (Slingshot); without it RCCL falls back to TCP sockets.
+# export LD_LIBRARY_PATH=/path/to/aws-ofi-rccl/lib:$LD_LIBRARY_PATH
+
+# --- rendezvous: the first node of the allocation
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=${MASTER_PORT:-29500}
+
+# --- RCCL / libfabric on Slingshot
+export NCCL_SOCKET_IFNAME=hsn0          # bootstrap interface: the high-speed network, not the management one
+export NCCL_CROSS_NIC=1                 # allow rings to cross the node's four NICs
+export NCCL_NET_GDR_LEVEL=3             # GPU-direct RDMA between GCDs and NICs
+export FI_CXI_ATS=0                     # required for RCCL over CXI on Frontier
+export FI_MR_CACHE_MONITOR=userfaultfd  # libfabric memory-registration cache that is safe with ROCm
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_CXI_DEFAULT_CQ_SIZE=131072
+export HSA_FORCE_FINE_GRAIN_PCIE=1
+
+# --- MIOpen keeps a per-user kernel database; on a shared home it locks and slows start-up: use node-local disk
+export MIOPEN_USER_DB_PATH=/tmp/miopen-cache-$USER-$SLURM_JOB_ID
+export MIOPEN_CUSTOM_CACHE_DIR=$MIOPEN_USER_DB_PATH
+srun --ntasks-per-node=1 mkdir -p "$MIOPEN_USER_DB_PATH"
+
+# --- compile caches on node-local disk too
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$USER-$SLURM_JOB_ID
+export OMP_NUM_THREADS=7
+
+# All 8 GCDs stay visible to every task: Optimus picks cuda:$SLURM_LOCALID itself, so do not bind one
+# GPU per task (--gpus-per-task=1 would renumber each task's GPU to 0).
+srun -N "$SLURM_JOB_NUM_NODES" --ntasks-per-node=8 --cpus-per-task=7 --cpu-bind=cores \
+  python -m optimus train "$CONFIG" "$@"
