@@ -181,7 +181,7 @@ class Trainer:
             dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
         )
         self.progress.step = step
-        self.progress.tokens_seen += result.tokens
+        self.progress.tokens_seen += result.tokens * self.dims.dp  # result.tokens: this data-parallel rank's share
         self.throughput.add(result.tokens)
         if step % cfg.train.log_every and step != cfg.train.max_steps:
             return
