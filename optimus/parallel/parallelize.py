@@ -4,10 +4,12 @@ Order (as torchtitan): pipeline split -> tensor parallel -> expert parallel -> a
 checkpointing -> torch.compile -> FSDP. Each step is a function taking the model and the mesh;
 each is one clearly separated call below.
 
-Every parallel layout starts from the weights one process would have: `build_parallel_model`
-builds the whole model with the run's seed on every rank and only then splits it (DTensor and
-FSDP keep each rank's slice of the identical full tensors). With device "meta" nothing is
-allocated: that is the dry run's path.
+Every parallel layout starts from the weights one process would have (`build_parallel_model`):
+the model is built on the meta device and parallelized there, each rank allocates only its own
+shards, and global rank 0 builds the full seeded model in host memory and broadcasts it, each
+rank keeping its slice (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`).
+No device ever holds the whole model; rank 0's host must (a 20B model: 80 GB of host memory).
+With device "meta" nothing is allocated: that is the dry run's path.
 """
 
 from __future__ import annotations
@@ -24,11 +26,49 @@ from optimus.parallel.mesh import ParallelDims, ParallelMesh
 
 def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh | None,
                          device: torch.device | str) -> nn.Module:
-    """build_model (seeded, or on the meta device) then parallelize_model: the Trainer's path."""
+    """The Trainer's model: built, parallelized, and holding the single-process initial weights.
+
+    One process (and, for now, pipeline parallel): build_model on `device` with the run's seed, then
+    parallelize_model. Other parallel layouts: meta build ->
+    parallelize_model -> allocate local shards -> rank 0's full seeded weights broadcast into them.
+    device "meta": meta build -> parallelize_model, nothing allocated (dry runs).
+    """
     from optimus.models.transformer import build_model
 
-    model = build_model(config.model, device=device, seed=None if str(device) == "meta" else config.train.seed)
-    return parallelize_model(model, dims, mesh, config)
+    if str(device) == "meta":
+        return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
+    if mesh is None or not dims.is_parallel or dims.pp > 1:
+        # pp > 1: the pipeline stages take their device when they are built, so they must not be built on
+        # meta; until pipeline.py supports that, every rank builds the whole seeded model and splits it.
+        return parallelize_model(build_model(config.model, device=device, seed=config.train.seed), dims, mesh, config)
+    model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
+    model.to_empty(device=device)
+    load_initial_weights(model, config)
+    return model
+
+
+def load_initial_weights(model: nn.Module, config: Config) -> None:
+    """Fill a parallelized, allocated model with the weights build_model(seed) gives one process.
+
+    Global rank 0 builds them on the CPU; every tensor is broadcast and each rank keeps its shard.
+    Raises if a parameter of this rank has no initial value (the names must be the single-process ones).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from optimus.models.transformer import build_model
+
+    full = {}
+    if dist.get_rank() == 0:
+        full = build_model(config.model, device="cpu", seed=config.train.seed).state_dict()
+    names = [sorted(full)]
+    dist.broadcast_object_list(names, src=0)
+    missing = set(get_model_state_dict(model)) - set(names[0])
+    if missing:
+        raise RuntimeError(f"no initial weights for {sorted(missing)[:5]}: parallel names must match build_model's")
+    # strict=False: a pipeline stage holds only its own layers; the check above covers the rest
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, full, options=options)
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, config: Config) -> nn.Module:
@@ -83,7 +123,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
         for root in pipeline.stages if pipeline is not None else [model]:
             apply_fsdp(
                 root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
-                experts_gradient_divide_factor=dims.dp if dims.ep > 1 else None,
+                # expert_parallel scales expert grads by 1/ep itself: plain averaging over dp_mod_ep
+                # is then exact (a divide factor needs PREMUL_SUM, which gloo lacks)
+                experts_gradient_divide_factor=None,
             )
     return model
 

@@ -77,7 +77,7 @@ class Trainer:
         if self.resume_step is not None:
             check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
 
-        # Initialised whole on every rank with one seed, then split: every layout starts from the same weights.
+        # Every layout starts from the weights one process would have (see build_parallel_model).
         self.model: Transformer = build_parallel_model(config, self.dims, self.mesh, self.device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.progress = ProgressState()
