@@ -12,11 +12,12 @@ returns the rows in the caller's order. Two dispatch styles, both dropless and d
   * "allgather" (Optimus): all-gather every rank's rows and counts, compute the local experts' rows,
     reduce-scatter the results back to their owners (robust where all-to-all is not).
 
-Gradient convention (as torchtitan): an expert's weight gradient receives the tokens of every EP
-rank through the dispatch, i.e. it is the *sum* of the ep ranks' local-batch gradients. Whoever
-synchronises gradients must divide expert gradients by the full data-parallel degree (dp = ep x
-dp_mod_ep) while reducing them over mesh["dp_mod_ep"] only; `apply_fsdp(experts_gradient_divide_factor=
-dims.dp)` does exactly that. Non-expert weights are averaged over mesh["dp"] as usual.
+Gradient convention: an expert's weight gradient receives the tokens of every EP rank through the
+dispatch, i.e. the sum of ep ranks' local-batch gradients. We scale it by 1/ep inside the forward
+(`_ScaleGrad`), so that afterwards *every* parameter's gradient is this rank's share, to be averaged
+over the ranks that replicate it: non-expert weights over mesh["dp"], expert weights over
+mesh["dp_mod_ep"] -- plain FSDP/DDP averaging. (torchtitan instead leaves the sum and sets FSDP's
+gradient divide factor to dp; that needs ReduceOp.PREMUL_SUM, which gloo lacks.)
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class _ReduceScatterRows(torch.autograd.Function):
         return out, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def segment_starts(counts: torch.Tensor) -> torch.Tensor:
     """Exclusive prefix sum: the first row of each segment, same shape as counts."""
     flat = counts.reshape(-1)
@@ -123,7 +137,7 @@ class ExpertParallelExperts(nn.Module):
     def _local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         # DTensor Shard(0) over ep -> this rank's experts (plain already when FSDP has unsharded them)
         local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate_up, self.w_down)]
-        return local[0], local[1]
+        return _ScaleGrad.apply(local[0], 1.0 / self.ep), _ScaleGrad.apply(local[1], 1.0 / self.ep)
 
     def _compute(self, rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         w_gate_up, w_down = self._local_weights()

@@ -68,8 +68,8 @@ def _check_layer(rank: int, world: int, dispatch: str) -> dict:
         for name in ("w_gate_up", "w_down"):
             local_grad = getattr(parallel.experts, name).grad.to_local()
             full_grad = getattr(reference.experts, name).grad[rank * n_local : (rank + 1) * n_local]
-            # the sum over every EP rank's tokens (the dp layer divides by the dp degree)
-            torch.testing.assert_close(local_grad, full_grad, **TOL)
+            # every rank holds its 1/ep share, averaged later over the expert replicas (dp_mod_ep)
+            torch.testing.assert_close(local_grad * world, full_grad, **TOL)
         seen[routing] = stats.expert_counts.tolist()
     return seen
 
@@ -91,3 +91,11 @@ def test_ep_layout_matches_one_process(world, dispatch):
 
     config = tiny_config(moe=True, model={"n_layers": 4}, parallel=dict(dp_shard=world, ep=world, ep_dispatch=dispatch))
     check_layout(config, world_size=world)
+
+
+def test_ep_2_within_dp_shard_4_layout_matches_one_process():
+    """dp_shard_mod_ep = 2: each expert shard has a replica that FSDP averages with (1/ep scaling)."""
+    from optimus.testing.parity import check_layout, tiny_config
+
+    config = tiny_config(moe=True, model={"n_layers": 4}, parallel=dict(dp_shard=4, ep=2))
+    check_layout(config, world_size=4)
