@@ -23,8 +23,11 @@ What is split over the tp mesh, and why:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -39,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 
 from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
+from optimus.ops.cross_entropy import IGNORE_INDEX
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -120,6 +124,32 @@ def _replicate_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool)
             output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None), use_local_output=True))
 
 
+def _pad_sequence_to_tp_multiple(forward, tp: int):
+    """Wrap Transformer.forward so any sequence length works under sequence parallelism.
+
+    Sequence shards must be equal (gloo has no uneven reduce-scatter). Training lengths divide tp;
+    a prompt in generation may not. Right-padding is exact for a causal model: no position
+    attends to a later one; padded labels are ignored by the loss (MoE router statistics would
+    count the padded tokens, which only matters for losses of uneven lengths).
+    """
+
+    @functools.wraps(forward)
+    def padded_forward(input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        seq = input_ids.shape[1]
+        pad = -seq % tp
+        if pad == 0:
+            return forward(input_ids, labels)
+        input_ids = F.pad(input_ids, (0, pad))
+        if labels is not None:
+            labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
+        out = forward(input_ids, labels)
+        if out.logits is not None:
+            out.logits = out.logits[:, :seq]
+        return out
+
+    return padded_forward
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
     """Split `model` (a Transformer, or a pipeline stage of one) over `tp_mesh` in place.
 
@@ -136,6 +166,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                                                use_local_output=True)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+    if sequence_parallel and getattr(model, "embed", None) is not None:
+        model.forward = _pad_sequence_to_tp_multiple(model.forward, tp_mesh.size())
     for block in model.layers.values():
         plan = _attention_plan(sequence_parallel)
         if sequence_parallel:

@@ -29,8 +29,6 @@ def test_fsdp_moe_with_full_activation_checkpointing_matches_one_process():
 def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
     import functools
 
-    import torch
-
     from optimus.models.transformer import build_model
     from optimus.optim.build import build_optimizer
     from optimus.parallel.data_parallel import apply_fsdp

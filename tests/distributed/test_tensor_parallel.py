@@ -52,3 +52,24 @@ def _sharded_norm_matches_full_width(rank: int, world: int) -> float:
 
 def test_sharded_rms_norm_is_the_full_width_norm():
     run_distributed(_sharded_norm_matches_full_width, 2)
+
+
+def _logits_of_odd_length_prompt(rank: int, world: int, config) -> torch.Tensor:
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    dims = ParallelDims(tp=world, world_size=world)
+    model = build_parallel_model(config, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    with torch.no_grad():
+        return model(torch.tensor([[5, 6, 7, 8, 9]])).logits  # 5 tokens: not a multiple of tp
+
+
+def test_tp_2_forward_of_a_sequence_length_that_does_not_divide_tp():
+    """Generation prompts have any length: sequence parallel pads them (exact for a causal model)."""
+    from optimus.models.transformer import build_model
+
+    config = tiny_config(moe=True)
+    with torch.no_grad():
+        want = build_model(config.model, seed=config.train.seed)(torch.tensor([[5, 6, 7, 8, 9]])).logits
+    for got in run_distributed(_logits_of_odd_length_prompt, 2, config):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
