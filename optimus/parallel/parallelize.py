@@ -28,18 +28,16 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
                          device: torch.device | str) -> nn.Module:
     """The Trainer's model: built, parallelized, and holding the single-process initial weights.
 
-    One process (and, for now, pipeline parallel): build_model on `device` with the run's seed, then
-    parallelize_model. Other parallel layouts: meta build ->
-    parallelize_model -> allocate local shards -> rank 0's full seeded weights broadcast into them.
+    One process: build_model on `device` with the run's seed, then parallelize_model. Parallel layouts
+    (pp included: its stages take their device at the first step): meta build -> parallelize_model ->
+    allocate local shards -> rank 0's full seeded weights broadcast into them.
     device "meta": meta build -> parallelize_model, nothing allocated (dry runs).
     """
     from optimus.models.transformer import build_model
 
     if str(device) == "meta":
         return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
-    if mesh is None or not dims.is_parallel or dims.pp > 1:
-        # pp > 1: the pipeline stages take their device when they are built, so they must not be built on
-        # meta; until pipeline.py supports that, every rank builds the whole seeded model and splits it.
+    if mesh is None or not dims.is_parallel:
         return parallelize_model(build_model(config.model, device=device, seed=config.train.seed), dims, mesh, config)
     model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
     model.to_empty(device=device)

@@ -102,7 +102,7 @@ class PipelineRuntime:
     """This rank's stages, their schedule (built per micro-batch count) and the pp mesh."""
 
     def __init__(self, model: Transformer, stages: list[PipelineStageModule], stage_ids: list[int], n_stages: int,
-                 pp_mesh: DeviceMesh, schedule: str, device: torch.device):
+                 pp_mesh: DeviceMesh, schedule: str, device: torch.device | None):
         self.config = model.config
         self.stages, self.stage_ids, self.n_stages = stages, stage_ids, n_stages
         self.pp_mesh, self.schedule_name, self.device = pp_mesh, schedule, device
@@ -125,8 +125,10 @@ class PipelineRuntime:
         """The schedule for n micro-batches per step (built once per n)."""
         if n_microbatches not in self._schedules:
             group = self.pp_mesh.get_group()
+            # the device of the weights now (a model built on meta is materialised after apply_pipeline)
+            device = self.device or next(self.stages[0].parameters()).device
             pipe_stages = [
-                PipelineStage(module, sid, self.n_stages, self.device, group=group)
+                PipelineStage(module, sid, self.n_stages, device, group=group)
                 for module, sid in zip(self.stages, self.stage_ids)
             ]
             cls = SCHEDULES[self.schedule_name]
@@ -244,7 +246,7 @@ def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1
         raise ValueError(f"parallel.pp_virtual_stages > 1 needs pp_schedule=interleaved_1f1b (got {schedule})")
     if schedule == "interleaved_1f1b" and virtual_stages < 2:
         raise ValueError("pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
+    device = torch.device(device) if device is not None else None  # None: the weights' device at the first step
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * virtual_stages
     keys = split_layers(model.config.n_layers, n_stages)
