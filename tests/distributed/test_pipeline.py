@@ -95,3 +95,22 @@ def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
 
     parallel = dict(pp=2, tp=2, pp_schedule=schedule, pp_virtual_stages=virtual)
     check_layout(tiny_config(moe=moe, model={"n_layers": 4}, parallel=parallel), world_size=4)
+
+
+def test_pp_2_ep_2_checkpoint_resumes_in_one_process(tmp_path):
+    """DCP keys under PP and EP are the single-process ones: a pp=2 x ep=2 checkpoint (model and
+    optimizer) resumes in one process and the loss curve goes on as if never stopped."""
+    from optimus.testing.parity import (
+        LOSS_RTOL_LATER_STEPS, CheckpointPlan, reference_run, run_parallel_rank, run_single_process, tiny_config,
+    )
+
+    parallel = dict(pp=2, dp_shard=2, ep=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, ep_dispatch="allgather")
+    before = tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel)
+    after = tiny_config(moe=True, model={"n_layers": 4})
+    reference = reference_run(after, 4)
+    saved = run_distributed(run_parallel_rank, 4, before, 2, CheckpointPlan(str(tmp_path), save=True))
+    resumed = run_single_process(after, 4, CheckpointPlan(str(tmp_path), load_step=2))
+    curve = saved[0].losses + resumed.losses
+    assert len(curve) == 4
+    for want, got in zip(reference.losses, curve):
+        assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
