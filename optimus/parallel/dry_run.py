@@ -45,7 +45,8 @@ class RankMemory:
     layers: int
     parameters: int
     in_flight: int = 1  # micro-batches whose activations are held at once
-    bytes: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, float] = field(default_factory=dict)  # what the rank holds: summed into the total
+    activations_per_micro_batch: dict[str, float] = field(default_factory=dict)  # by checkpointing mode
 
     @property
     def total(self) -> float:
@@ -171,8 +172,11 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block,
-        "activations": in_flight * activation_bytes(config, dims, layers, has_head),
+        "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
+    for mode in ("none", "selective", "full"):
+        variant = config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
+        memory.activations_per_micro_batch[mode] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
@@ -241,6 +245,10 @@ def format_report(report: DryRunReport) -> str:
     for key in report.ranks[0].bytes:
         cells = [f"{r.bytes[k] / GIB:,.2f} GiB".rjust(col) for r in report.ranks for k in r.bytes if k == key]
         lines.append(key.ljust(label_width) + "".join(cells))
+    for mode in ("none", "selective", "full"):
+        label = f"  (1 micro-batch, ckpt {mode})"
+        lines.append(label.ljust(label_width) + "".join(
+            f"{r.activations_per_micro_batch[mode] / GIB:,.2f} GiB".rjust(col) for r in report.ranks))
     lines.append("total".ljust(label_width) + "".join(f"{r.total / GIB:,.2f} GiB".rjust(col) for r in report.ranks))
     budget = report.device_memory_gb * GIB * HEADROOM
     verdicts = ["fits" if r.total <= budget else "DOES NOT FIT" for r in report.ranks]
