@@ -123,6 +123,12 @@ class PipelineRuntime:
 
     def schedule(self, n_microbatches: int):
         """The schedule for n micro-batches per step (built once per n)."""
+        if self.schedule_name == "1f1b" and n_microbatches < self.n_stages:
+            raise ValueError(
+                f"parallel.pp_schedule=1f1b needs at least pp ({self.n_stages}) micro-batches per step, got "
+                f"{n_microbatches} (train.global_batch_size / (dp x train.micro_batch_size)): use smaller "
+                f"micro-batches, a larger global batch, or pp_schedule=gpipe"
+            )
         if n_microbatches not in self._schedules:
             group = self.pp_mesh.get_group()
             # the device of the weights now (a model built on meta is materialised after apply_pipeline)
