@@ -71,3 +71,41 @@ def test_cli_dry_run_with_world_size_prints_config_and_table(capsys):
     assert code == 0
     assert "preset: mula-tiny-moe" in out  # the resolved config still comes first
     assert "dry run: mula-tiny-moe" in out and "vs 16 GiB device" in out
+
+
+def _saved_activation_bytes(model, ids, dtype: str) -> int:
+    """Bytes of the distinct tensors autograd saves in one forward (parameters excluded)."""
+    import torch
+
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            model(ids, ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for ptr, size in saved.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_activation_estimate_is_close_to_what_autograd_saves(moe, dtype):
+    import torch
+
+    from optimus.models.transformer import build_model
+
+    model_cfg = dict(d_model=128, n_layers=2, n_heads=4, vocab_size=2048, qk_norm=True)
+    model_cfg.update(n_experts=8, top_k=2, expert_ffn_hidden=128) if moe else model_cfg.update(n_experts=0, ffn_hidden=512)
+    config = build_config({"model": model_cfg, "train": dict(seq_len=128, micro_batch_size=2, global_batch_size=2,
+                                                               dtype=dtype)})
+    model = build_model(config.model, seed=0)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)  # as FSDP's bf16 mixed precision hands the weights to forward
+    ids = torch.randint(0, 2048, (2, 128), generator=torch.Generator().manual_seed(0))
+    measured = _saved_activation_bytes(model, ids, dtype)
+    estimate = activation_bytes(config, ParallelDims(world_size=1), layers=2, has_loss_head=True)
+    assert estimate == pytest.approx(measured, rel=0.15)
