@@ -21,6 +21,12 @@ def test_hsdp_replicate_2_shard_2_matches_one_process():
     check_layout(tiny_config(parallel=dict(dp_replicate=2, dp_shard=2)), world_size=4)
 
 
+def test_hsdp_with_expert_parallel_matches_one_process():
+    # dp_replicate=2 x dp_shard=2 with ep=2: HSDP of the dense weights over a flattened dp_shard dim,
+    # experts replicated over dp_replicate
+    check_layout(tiny_config(moe=True, parallel=dict(dp_replicate=2, dp_shard=2, ep=2)), world_size=4)
+
+
 def test_fsdp_moe_with_full_activation_checkpointing_matches_one_process():
     config = tiny_config(moe=True, parallel=dict(dp_shard=2), train=dict(activation_checkpointing="full"))
     check_layout(config, world_size=2)
