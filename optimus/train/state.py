@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    StateDictOptions,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -28,6 +29,12 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, state_dict)
 
 
+# Flattened ("state.<param>.exp_avg", "param_groups.<param>.lr"): every entry is keyed by a parameter
+# name, so ranks holding different parameters (pipeline stages) save and load their own hyperparameters.
+# Nested param_groups are one list per rank and DCP keeps only one rank's, which breaks PP resume.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class OptimizerState(Stateful):
     """Optimizer moments and step counts, keyed by parameter name so they survive resharding."""
 
@@ -36,10 +43,10 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
 
 
 class ProgressState(Stateful):

@@ -114,3 +114,18 @@ def test_pp_2_ep_2_checkpoint_resumes_in_one_process(tmp_path):
     assert len(curve) == 4
     for want, got in zip(reference.losses, curve):
         assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
+
+
+def test_pp_2_checkpoint_resumes_at_pp_2(tmp_path):
+    """Each pp rank saves and reloads its own stages' optimizer state (flattened, keyed by parameter)."""
+    from optimus.testing.parity import (
+        LOSS_RTOL_LATER_STEPS, CheckpointPlan, reference_run, run_parallel_rank, tiny_config,
+    )
+
+    config = tiny_config(moe=True, model={"n_layers": 4}, parallel=dict(pp=2, pp_schedule="1f1b"))
+    reference = reference_run(tiny_config(moe=True, model={"n_layers": 4}), 4)
+    saved = run_distributed(run_parallel_rank, 2, config, 2, CheckpointPlan(str(tmp_path), save=True))
+    resumed = run_distributed(run_parallel_rank, 2, config, 4, CheckpointPlan(str(tmp_path), load_step=2))
+    curve = saved[0].losses + resumed[0].losses
+    for want, got in zip(reference.losses, curve, strict=True):
+        assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
