@@ -34,13 +34,16 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
 
 
 def _expert_shard_dim(shard_ranks: int, param: torch.Tensor) -> Shard:
-    """Shard expert weights along the expert dim when it divides evenly, else along d_model.
+    """Shard expert weights along the expert dim when it divides evenly, else along dim 1 if that does.
 
-    FSDP pads uneven shards: 8 experts per ep rank over 32 FSDP ranks would be padded to one
-    expert per rank, 4x the memory. Dim 1 ([E, D, 2F] and [E, F, D]) divides for real models.
+    FSDP pads uneven shards on dim 0: 8 experts per ep rank over 32 FSDP ranks would be padded to
+    one expert per rank, 4x the memory. FSDP supports only even shards on other dims, so dim 1
+    ([E, D, 2F] and [E, F, D]) is used only when it divides; otherwise dim 0, padded.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
-    return Shard(0) if local.shape[0] % shard_ranks == 0 else Shard(1)
+    if local.shape[0] % shard_ranks and local.shape[1] % shard_ranks == 0:
+        return Shard(1)
+    return Shard(0)
 
 
 def apply_fsdp(

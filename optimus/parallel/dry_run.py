@@ -226,7 +226,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
         notes.append(f"experts: {per_ep_rank} per ep rank, then FSDP-sharded over dp_shard_mod_ep ({dims.dp_shard_mod_ep})")
         if per_ep_rank % dims.dp_shard_mod_ep:
             notes.append(f"{per_ep_rank} experts do not divide over {dims.dp_shard_mod_ep} FSDP ranks: expert weights "
-                         f"are sharded along d_model instead (no padding)")
+                         f"are sharded along their second dim if it divides, else padded (counted above)")
     return DryRunReport(config, dims, device_memory_gb, ranks, total, notes)
 
 

@@ -15,7 +15,7 @@ TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf
 
 PAPER_LAYOUTS = [
     ("mula-1b", dict(dp_shard=384), 384),
-    ("mula-7b-a1b", dict(dp_shard=384, ep=8), 384),  # not in the paper's table: the OLMoE-sized member
+    ("mula-7b-a1b", dict(dp_shard=256, ep=8), 256),  # not in the paper's table: the OLMoE-sized member
     ("mula-20b-a2b", dict(dp_shard=384, ep=12), 384),
     ("mula-100b-a7b", dict(dp_shard=96, ep=12, pp=4), 384),
     ("mula-220b-a10b", dict(dp_shard=384, ep=12, pp=8), 3072),
