@@ -58,23 +58,25 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
     from optimus.models.generate import generate
 
     run = summary.run_dir
-    print(f"\nrun directory: {run}")
+    # Every rank takes part in generation (the model may be sharded); only rank 0 prints.
+    say = print if trainer.is_rank0 else (lambda *args, **kwargs: None)
+    say(f"\nrun directory: {run}")
     if summary.heldout_loss is not None:
-        print(f"held-out loss: {summary.heldout_loss:.4f}")
+        say(f"held-out loss: {summary.heldout_loss:.4f}")
     tokenizer = load_tokenizer(trainer.config.data.tokenizer)
     prompt = "The United States"
     ids = tokenizer.encode(prompt).ids
     import torch
 
     new = generate(trainer.model, torch.tensor([ids]), max_new_tokens=24)
-    print(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+    say(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
     kept = [o for o in overrides if not o.startswith("--train.max_steps")]
     again = " ".join(["optimus train", config_path, *kept])
-    print("next:")
-    print(f"  resume / extend:  {again} --train.max_steps={summary.step * 2}")
-    print(f"  evaluate:         optimus eval {run}")
-    print(f"  generate:         optimus generate {run} --prompt 'The Constitution'")
-    print(f"  export to HF:     optimus export {run} --format hf --out hf/{run.name}")
+    say("next:")
+    say(f"  resume / extend:  {again} --train.max_steps={summary.step * 2}")
+    say(f"  evaluate:         optimus eval {run}")
+    say(f"  generate:         optimus generate {run} --prompt 'The Constitution'")
+    say(f"  export to HF:     optimus export {run} --format hf --out hf/{run.name}")
 
 
 # ------------------------------------------------------------------------------ run-dir helpers
