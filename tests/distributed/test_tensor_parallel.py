@@ -78,3 +78,23 @@ def test_tp_2_forward_of_a_sequence_length_that_does_not_divide_tp():
         want = build_model(config.model, seed=config.train.seed)(torch.tensor([[5, 6, 7, 8, 9]])).logits
     for got in run_distributed(_logits_of_odd_length_prompt, 2, config):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_trains_at_tp_2(tmp_path):
+    """End to end: torchrun -> launch detection -> Trainer at tp=2 -> checkpoint -> rank-0 summary."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "optimus",
+        "train", "configs/mula-tiny-moe.yaml", "--parallel.tp=2", "--train.max_steps=2", "--train.seq_len=32",
+        "--train.micro_batch_size=2", "--train.global_batch_size=4", "--model.d_model=64", "--model.n_layers=2",
+        "--train.eval_batches=1", f"--run.dir={tmp_path / 'run'}", "--no-progress",
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("run directory:") == 1  # the summary comes from rank 0 only
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMMITTED").exists()
