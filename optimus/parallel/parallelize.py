@@ -28,7 +28,8 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
                          device: torch.device | str) -> nn.Module:
     """The Trainer's model: built, parallelized, and holding the single-process initial weights.
 
-    One process: build_model on `device` with the run's seed, then parallelize_model. Parallel layouts
+    One process: build_model on the CPU with the run's seed, moved to `device`, then parallelize_model
+    (initialising on the CPU makes the weights the same whatever the device). Parallel layouts
     (pp included: its stages take their device at the first step): meta build -> parallelize_model ->
     allocate local shards -> rank 0's full seeded weights broadcast into them.
     device "meta": meta build -> parallelize_model, nothing allocated (dry runs).
@@ -38,7 +39,9 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
     if str(device) == "meta":
         return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
     if mesh is None or not dims.is_parallel:
-        return parallelize_model(build_model(config.model, device=device, seed=config.train.seed), dims, mesh, config)
+        # Initialised on the CPU like rank 0's copy below: the same seed gives the same weights on any device.
+        model = build_model(config.model, device="cpu", seed=config.train.seed)
+        return parallelize_model(model.to(device), dims, mesh, config)
     model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
     model.to_empty(device=device)
     load_initial_weights(model, config)
