@@ -178,7 +178,8 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "parameters (fp32)": 4.0 * local,
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
-        "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block,
+        # one process has no FSDP: nothing is gathered
+        "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
     for mode in ("none", "selective", "full"):
