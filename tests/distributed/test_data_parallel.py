@@ -21,6 +21,7 @@ def test_hsdp_replicate_2_shard_2_matches_one_process():
     check_layout(tiny_config(parallel=dict(dp_replicate=2, dp_shard=2)), world_size=4)
 
 
+@pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_hsdp_with_expert_parallel_matches_one_process():
     # dp_replicate=2 x dp_shard=2 with ep=2: HSDP of the dense weights over a flattened dp_shard dim,
     # experts replicated over dp_replicate
@@ -51,6 +52,7 @@ def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
                               keep_grads=rank == 0)
 
 
+@pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_fsdp_experts_group_sharded_along_d_model_matches_one_process():
     from optimus.testing.distributed import run_distributed
     from optimus.testing.parity import assert_parity, merge_rank_records, reference_run

@@ -28,6 +28,7 @@ def test_tp_2_dp_shard_2_moe_matches_one_process():
     check_layout(tiny_config(moe=True, parallel=dict(tp=2, dp_shard=2)), world_size=4)
 
 
+@pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_tp_2_with_expert_parallel_2_matches_one_process():
     # MoE blocks are whole on each tp rank; their experts are split over ep (dp_shard = ep = 2)
     check_layout(tiny_config(moe=True, parallel=dict(tp=2, dp_shard=2, ep=2)), world_size=4)
