@@ -68,8 +68,13 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
     ids = tokenizer.encode(prompt).ids
     import torch
 
-    new = generate(trainer.model, torch.tensor([ids]), max_new_tokens=24)
-    say(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+    from optimus.parallel.pipeline import get_pipeline
+
+    if get_pipeline(trainer.model) is None:
+        new = generate(trainer.model, torch.tensor([ids], device=trainer.device), max_new_tokens=24)
+        say(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+    else:  # each rank holds only its stages: sample from the checkpoint instead
+        say("sample: (pipeline-parallel run: use `optimus generate` below, which loads the whole model)")
     kept = [o for o in overrides if not o.startswith("--train.max_steps")]
     again = " ".join(["optimus train", config_path, *kept])
     say("next:")
