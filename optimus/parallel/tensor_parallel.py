@@ -153,8 +153,9 @@ def _pad_sequence_to_tp_multiple(forward, tp: int):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
     """Split `model` (a Transformer, or a pipeline stage of one) over `tp_mesh` in place.
 
-    Works on the meta device (dry runs) and on materialised weights: DTensor takes each rank's
-    slice of the full tensor, so every rank must hold the same full weights beforehand.
+    Works on the meta device (the usual path: weights are loaded into the shards afterwards, see
+    parallelize.build_parallel_model) and on materialised weights (DTensor then keeps each rank's
+    slice of the full tensor, so every rank must hold the same full weights beforehand).
     """
     residual = Shard(1) if sequence_parallel else Replicate()
     root_plan: dict = {}
@@ -170,9 +171,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         model.forward = _pad_sequence_to_tp_multiple(model.forward, tp_mesh.size())
     for block in model.layers.values():
         plan = _attention_plan(sequence_parallel)
-        if sequence_parallel:
-            norm_style = SequenceParallel(use_local_output=True)
-            plan.update({"attn_norm": norm_style, "mlp_norm": SequenceParallel(use_local_output=True)})
+        if sequence_parallel:  # local outputs: the residual stream between blocks stays plain tensors
+            plan.update({"attn_norm": SequenceParallel(use_local_output=True),
+                         "mlp_norm": SequenceParallel(use_local_output=True)})
         if isinstance(block.mlp, MoE):
             _replicate_moe(block.mlp, tp_mesh, sequence_parallel)
         else:
