@@ -73,9 +73,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             losses = torch.empty(n, dtype=torch.float32, **new)
             if needs_grad:
                 grad_h = torch.empty(n, d_model, dtype=dtype, **new)
-                grad_w = torch.zeros(vocab, d_model, dtype=torch.float32, **new)
-                # bf16 partial products go through a reused buffer into the fp32 accumulator
-                grad_w_part = torch.empty(vocab, d_model, dtype=dtype, **new) if dtype != torch.float32 else None
+                grad_w = torch.empty(vocab, d_model, dtype=torch.float32, **new)  # first chunk writes it
+                # bf16 partial products go through reused buffers into the fp32 accumulator: a
+                # mixed-dtype add_ would allocate (and page-fault) a fresh fp32 copy every chunk
+                low_precision = dtype != torch.float32
+                grad_w_part = torch.empty(vocab, d_model, dtype=dtype, **new) if low_precision else None
+                grad_w_part32 = torch.empty(vocab, d_model, dtype=torch.float32, **new) if low_precision else None
             for start in range(0, n, buffer_rows):
                 stop = min(start + buffer_rows, n)
                 h_chunk, targets = h_c[start:stop], safe_labels[start:stop]
@@ -93,10 +96,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if not bool(ok.all()):
                     grad_logits[~ok] = 0
                 torch.mm(grad_logits, w_c, out=grad_h[start:stop])
-                if grad_w_part is None:
-                    grad_w.addmm_(grad_logits.t(), h_chunk)
+                if grad_w_part is None:  # fp32: accumulate inside the matmul
+                    if start == 0:
+                        torch.mm(grad_logits.t(), h_chunk, out=grad_w)
+                    else:
+                        grad_w.addmm_(grad_logits.t(), h_chunk)
                 else:
-                    grad_w += torch.mm(grad_logits.t(), h_chunk, out=grad_w_part)
+                    torch.mm(grad_logits.t(), h_chunk, out=grad_w_part)
+                    if start == 0:
+                        grad_w.copy_(grad_w_part)
+                    else:
+                        grad_w.add_(grad_w_part32.copy_(grad_w_part))
         if needs_grad:
             ctx.input_dtypes = (h.dtype, weight.dtype)
             ctx.save_for_backward(grad_h, grad_w, n_valid)
@@ -107,7 +117,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, n_valid = ctx.saved_tensors
         scale = grad_loss / n_valid
         h_dtype, w_dtype = ctx.input_dtypes
-        return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None
+        # In place: these are our own buffers and the [V, D] one is large. A second backward through
+        # the same graph (retain_graph) fails loudly on the version check instead of scaling twice.
+        return grad_h.mul_(scale).to(h_dtype), grad_w.mul_(scale).to(w_dtype), None, None
 
 
 def linear_cross_entropy(
