@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from optimus.models.config import ModelConfig
 from optimus.models.presets import PRESETS
@@ -37,8 +37,19 @@ class TrainConfig(_Section):
     keep_last_k: int = Field(2, gt=0)
     dtype: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Literal["none", "full", "selective", "ops"] = Field(
+        "none", description="full: whole blocks; selective: the sub-modules in recompute; ops: op-level policy")
+    recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
+        default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
     tensorboard: bool = False
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute_named(cls, recompute: list[str], info: ValidationInfo) -> list[str]:
+        if not recompute and info.data.get("activation_checkpointing") == "selective":
+            raise ValueError("train.activation_checkpointing=selective needs at least one of attention, moe, mlp, "
+                             "norms in train.recompute")
+        return recompute
 
 
 class OptimConfig(_Section):

@@ -99,8 +99,13 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
         dense MLP   norm(h)/t + g + 4 w f / t (gate, silu(gate), up, their product)
         MoE MLP     norm(h)/t + g + w k (2h + 3fe) (permuted rows, gate/up, SwiGLU, expert output)
                     + (4 + w) E (router logits and fp32 probabilities); MoE is replicated over tp
-    Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time;
-    selective keeps matmul and attention outputs and recomputes norms and activations:
+    Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time.
+    Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
+    their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
+    unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
+    "moe" / "mlp" the feed-forward terms after its norm into w h; plus one recomputed sub-module's
+    full activations at a time. Ops (op-level policy) keeps matmul and attention outputs and
+    recomputes norms and activations:
         attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h).
     Plus the embedding output (w h / t) and, on the rank with the LM head, the fused loss head's
     saved gradients: w h per token and the fp32 LM-head weight gradient (4 V h).
@@ -130,6 +135,9 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     if mode == "full":
         per_token = layers * block_input + attn_full + mlp_full
     elif mode == "selective":
+        kept, recomputing = _selective_layer(config, dims, attn_full, mlp_full)
+        per_token = layers * kept + recomputing
+    elif mode == "ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
@@ -137,6 +145,33 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     if has_loss_head:
         total += tokens * h * w + m.vocab_size * h * 4
     return total
+
+
+def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_full: float) -> tuple[float, float]:
+    """Bytes per token one block keeps under the selective mask, and the largest recomputed sub-module's
+    full activations (held while it is recomputed); see activation_bytes."""
+    m, t, recompute = config.model, dims.tp, set(config.train.recompute)
+    h, kv = m.d_model, m.kv_heads * m.head_dim
+    w = 2 if config.train.dtype == "bf16" else 4
+    norm_h, qk = (4 + w) * h / t, (4 + w) * (h + kv) / t
+    attn_body, mlp_body = attn_full - norm_h, mlp_full - norm_h
+    kept_norm, recomputing = norm_h, 0.0
+    if "norms" in recompute:
+        kept_norm, recomputing = w * h / t, norm_h
+        attn_body -= qk - w * (h + kv) / t
+    if "attention" in recompute:
+        attn_body, recomputing = w * h, max(recomputing, attn_full - norm_h)
+    if ("moe" if m.is_moe else "mlp") in recompute:
+        mlp_body, recomputing = w * h, max(recomputing, mlp_full - norm_h)
+    return 2 * kept_norm + attn_body + mlp_body, recomputing
+
+
+def checkpointing_modes(config: Config) -> dict[str, Config]:
+    """The config under each activation-checkpointing mode, keyed by a label (selective names its mask)."""
+    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "ops": "ops",
+             "full": "full"}
+    return {label: config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
+            for label, mode in modes.items()}
 
 
 def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> int:
@@ -182,9 +217,8 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
-    for mode in ("none", "selective", "full"):
-        variant = config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
-        memory.activations_per_micro_batch[mode] = activation_bytes(variant, dims, layers, has_head)
+    for label, variant in checkpointing_modes(config).items():
+        memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
@@ -208,7 +242,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
         raise RuntimeError("dry_run needs a process without a process group: it plays one rank of a fake one")
     p = config.parallel
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
-    dims.check_model(config.model, p.pp_virtual_stages)
+    dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
     from optimus.models.transformer import build_model
 
     total = sum(q.numel() for q in build_model(config.model, device="meta").parameters())
@@ -239,11 +273,14 @@ def format_report(report: DryRunReport) -> str:
         f"{d.world_size} ranks",
         f"layout: dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} (ep={d.ep}, dp_shard_mod_ep={d.dp_shard_mod_ep}) "
         f"tp={d.tp} pp={d.pp}; micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
-        f"dtype {cfg.train.dtype}, activation checkpointing {cfg.train.activation_checkpointing}",
+        f"dtype {cfg.train.dtype}, activation checkpointing {cfg.train.activation_checkpointing}"
+        + (f" ({'+'.join(cfg.train.recompute)})" if cfg.train.activation_checkpointing == "selective" else ""),
         "",
     ]
     headers = [f"rank {r.rank} (stage {r.stage}, {r.layers} layers)" for r in report.ranks]
-    label_width = max(32, *(len(k) + 2 for k in report.ranks[0].bytes))
+    modes = list(report.ranks[0].activations_per_micro_batch)
+    label_width = max(32, *(len(k) + 2 for k in report.ranks[0].bytes),
+                      *(len(f"  (1 micro-batch, ckpt {m})") + 2 for m in modes))
     col = max(26, *(len(h) + 2 for h in headers))
     lines.append(" " * label_width + "".join(h.rjust(col) for h in headers))
     lines.append("parameters on rank".ljust(label_width) + "".join(f"{r.parameters / 1e6:,.1f} M".rjust(col)
@@ -253,7 +290,7 @@ def format_report(report: DryRunReport) -> str:
     for key in report.ranks[0].bytes:
         cells = [f"{r.bytes[k] / GIB:,.2f} GiB".rjust(col) for r in report.ranks for k in r.bytes if k == key]
         lines.append(key.ljust(label_width) + "".join(cells))
-    for mode in ("none", "selective", "full"):
+    for mode in modes:
         label = f"  (1 micro-batch, ckpt {mode})"
         lines.append(label.ljust(label_width) + "".join(
             f"{r.activations_per_micro_batch[mode] / GIB:,.2f} GiB".rjust(col) for r in report.ranks))

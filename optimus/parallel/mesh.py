@@ -61,11 +61,16 @@ class ParallelDims:
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
-    def check_model(self, model: ModelConfig, virtual_stages: int = 1) -> None:
-        """Raise LayoutError when the model cannot be split this way."""
+    def check_model(self, model: ModelConfig, virtual_stages: int = 1, seq_len: int | None = None) -> None:
+        """Raise LayoutError when the model (and, given, the training sequence length) cannot be split this way."""
         if model.n_heads % self.tp or model.kv_heads % self.tp:
             raise LayoutError(
                 f"parallel.tp ({self.tp}) must divide model.n_heads ({model.n_heads}) and n_kv_heads ({model.kv_heads})"
+            )
+        if seq_len is not None and self.tp > 1 and seq_len % self.tp:
+            raise LayoutError(
+                f"train.seq_len ({seq_len}) must be a multiple of parallel.tp ({self.tp}): sequence parallelism "
+                f"splits the sequence over the tp ranks"
             )
         stages = self.pp * virtual_stages
         if model.n_layers < stages:

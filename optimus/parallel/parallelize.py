@@ -14,6 +14,7 @@ With device "meta" nothing is allocated: that is the dry run's path.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from functools import partial
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from optimus.config import Config
+from optimus.models.moe import MoE
 from optimus.parallel.mesh import ParallelDims, ParallelMesh
 
 
@@ -102,7 +104,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
     # 4. activation checkpointing
     if train.activation_checkpointing != "none":
-        apply_activation_checkpointing(model, train.activation_checkpointing)
+        if train.activation_checkpointing == "ops" and parallel and dims.ep > 1:
+            from optimus.parallel.mesh import LayoutError
+
+            raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep > 1 (its op policy "
+                              "conflicts with the experts' own FSDP unit): use selective (train.recompute) or full")
+        apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute)
 
     # 5. torch.compile, per block (keeps parameter names; FSDP hooks stay outside the graph)
     if train.compile:
@@ -142,8 +149,8 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
         return mesh["dp_replicate", "dp_shard"]
 
 
-# Ops whose outputs selective checkpointing keeps (the expensive ones to recompute).
-def _selective_policy(ctx, op, *args, **kwargs):
+# Ops whose outputs op-level ("ops") checkpointing keeps (the expensive ones to recompute).
+def _ops_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
@@ -154,14 +161,66 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap each block: 'full' recomputes the whole block in backward, 'selective' keeps matmul and
-    attention outputs and recomputes the cheap elementwise ops (norms, activations)."""
+@functools.cache
+def _recomputed_class(cls: type) -> type:
+    """A subclass of `cls` whose forward is checkpointed (isinstance checks and parameter names unchanged)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(self, *args, **kwargs):
+        # non-reentrant: only the inputs are saved; the forward runs again in backward
+        return checkpoint(cls.forward, self, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    return type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward, "_recomputed": True})
+
+
+def recompute_module(module: nn.Module) -> None:
+    """Make `module` recompute its forward in backward, in place.
+
+    A class swap, as fully_shard does, rather than checkpoint_wrapper: the module stays an instance of
+    its class (Block tells a MoE from a dense MLP by isinstance) and keeps its parameter names, so the
+    optimizer, DCP keys and FSDP/TP/EP plans see the same model. Module hooks (TP, FSDP) still run
+    outside the checkpointed region.
+    """
+    if not getattr(module, "_recomputed", False):
+        module.__class__ = _recomputed_class(type(module))
+
+
+def _recomputed_parts(block: nn.Module, recompute: list[str]) -> list[nn.Module]:
+    """The sub-modules of one block named by train.recompute ("norms" includes QK-norm unless the whole
+    attention is recomputed already)."""
+    parts = []
+    if "attention" in recompute:
+        parts.append(block.attn)
+    if "norms" in recompute:
+        parts += [block.attn_norm, block.mlp_norm]
+        if "attention" not in recompute and block.attn.q_norm is not None:
+            parts += [block.attn.q_norm, block.attn.k_norm]
+    is_moe = isinstance(block.mlp, MoE)
+    if ("moe" in recompute and is_moe) or ("mlp" in recompute and not is_moe):
+        parts.append(block.mlp)
+    return parts
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[str] | tuple[str, ...] = ("moe",)) -> None:
+    """Activation checkpointing per block, in place.
+
+    full: each block recomputes its whole forward in backward (checkpoint_wrapper; DCP strips its prefix).
+    selective: inside every block, only the sub-modules named in `recompute` ("attention", "moe", "mlp"
+        (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
+        activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
+    ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
+        cheap elementwise ops (norms, activations) recomputed.
+    """
+    if mode == "selective":
+        for block in model.layers.values():
+            for part in _recomputed_parts(block, list(recompute)):
+                recompute_module(part)
+        return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     kwargs = {"preserve_rng_state": False}
-    if mode == "selective":
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+    if mode == "ops":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _ops_policy)
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, **kwargs)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from optimus.models.layers import rotary_cos_sin
 from optimus.models.transformer import Transformer
-from optimus.ops.cross_entropy import IGNORE_INDEX
+from optimus.ops.cross_entropy import linear_cross_entropy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -63,7 +62,9 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[str]]:
 class PipelineStageModule(nn.Module):
     """One pipeline stage of a Transformer: shares its blocks (and embed / norm + lm_head if first / last).
 
-    forward: token ids (first stage) or hidden states [B, S, D] -> hidden states, or logits on the last stage.
+    forward: token ids (first stage) or hidden states [B, S, D] -> hidden states; on the last stage, given
+    labels [B, S], the mean cross-entropy through the fused LM head (no full logits, as Transformer.forward),
+    else the logits. The loss is computed inside forward so FSDP has the head's weight gathered.
     """
 
     def __init__(self, model: Transformer, layer_keys: list[str], is_first: bool, is_last: bool):
@@ -77,7 +78,7 @@ class PipelineStageModule(nn.Module):
         self.seq_len: int | None = None  # full sequence length (a later stage may get sequence shards under SP)
         self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (aux, z, counts) per micro-batch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
         cfg = self.config
         cos, sin = rotary_cos_sin(self.seq_len or h.shape[1], cfg.head_dim, cfg.rope_theta, h.device, h.dtype)
@@ -95,7 +96,10 @@ class PipelineStageModule(nn.Module):
                 h = _InjectAuxLoss.apply(h, aux, z, cfg.aux_loss_coef * self.loss_scale, cfg.z_loss_coef * self.loss_scale)
         if self.lm_head is None:
             return h
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if labels is None:
+            return self.lm_head(h)
+        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
 
 
 class PipelineRuntime:
@@ -116,9 +120,9 @@ class PipelineRuntime:
             for key in list(stage.layers.keys()):
                 stage.layers[key] = model.layers[key]
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # one micro-batch's mean cross-entropy, pre-divided by n: gradients accumulate to the batch mean
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+    def _loss(self, ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the last stage's output is already the micro-batch's mean cross-entropy (its labels came as a
+        # forward kwarg); pre-divided by n, gradients accumulate to the batch mean
         return ce / self._n_microbatches
 
     def schedule(self, n_microbatches: int):
@@ -153,8 +157,11 @@ class PipelineRuntime:
         labels = torch.cat([mb[1] for mb in micro_batches]).to(device)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        # the labels go to this rank's stages' forward too (split per micro-batch like the target):
+        # the last stage computes the loss in its forward
+        kwargs = {"labels": labels} if self.has_last else {}
         with autocast:
-            self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False)
+            self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         return self._gather_terms(losses, n)
 
     @torch.no_grad()
@@ -179,12 +186,11 @@ class PipelineRuntime:
                 module = modules[sid]
                 module.seq_len = inputs.shape[1]
                 with autocast:
-                    h = module(inputs if sid == 0 else h)
+                    h = module(inputs if sid == 0 else h, labels=labels if sid == self.n_stages - 1 else None)
                 if sid < self.n_stages - 1 and owner[sid + 1] != owner[sid]:
                     _send_tensor(h, dist.get_global_rank(group, owner[sid + 1]), group)
-            if self.has_last:
-                ce = F.cross_entropy(h.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-                total += torch.tensor([ce.item() * labels.numel(), labels.numel()], dtype=torch.float64)
+            if self.has_last:  # h is the last stage's mean cross-entropy
+                total += torch.tensor([h.item() * labels.numel(), labels.numel()], dtype=torch.float64)
         dist.all_reduce(total, group=group)
         return (total[0] / total[1].clamp(min=1)).item()
 

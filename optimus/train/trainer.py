@@ -66,7 +66,7 @@ class Trainer:
         self.is_rank0 = launch.rank == 0
         p = config.parallel
         self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=launch.world_size)
-        self.dims.check_model(config.model, p.pp_virtual_stages)
+        self.dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
         init_distributed(launch, self.device)
         self.mesh = self.dims.build_mesh(self.device.type) if self.dims.is_parallel else None
         dp_rank = self.mesh.local_rank("dp") if self.mesh else 0

@@ -74,3 +74,11 @@ def test_fsdp_bf16_mixed_precision_tracks_one_process_bf16():
     want = reference_run(config, 3).losses
     got = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 3)).losses
     assert got == pytest.approx(want, rel=5e-3)
+
+
+@pytest.mark.parametrize("dispatch", ["allgather", "all_to_all"])
+def test_fsdp_ep_with_selective_moe_and_norms_recompute_matches_one_process(dispatch):
+    # dp_shard 4 = dp_shard_mod_ep 2 x ep 2: the recomputed MoE holds the experts' own FSDP unit
+    config = tiny_config(moe=True, parallel=dict(dp_shard=4, ep=2, ep_dispatch=dispatch),
+                         train=dict(activation_checkpointing="selective", recompute=["moe", "norms"]))
+    check_layout(config, world_size=4, steps=3)

@@ -50,10 +50,38 @@ def test_pipeline_stages_hold_their_share_of_layers():
 def test_activation_estimate_orders_checkpointing_modes():
     dims = ParallelDims(world_size=1)
     sizes = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "ops", "full"):
         config = build_config({"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": mode}})
         sizes[mode] = activation_bytes(config, dims, layers=16, has_loss_head=False)
-    assert sizes["full"] < sizes["selective"] < sizes["none"]
+    assert sizes["full"] < sizes["ops"] < sizes["none"]
+
+
+def test_activation_estimate_of_the_selective_mask():
+    """Each sub-module added to train.recompute lowers the estimate; recomputing all of it approaches full."""
+    dims = ParallelDims(world_size=1)
+
+    def size(mode: str, recompute=("moe",)) -> float:
+        train = {**TRAIN, "activation_checkpointing": mode, "recompute": list(recompute)}
+        return activation_bytes(build_config({"model": {"preset": "mula-7b-a1b"}, "train": train}), dims, 16, False)
+
+    none, full = size("none"), size("full")
+    masks = [["moe"], ["moe", "norms"], ["attention", "moe", "norms"]]
+    sizes = [size("selective", mask) for mask in masks]
+    assert none > sizes[0] > sizes[1] > sizes[2] > full
+    assert sizes[2] < 2 * full  # every sub-module recomputed: block inputs (and norm inputs) only
+    # a dense model has no MoE to recompute: the mask ["moe"] keeps every activation
+    dense = {"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": "selective"}}
+    plain = {"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": "none"}}
+    assert activation_bytes(build_config(dense), dims, 16, False) == activation_bytes(build_config(plain), dims, 16, False)
+
+
+def test_dry_run_lists_every_checkpointing_mode():
+    config = build_config({"model": {"preset": "mula-tiny-moe"}, "parallel": dict(dp_shard=2),
+                           "train": dict(activation_checkpointing="selective", recompute=["attention", "moe"])})
+    report = dry_run(config, 2)
+    assert list(report.ranks[0].activations_per_micro_batch) == ["none", "selective attention+moe", "ops", "full"]
+    table = format_report(report)
+    assert "ckpt selective attention+moe" in table and "activation checkpointing selective (attention+moe)" in table
 
 
 def test_tensor_parallel_splits_activations():

@@ -1,4 +1,4 @@
-"""parallelize_model in one process: activation checkpointing (full, selective) changes memory, not
+"""parallelize_model in one process: activation checkpointing (full, selective masks, ops) changes memory, not
 results or checkpoint keys; the gradient norm and clipping handle plain tensors."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "ops"])
 def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode):
     want, plain = _grads(tiny_config(moe=moe))
     got, wrapped = _grads(tiny_config(moe=moe, train=dict(activation_checkpointing=mode)))
@@ -35,6 +35,66 @@ def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode)
     assert set(get_model_state_dict(wrapped)) == set(get_model_state_dict(plain))
 
 
+MASKS = [["moe"], ["attention", "norms"], ["attention", "moe", "norms"], ["mlp", "norms"]]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("recompute", MASKS, ids="+".join)
+def test_selective_mask_keeps_gradients_and_names(moe, recompute):
+    want, plain = _grads(tiny_config(moe=moe))
+    config = tiny_config(moe=moe, train=dict(activation_checkpointing="selective", recompute=recompute))
+    got, masked = _grads(config)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8, msg=name)
+    # a class swap, not a wrapper: parameter names, state-dict and DCP keys are the plain model's
+    assert [n for n, _ in masked.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(masked.state_dict()) == list(plain.state_dict())
+    assert set(get_model_state_dict(masked)) == set(get_model_state_dict(plain))
+
+
+def test_selective_mask_recomputes_exactly_the_named_modules():
+    from optimus.models.moe import MoE
+
+    config = tiny_config(moe=True, train=dict(activation_checkpointing="selective", recompute=["moe", "norms"]))
+    model = parallelize_model(build_model(config.model, seed=0), ParallelDims(world_size=1), None, config)
+    block = model.layers["0"]
+    recomputed = {name for name, m in block.named_modules() if getattr(m, "_recomputed", False)}
+    assert recomputed == {"mlp", "attn_norm", "mlp_norm", "attn.q_norm", "attn.k_norm"}
+    assert isinstance(block.mlp, MoE)  # Block still tells MoE from a dense MLP
+
+
+def test_selective_mask_keeps_fewer_activations():
+    """Recomputed modules keep only their inputs: fewer bytes saved for backward than no checkpointing."""
+    from optimus.models.transformer import build_model as build
+
+    def saved(config) -> int:
+        model = parallelize_model(build(config.model, seed=0), ParallelDims(world_size=1), None, config)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        ids = global_batches(config, 1)[0][0][:2]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, ids)
+        return total
+
+    none = saved(tiny_config(moe=True))
+    moe_only = saved(tiny_config(moe=True, train=dict(activation_checkpointing="selective", recompute=["moe"])))
+    everything = saved(tiny_config(moe=True, train=dict(activation_checkpointing="selective",
+                                                        recompute=["attention", "moe", "norms"])))
+    assert everything < moe_only < none
+
+
+def test_selective_needs_a_non_empty_mask():
+    from optimus.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="train.recompute"):
+        build_config({"train": {"activation_checkpointing": "selective", "recompute": []}})
+
+
 def test_clip_gradients_plain_tensors_matches_torch():
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
     for p in params:
@@ -43,3 +103,20 @@ def test_clip_gradients_plain_tensors_matches_torch():
     assert norm == pytest.approx((7 * 4.0) ** 0.5)
     total = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
     assert total.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_ops_checkpointing_with_expert_parallel_is_refused_in_one_line():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.distributed as dist
+
+    from optimus.parallel.mesh import LayoutError
+    from optimus.parallel.parallelize import build_parallel_model
+
+    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="ops"))
+    dims = ParallelDims(dp_shard=2, ep=2, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(LayoutError, match="activation_checkpointing=ops"):
+            build_parallel_model(config, dims, dims.build_mesh("cpu"), "meta")
+    finally:
+        dist.destroy_process_group()
