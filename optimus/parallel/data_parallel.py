@@ -54,6 +54,7 @@ def apply_fsdp(
     experts_mesh: DeviceMesh | None = None,
     experts_gradient_divide_factor: int | None = None,
     reshard_after_forward: bool = True,
+    ignore_experts: bool = False,
 ) -> nn.Module:
     """Shard `model` with FSDP2 over `dp_mesh` (1-D: ZeRO-3; 2-D (replicate, shard): HSDP), in place.
 
@@ -63,19 +64,31 @@ def apply_fsdp(
     experts_gradient_divide_factor: FSDP averages expert gradients over experts_mesh only, but
     their tokens came from every data-parallel rank; pass the full dp degree so they are divided
     like every other gradient (torchtitan does the same).
+    ignore_experts: with an experts_mesh of one rank there is nothing to shard or average: leave the
+    expert weights (DTensors over ep already) out of FSDP (ignored_params) instead of giving them a
+    group of their own. Op-level selective checkpointing needs this: a one-rank FSDP group unshards
+    differently in forward and in the recompute, which that policy's op replay refuses.
     Works on the meta device too (dry runs): shapes and placements are real, no memory is used.
     """
     policy = mixed_precision_policy(dtype)
     blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    ignored = None
+    if ignore_experts and experts_mesh is not None:
+        if experts_mesh.size() != 1:
+            raise ValueError("ignore_experts needs an experts_mesh of one rank (nothing to average over)")
+        ignored = {p for block in blocks if isinstance(getattr(block, "mlp", None), MoE)
+                   for p in block.mlp.experts.parameters()}
     for index, block in enumerate(blocks):
         moe = getattr(block, "mlp", None)
-        if experts_mesh is not None and isinstance(moe, MoE):
+        if experts_mesh is not None and isinstance(moe, MoE) and ignored is None:
             fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=partial(_expert_shard_dim, experts_mesh.size()))
             if experts_gradient_divide_factor is not None:
                 moe.experts.set_gradient_divide_factor(float(experts_gradient_divide_factor))
         # The last block's weights are needed again at once by backward: keep them gathered.
         last = index == len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,
+                    ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored)
     return model

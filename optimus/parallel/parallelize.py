@@ -104,11 +104,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
     # 4. activation checkpointing
     if train.activation_checkpointing != "none":
-        if train.activation_checkpointing == "ops" and parallel and dims.ep > 1:
+        if train.activation_checkpointing == "ops" and parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1 \
+                and dims.dp_replicate > 1:
             from optimus.parallel.mesh import LayoutError
 
-            raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep > 1 (its op policy "
-                              "conflicts with the experts' own FSDP unit): use selective (train.recompute) or full")
+            raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep = dp_shard under "
+                              "dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
+                              "use selective (train.recompute) or full")
         apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute)
 
     # 5. torch.compile, per block (keeps parameter names; FSDP hooks stay outside the graph)
@@ -131,6 +133,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
         for root in pipeline.stages if pipeline is not None else [model]:
             apply_fsdp(
                 root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
+                # op-level checkpointing cannot replay a one-rank experts group: leave experts out of FSDP
+                ignore_experts=train.activation_checkpointing == "ops" and experts_mesh is not None
+                and experts_mesh.size() == 1,
                 # expert_parallel scales expert grads by 1/ep itself: plain averaging over dp_mod_ep
                 # is then exact (a divide factor needs PREMUL_SUM, which gloo lacks)
                 experts_gradient_divide_factor=None,
@@ -209,7 +214,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
         (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
         activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
     ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
-        cheap elementwise ops (norms, activations) recomputed.
+        cheap elementwise ops (norms, activations) recomputed. Its replay needs every FSDP group in a
+        block to unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
     """
     if mode == "selective":
         for block in model.layers.values():
