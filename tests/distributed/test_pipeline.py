@@ -90,6 +90,15 @@ def test_pp_2_ep_2_layout_matches_one_process():
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4)
 
 
+def test_pp_2_interleaved_with_selective_recompute_matches_one_process():
+    # the stages share the model's blocks: the recomputed sub-modules are swapped in place, seen by both
+    from optimus.testing.parity import check_layout, tiny_config
+
+    parallel = dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    train = dict(activation_checkpointing="selective", recompute=["attention", "moe", "norms"])
+    check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel, train=train), world_size=2, steps=3)
+
+
 @pytest.mark.parametrize("moe,schedule,virtual", [(False, "1f1b", 1), (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
 def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
     from optimus.testing.parity import check_layout, tiny_config
