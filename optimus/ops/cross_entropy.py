@@ -73,7 +73,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             losses = torch.empty(n, dtype=torch.float32, **new)
             if needs_grad:
                 grad_h = torch.empty(n, d_model, dtype=dtype, **new)
-                grad_w = torch.empty(vocab, d_model, dtype=torch.float32, **new)  # first chunk writes it
+                # The first chunk writes it (no zero fill of a [V, D] buffer); zeros when there are no rows
+                grad_w = (torch.empty if n else torch.zeros)(vocab, d_model, dtype=torch.float32, **new)
                 # bf16 partial products go through reused buffers into the fp32 accumulator: a
                 # mixed-dtype add_ would allocate (and page-fault) a fresh fp32 copy every chunk
                 low_precision = dtype != torch.float32

@@ -60,3 +60,11 @@ def test_no_grad_and_all_ignored():
         torch.testing.assert_close(linear_cross_entropy(h, w, labels), linear_cross_entropy_reference(h, w, labels))
     ignored = torch.full_like(labels, IGNORE_INDEX)
     assert linear_cross_entropy(h, w, ignored).item() == 0.0
+
+
+def test_no_rows_gives_zero_loss_and_zero_gradients():
+    h = torch.randn(0, 4, requires_grad=True)
+    w = torch.randn(7, 4, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.empty(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and w.grad.abs().sum().item() == 0.0 and h.grad.shape == (0, 4)
