@@ -106,6 +106,11 @@ def test_clip_gradients_plain_tensors_matches_torch():
 
 
 def _meta_model(config, dims):
+    """Rank 0's model of a `dims.world_size`-rank job on the meta device, through a fake process group.
+
+    Use world sizes no distributed test uses (8 here): building a fake-group mesh of the same shape in
+    the parent process made a later forked 2-rank parity test differ from one process.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import torch.distributed as dist
 
@@ -124,13 +129,13 @@ def test_ops_checkpointing_with_one_rank_expert_groups():
     need a group of their own: refused in one line."""
     from optimus.parallel.mesh import LayoutError
 
-    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="ops"))
-    model = _meta_model(config, ParallelDims(dp_shard=2, ep=2, world_size=2))
+    config = tiny_config(moe=True, parallel=dict(dp_shard=8, ep=8), train=dict(activation_checkpointing="ops"))
+    model = _meta_model(config, ParallelDims(dp_shard=8, ep=8, world_size=8))
     experts = model.layers["0"]._checkpoint_wrapped_module.mlp.experts
     assert experts.w_gate_up.device_mesh.mesh_dim_names == ("ep",)  # EP's DTensor, not FSDP's
     assert model.layers["0"].attn.q_proj.weight.device_mesh.mesh_dim_names == ("dp_shard",)
 
-    config = tiny_config(moe=True, parallel=dict(dp_replicate=2, dp_shard=2, ep=2), train=dict(activation_checkpointing="ops"))
+    config = tiny_config(moe=True, parallel=dict(dp_replicate=2, dp_shard=4, ep=4), train=dict(activation_checkpointing="ops"))
     with pytest.raises(LayoutError, match="activation_checkpointing=ops") as err:
-        _meta_model(config, ParallelDims(dp_replicate=2, dp_shard=2, ep=2, world_size=4))
+        _meta_model(config, ParallelDims(dp_replicate=2, dp_shard=4, ep=4, world_size=8))
     assert "\n" not in str(err.value)
