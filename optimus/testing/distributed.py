@@ -7,6 +7,7 @@ with barrier + destroy_process_group + os._exit so no rank aborts at interpreter
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -88,3 +89,49 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
             results.append(payload)
         return results
+
+
+def run_forked(fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) -> Any:
+    """Run fn(*args, **kwargs) in a forked child and return its result (or raise its failure).
+
+    For tests that must not leave state in the test process: a fake process group, DeviceMesh and
+    DTensor caches built on it (a mesh compares equal regardless of its process groups, so caches
+    filled through a fake group could be reused by a later real one of the same shape).
+    """
+    with tempfile.TemporaryDirectory(prefix="optimus-fork-") as tmp:
+        result_path = os.path.join(tmp, "result.pkl")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                outcome = ("ok", fn(*args, **kwargs))
+            except BaseException:
+                outcome = ("error", traceback.format_exc())
+            try:
+                with open(result_path, "wb") as handle:
+                    pickle.dump(outcome, handle)
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + timeout
+        exited = False
+        while not exited and time.monotonic() < deadline:
+            exited = os.waitpid(pid, os.WNOHANG)[0] != 0
+            time.sleep(0.02)
+        if not exited:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        if not os.path.exists(result_path):
+            raise DistributedTestError("forked test process hung or died without a result")
+        status, payload = pickle.loads(Path(result_path).read_bytes())
+        if status != "ok":
+            raise DistributedTestError(f"forked test failed:\n{payload}")
+        return payload
+
+
+def in_forked_process(test_fn: Callable) -> Callable:
+    """Decorator: run a test's body in a forked child (see run_forked); fixtures still work."""
+
+    @functools.wraps(test_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return run_forked(test_fn, *args, **kwargs)
+
+    return wrapper

@@ -10,6 +10,7 @@ import pytest
 from optimus.config import build_config
 from optimus.parallel.dry_run import activation_bytes, dry_run, format_report
 from optimus.parallel.mesh import ParallelDims
+from optimus.testing import in_forked_process
 
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 
@@ -23,6 +24,7 @@ PAPER_LAYOUTS = [
 
 
 @pytest.mark.parametrize("preset, parallel, world", PAPER_LAYOUTS)
+@in_forked_process  # builds a fake process group: keep it out of this process
 def test_paper_layouts_give_plausible_per_rank_memory(preset, parallel, world):
     config = build_config({"model": {"preset": preset}, "parallel": parallel, "train": TRAIN})
     start = time.monotonic()
@@ -39,6 +41,7 @@ def test_paper_layouts_give_plausible_per_rank_memory(preset, parallel, world):
     assert "total" in table and "fits" in table
 
 
+@in_forked_process  # builds a fake process group: keep it out of this process
 def test_pipeline_stages_hold_their_share_of_layers():
     config = build_config({"model": {"preset": "mula-100b-a7b"}, "parallel": dict(dp_shard=96, ep=12, pp=4),
                            "train": TRAIN})
@@ -75,6 +78,7 @@ def test_activation_estimate_of_the_selective_mask():
     assert activation_bytes(build_config(dense), dims, 16, False) == activation_bytes(build_config(plain), dims, 16, False)
 
 
+@in_forked_process  # builds a fake process group: keep it out of this process
 def test_dry_run_lists_every_checkpointing_mode():
     config = build_config({"model": {"preset": "mula-tiny-moe"}, "parallel": dict(dp_shard=2),
                            "train": dict(activation_checkpointing="selective", recompute=["attention", "moe"])})
@@ -91,6 +95,7 @@ def test_tensor_parallel_splits_activations():
     assert 0.5 * one < two < one
 
 
+@in_forked_process  # builds a fake process group: keep it out of this process
 def test_cli_dry_run_with_world_size_prints_config_and_table(capsys):
     from optimus.cli import main
 

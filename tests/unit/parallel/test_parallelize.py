@@ -12,6 +12,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.parallelize import parallelize_model
 from optimus.testing.parity import global_batches, rank_micro_batches, tiny_config
 from optimus.train.step import clip_gradients, forward_backward
+from optimus.testing import in_forked_process
 
 
 def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
@@ -123,6 +124,7 @@ def _meta_model(config, dims):
         dist.destroy_process_group()
 
 
+@in_forked_process  # builds a fake process group: keep it out of this process
 def test_ops_checkpointing_with_one_rank_expert_groups():
     """ep = dp_shard: the experts have no FSDP replica; under ops they are left out of FSDP (a one-rank
     FSDP group unshards differently in the recompute, which op replay refuses). With HSDP they would
