@@ -1,27 +1,136 @@
-"""Token permutation for dropless MoE: gather token copies into expert order, and back."""
+"""Token permutation for dropless MoE: gather token copies into expert order, and back.
+
+permute_tokens   x [T, D] -> rows [T*k, D] sorted by expert (each token copied once per slot)
+unpermute_tokens rows -> [T, D], the router-weighted sum of each token's k rows (the combine)
+
+Both are differentiable (x, rows, and the router weights). The fast versions never build the
+zero-filled [T*k, D] buffers that autograd of index_select / index_copy would: the gradient of
+the gather is a combine (a k-row sum per token) and the gradient of the combine is a gather.
+`gather_rows`, `combine_rows` and `combine_rows_backward` are the primitives, also used by the
+fused expert path; backend "torch" or "triton".
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from optimus.ops._device import check_impl, triton_runs_on
+from optimus.ops.routing import Routing, count_per_expert
 
 
-def permute_tokens(
+def permute_tokens_reference(
     x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [T, D]; expert_ids: [T, k] -> (rows [T*k, D] sorted by expert, order [T*k], counts [E]).
-
-    `order[j]` is the flat (token * k + slot) index of sorted row j; ties keep token order.
-    """
+    """Ground truth for permute_tokens with plain autograd."""
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=n_experts)
+    counts = count_per_expert(flat_ids, n_experts)
     return x.index_select(0, order // top_k), order, counts
 
 
-def unpermute_tokens(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Inverse of permute_tokens with the router-weight combine: -> [T, D] = sum_k w[t, k] * row."""
+def unpermute_tokens_reference(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Ground truth for unpermute_tokens with plain autograd."""
     n_tokens, top_k = weights.shape
     unsorted = torch.empty_like(rows).index_copy_(0, order, rows)
     unsorted = unsorted.view(n_tokens, top_k, -1) * weights.unsqueeze(-1).to(rows.dtype)
     return unsorted.sum(dim=1)
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, divisor: int = 1, backend: str = "torch") -> torch.Tensor:
+    """No-autograd gather: out[j] = src[index[j] // divisor]."""
+    if backend == "triton":
+        from optimus.ops.triton.permute import gather_rows as triton_gather
+
+        return triton_gather(src, index, divisor)
+    if divisor != 1:
+        index = torch.div(index, divisor, rounding_mode="floor")
+    return src.index_select(0, index)
+
+
+def combine_rows(
+    rows: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor | None = None, backend: str = "torch"
+) -> torch.Tensor:
+    """No-autograd combine: out[t] = sum_s weights[t, s] * rows[row_of_slot[t, s]] -> [T, D]."""
+    if backend == "triton":
+        from optimus.ops.triton.permute import combine_rows as triton_combine
+
+        return triton_combine(rows, row_of_slot, weights)
+    if weights is not None:
+        weights = weights.to(rows.dtype)
+    # embedding_bag is a fused gather + weighted bag sum: one read of rows, no [T, k, D] temporary
+    return F.embedding_bag(row_of_slot, rows.contiguous(), mode="sum", per_sample_weights=weights)
+
+
+def combine_rows_backward(
+    dout: torch.Tensor, rows: torch.Tensor, routing: Routing, weights: torch.Tensor, backend: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the weighted combine: (d rows [M, D], d weights [T, k])."""
+    if backend == "triton":
+        from optimus.ops.triton.permute import combine_rows_backward as triton_backward
+
+        return triton_backward(dout, rows, routing.row_of_slot, weights)
+    grad_rows = dout.index_select(0, routing.token_of_row)
+    grad_weights = torch.linalg.vecdot(grad_rows, rows).to(weights.dtype)[routing.row_of_slot]
+    row_weights = weights.reshape(-1)[routing.order].to(rows.dtype)
+    return grad_rows.mul_(row_weights.unsqueeze(1)), grad_weights
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, routing: Routing, backend: str) -> torch.Tensor:
+        ctx.routing, ctx.backend = routing, backend
+        return gather_rows(x, routing.order, routing.top_k, backend)
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        return combine_rows(grad_rows, ctx.routing.row_of_slot, None, ctx.backend), None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, routing: Routing, backend: str) -> torch.Tensor:
+        ctx.save_for_backward(rows, weights)
+        ctx.routing, ctx.backend = routing, backend
+        return combine_rows(rows, routing.row_of_slot, weights, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, weights = ctx.saved_tensors
+        grad_rows, grad_weights = combine_rows_backward(grad_out.contiguous(), rows, ctx.routing, weights, ctx.backend)
+        return grad_rows, grad_weights, None, None
+
+
+def _backend(impl: str, tensor: torch.Tensor) -> str:
+    check_impl(impl)
+    if impl == "auto":
+        return "triton" if triton_runs_on(tensor.device) else "torch"
+    return impl
+
+
+def permute_tokens(
+    x: torch.Tensor, expert_ids: torch.Tensor, n_experts: int, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: [T, D]; expert_ids: [T, k] -> (rows [T*k, D] sorted by expert, order [T*k], counts [E]).
+
+    `order[j]` is the flat (token * k + slot) index of sorted row j; ties keep token order.
+    impl: "auto", "reference", "torch" or "triton".
+    """
+    backend = _backend(impl, x)
+    if backend == "reference":
+        return permute_tokens_reference(x, expert_ids, n_experts)
+    routing = Routing.from_expert_ids(expert_ids, n_experts)
+    return _PermuteTokens.apply(x, routing, backend), routing.order, routing.groups.counts
+
+
+def unpermute_tokens(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Inverse of permute_tokens with the router-weight combine: -> [T, D] = sum_k w[t, k] * row.
+
+    Differentiable in rows and weights. impl: "auto", "reference", "torch" or "triton".
+    """
+    backend = _backend(impl, rows)
+    if backend == "reference":
+        return unpermute_tokens_reference(rows, order, weights)
+    routing = Routing(order, None, weights.shape[1])
+    return _UnpermuteTokens.apply(rows, weights, routing, backend)

@@ -1,0 +1,246 @@
+"""MoE layer forward+backward: Optimus's expert kernels vs the reference ops vs transformers' OLMoE.
+
+    python benchmarks/moe_layer.py                      # CPU: tiny and OLMoE-1B-7B layer shapes
+    python benchmarks/moe_layer.py --device cuda --json bench-results/moe_layer_gpu.json
+
+One MoE layer = router (linear, fp32 softmax, top-k) + permute + SwiGLU experts + weighted
+combine, timed forward+backward on the same weights and inputs for:
+  optimus            moe_experts_forward(impl="auto"): the fused path picked for the device
+  optimus-triton     (GPU) the same with Triton for every kernel, GEMMs included
+  reference          the pure-torch reference ops (a Python loop over experts)
+  hf-default         transformers' OlmoeSparseMoeBlock with the experts implementation
+                     from_pretrained picks by default ("grouped_mm")
+  hf-eager           the same block with experts_implementation="eager" (its loop over experts)
+Before timing, every implementation's output and gradients (x, router, both expert weights) are
+checked against the reference; a mismatch stops the run. Timings are interleaved round by round
+(benchmarks/_common.py); ratios are against hf-eager and hf-default from the same run. On GPU it
+also reports achieved TFLOP/s next to the dense bf16 matmul rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import machine_info, time_interleaved, write_json  # noqa: E402
+from optimus.ops import moe_experts_forward  # noqa: E402
+from optimus.ops.testing import relative_error  # noqa: E402
+
+# name: (d_model, experts, expert ffn, top_k, tokens on CPU, tokens on GPU)
+SHAPES = {
+    "tiny": (256, 16, 512, 4, 2048, 8192),  # the mula-tiny-moe layer (configs/mula-tiny-moe.yaml)
+    "olmoe": (2048, 64, 1024, 8, 1024, 8192),  # one OLMoE-1B-7B / mula-7b-a1b layer
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MATCH_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+class Layer:
+    """One set of weights, in Optimus's layout and inside an HF OlmoeSparseMoeBlock."""
+
+    def __init__(self, shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+        from transformers import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+        d_model, n_experts, ffn, top_k, *_ = SHAPES[shape]
+        self.top_k = top_k
+        config = OlmoeConfig(
+            hidden_size=d_model, intermediate_size=ffn, num_experts=n_experts, num_experts_per_tok=top_k,
+            norm_topk_prob=False,
+        )
+        torch.manual_seed(seed)
+        self.hf = OlmoeSparseMoeBlock(config).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            self.hf.gate.weight.normal_(0.0, d_model**-0.5)
+            self.hf.experts.gate_up_proj.normal_(0.0, d_model**-0.5)
+            self.hf.experts.down_proj.normal_(0.0, ffn**-0.5)
+        # ours: [E, D, 2F] and [E, F, D] (x @ w), HF: [E, 2F, D] and [E, D, F] (F.linear)
+        self.router = self.hf.gate.weight.detach().clone().requires_grad_()
+        self.w_gate_up = self.hf.experts.gate_up_proj.detach().transpose(1, 2).contiguous().requires_grad_()
+        self.w_down = self.hf.experts.down_proj.detach().transpose(1, 2).contiguous().requires_grad_()
+
+    def optimus(self, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """Router as OLMoE computes it (fp32 softmax, top-k, no renormalisation) + our experts."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return moe_experts_forward(x, ids, weights.to(x.dtype), self.w_gate_up, self.w_down, impl=impl)
+
+    def transformers(self, x: torch.Tensor, experts_implementation: str) -> torch.Tensor:
+        """transformers' own block, with the given experts implementation."""
+        self.hf.experts.config._experts_implementation = experts_implementation
+        return self.hf(x.unsqueeze(0)).squeeze(0)
+
+    def grads(self, impl: str) -> list[torch.Tensor]:
+        """Gradients of the router and expert weights in our layout, then cleared."""
+        if impl.startswith("hf"):
+            params = [self.hf.gate.weight, self.hf.experts.gate_up_proj, self.hf.experts.down_proj]
+            grads = [params[0].grad, params[1].grad.transpose(1, 2), params[2].grad.transpose(1, 2)]
+        else:
+            params = [self.router, self.w_gate_up, self.w_down]
+            grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+
+def implementations(layer: Layer, device: torch.device) -> dict:
+    """name -> forward function of x."""
+    impls = {
+        "optimus": lambda x: layer.optimus(x, "auto"),
+        "reference": lambda x: layer.optimus(x, "reference"),
+        "hf-default": lambda x: layer.transformers(x, "grouped_mm"),
+        "hf-eager": lambda x: layer.transformers(x, "eager"),
+    }
+    if device.type != "cpu":
+        impls["optimus-triton"] = lambda x: layer.optimus(x, "triton")
+    return impls
+
+
+def check_agreement(layer: Layer, impls: dict, x: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype):
+    """Run each implementation once (also the warm-up) and compare with the reference.
+
+    Exits on a mismatch, and on an error in one of ours; a transformers variant that cannot run
+    here (say, a dtype its kernels lack on this device) is reported and dropped. Returns
+    ({impl: max relative error}, {impl: peak extra GPU memory in GiB}).
+    """
+    results, peak_gb = {}, {}
+    for name, forward in list(impls.items()):
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        x_leaf = x.detach().requires_grad_()
+        try:
+            out = forward(x_leaf)
+            out.backward(grad_out)
+        except Exception as error:  # noqa: BLE001 - only transformers' variants may fail
+            if not name.startswith("hf"):
+                raise
+            print(f"# {name} cannot run here: {type(error).__name__}: {str(error)[:200]}")
+            layer.grads(name)
+            del impls[name]
+            continue
+        results[name] = [out.detach(), x_leaf.grad] + layer.grads(name)
+        if x.device.type == "cuda":
+            peak_gb[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    errors = {}
+    labels = ["output", "grad x", "grad router", "grad w_gate_up", "grad w_down"]
+    for name, tensors in results.items():
+        errors[name] = max(relative_error(a, b) for a, b in zip(tensors, results["reference"]))
+        if errors[name] > MATCH_TOLERANCE[dtype]:
+            detail = ", ".join(f"{l} {relative_error(a, b):.1e}" for l, a, b in zip(labels, tensors, results["reference"]))
+            raise SystemExit(f"MISMATCH: {name} disagrees with the reference ({detail})")
+    return errors, peak_gb
+
+
+def step_fn(layer: Layer, forward, name: str, x: torch.Tensor, grad_out: torch.Tensor, device: torch.device):
+    """One forward+backward with gradients dropped afterwards (as zero_grad(set_to_none) does)."""
+
+    def step():
+        x_leaf = x.detach().requires_grad_()
+        forward(x_leaf).backward(grad_out)
+        layer.grads(name)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def layer_flops(shape: str, n_tokens: int) -> float:
+    """Forward+backward FLOPs of one layer: 3x the forward's 2*m*n*k per matmul."""
+    d_model, n_experts, ffn, top_k, *_ = SHAPES[shape]
+    rows = n_tokens * top_k
+    forward = 2 * n_tokens * d_model * n_experts + 2 * rows * d_model * 2 * ffn + 2 * rows * ffn * d_model
+    return 3.0 * forward
+
+
+def dense_bf16_tflops(device: torch.device, size: int = 8192) -> float:
+    """The device's dense bf16 matmul rate, measured now (the roofline our numbers are read against)."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+
+    def matmul():
+        a @ b
+        torch.cuda.synchronize()
+
+    seconds = time_interleaved({"mm": matmul}, rounds=5, calls_per_round=3, warmup=2)["mm"]["best"]
+    return 2 * size**3 / seconds / 1e12
+
+
+def run_case(shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int, skip: set) -> list[dict]:
+    """Check and time every implementation for one shape and dtype."""
+    dtype = DTYPES[dtype_name]
+    n_tokens = tokens or SHAPES[shape][5 if device.type == "cuda" else 4]
+    layer = Layer(shape, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(n_tokens, SHAPES[shape][0], device=device, dtype=dtype, generator=gen)
+    grad_out = torch.randn(n_tokens, SHAPES[shape][0], device=device, dtype=dtype, generator=gen)
+    impls = {n: f for n, f in implementations(layer, device).items() if n not in skip or n == "reference"}
+    errors, peak_gb = check_agreement(layer, impls, x, grad_out, dtype)
+    timed = {n: step_fn(layer, f, n, x, grad_out, device) for n, f in impls.items() if n not in skip}
+    timings = time_interleaved(timed, rounds=rounds, calls_per_round=1, warmup=0)
+    flops = layer_flops(shape, n_tokens)
+    rows = []
+    for name, t in timings.items():
+        row = {"shape": shape, "dtype": dtype_name, "impl": name, "tokens": n_tokens, "ms": 1e3 * t["median"],
+               "best_ms": 1e3 * t["best"], "tokens_per_s": n_tokens / t["median"], "max_rel_error": errors[name]}
+        for base in ("hf-eager", "hf-default"):
+            if base in timings:
+                row[f"vs_{base}"] = timings[base]["median"] / t["median"]
+        if device.type == "cuda":
+            row["tflops"] = flops / t["median"] / 1e12
+            row["peak_gib"] = peak_gb[name]
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], peak_tflops: float | None) -> None:
+    """Plain text table, one line per (shape, dtype, impl)."""
+    head = f"{'shape':6} {'dtype':5} {'impl':15} {'tokens':>6} {'ms':>10} {'tokens/s':>10} {'x hf-eager':>10} {'x hf-def':>9}"
+    if peak_tflops:
+        head += f" {'TFLOP/s':>8} {'% dense':>8} {'peak GiB':>8}"
+    print(head)
+    for r in rows:
+        line = (f"{r['shape']:6} {r['dtype']:5} {r['impl']:15} {r['tokens']:>6} {r['ms']:>10.1f} "
+                f"{r['tokens_per_s']:>10.0f} {r.get('vs_hf-eager', float('nan')):>10.2f} {r.get('vs_hf-default', float('nan')):>9.2f}")
+        if peak_tflops:
+            line += f" {r['tflops']:>8.1f} {100 * r['tflops'] / peak_tflops:>7.1f}% {r['peak_gib']:>8.2f}"
+        print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--shapes", default="tiny,olmoe", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {sorted(DTYPES)}")
+    parser.add_argument("--tokens", type=int, help="tokens per layer call (default: per shape and device)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls per implementation")
+    parser.add_argument("--skip", default="", help="comma list of implementations not to time (e.g. hf-eager)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    peak = dense_bf16_tflops(device) if device.type == "cuda" else None
+    skip = set(filter(None, args.skip.split(",")))
+    rows = []
+    for shape in args.shapes.split(","):
+        for dtype_name in args.dtypes.split(","):
+            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip)
+            print_table(case_rows, peak)
+            rows.extend(case_rows)
+    info = machine_info()
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["dense_bf16_tflops"] = peak
+    if args.json:
+        write_json(args.json, {"benchmark": "moe_layer", "info": info, "results": rows})
+    print(f"# {info['date']}, {info.get('device', info['machine'])}, torch {info['torch']}, {info['threads']} threads")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The expert half of a dropless MoE layer as one differentiable op.
+
+    moe_experts_forward(x, expert_ids, weights, w_gate_up, w_down)
+        = unpermute(grouped_mm(swiglu(grouped_mm(permute(x), w_gate_up)), w_down), weights)
+
+Fused, it keeps fewer activations and makes fewer passes over memory than the chain of
+separate ops: the router weight scales the SwiGLU output (so the combine after the down
+projection is a plain sum), only x and the gate_up output are saved (backward re-gathers the
+rows and recomputes the activation), and the gate_up gradient overwrites the saved gate_up
+output. On CPU the chain runs per expert block (ops/cpu_experts.py); on accelerators it runs
+whole-tensor with Triton kernels for the row work and the best grouped GEMM of the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimus.ops._device import (
+    check_impl,
+    compute_dtype,
+    torch_grouped_mm_accepts,
+    torch_grouped_mm_fast_on,
+    triton_runs_on,
+)
+from optimus.ops.cpu_experts import CpuExpertMLP
+from optimus.ops.grouped_mm import BACKENDS, GemmBackend, grouped_mm_reference, pick_gemm_backend
+from optimus.ops.permute import (
+    combine_rows,
+    gather_rows,
+    permute_tokens_reference,
+    unpermute_tokens_reference,
+)
+from optimus.ops.routing import Groups, Routing
+from optimus.ops.swiglu import swiglu_backward, swiglu_forward, swiglu_reference
+
+
+def expert_mlp_reference(rows, w_gate_up, w_down, counts):
+    """Ground truth for expert_mlp: reference grouped GEMMs and SwiGLU with plain autograd."""
+    hidden = swiglu_reference(grouped_mm_reference(rows, w_gate_up, counts))
+    return grouped_mm_reference(hidden, w_down, counts)
+
+
+def moe_experts_reference(x, expert_ids, weights, w_gate_up, w_down):
+    """Ground truth for moe_experts_forward: the chain of reference ops."""
+    rows, order, counts = permute_tokens_reference(x, expert_ids, w_gate_up.shape[0])
+    return unpermute_tokens_reference(expert_mlp_reference(rows, w_gate_up, w_down, counts), order, weights)
+
+
+class _FusedExperts(torch.autograd.Function):
+    """Whole-tensor fused expert MLP. With a routing it gathers token copies from x and combines
+    the weighted outputs per token ([T, D]); without, x holds the sorted rows ([M, D] out)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, weights, routing, groups, gemm, row_backend):
+        row_weights = weights.reshape(-1)[routing.order] if weights is not None else None
+        rows = gather_rows(x, routing.order, routing.top_k, row_backend) if routing is not None else x
+        h = gemm.rows(rows, w_gate_up, groups)
+        del rows
+        act = swiglu_forward(h, row_weights, row_backend)
+        out = gemm.rows(act, w_down, groups)
+        del act
+        if routing is not None:
+            out = combine_rows(out, routing.row_of_slot, None, row_backend)
+        ctx.save_for_backward(x, w_gate_up, w_down, row_weights, h)
+        ctx.routing, ctx.groups, ctx.gemm, ctx.row_backend = routing, groups, gemm, row_backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate_up, w_down, row_weights, h = ctx.saved_tensors
+        routing, groups, gemm, backend = ctx.routing, ctx.groups, ctx.gemm, ctx.row_backend
+        grad_out = grad_out.contiguous()
+        grad_y = gather_rows(grad_out, routing.order, routing.top_k, backend) if routing is not None else grad_out
+        act = swiglu_forward(h, row_weights, backend)
+        grad_w_down = gemm.wgrad(act, grad_y, groups)
+        del act
+        grad_act = gemm.rows(grad_y, w_down.transpose(1, 2), groups)
+        del grad_y
+        grad_h, grad_row_weights = swiglu_backward(h, grad_act, row_weights, backend, in_place=True)
+        del grad_act
+        rows = gather_rows(x, routing.order, routing.top_k, backend) if routing is not None else x
+        grad_w_gate_up = gemm.wgrad(rows, grad_h, groups)
+        del rows
+        grad_rows = gemm.rows(grad_h, w_gate_up.transpose(1, 2), groups)
+        grad_x = combine_rows(grad_rows, routing.row_of_slot, None, backend) if routing is not None else grad_rows
+        grad_weights = None
+        if grad_row_weights is not None:
+            grad_weights = grad_row_weights[routing.row_of_slot]
+        return grad_x, grad_w_gate_up, grad_w_down, grad_weights, None, None, None, None
+
+
+def _plan(impl: str, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[GemmBackend, str] | None:
+    """(grouped GEMM backend, row-kernel backend) for the whole-tensor path; None = the CPU path."""
+    if impl == "triton":
+        return BACKENDS["triton"], "triton"
+    if x.device.type == "cpu":
+        return None
+    if impl == "torch":
+        native = torch_grouped_mm_fast_on(x.device, x.dtype) and torch_grouped_mm_accepts(x, w_gate_up, w_down)
+        return BACKENDS["torch" if native else "loop"], "torch"
+    gemm = pick_gemm_backend("auto", x, w_gate_up)
+    return gemm, "triton" if triton_runs_on(x.device) else "torch"
+
+
+def _validate(x, w_gate_up, w_down):
+    n_experts, d_model, two_ffn = w_gate_up.shape
+    if x.shape[-1] != d_model or two_ffn % 2 or w_down.shape != (n_experts, two_ffn // 2, d_model):
+        raise ValueError(
+            f"expert shapes disagree: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} (want [E, D, 2F]), "
+            f"w_down {tuple(w_down.shape)} (want [E, F, D])"
+        )
+
+
+def expert_mlp(
+    rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, counts: torch.Tensor, impl: str = "auto"
+) -> torch.Tensor:
+    """SwiGLU expert MLP over expert-sorted rows: grouped_mm(swiglu(grouped_mm(rows, w_gate_up)), w_down).
+
+    rows: [M, D] sorted by expert; w_gate_up: [E, D, 2F] (gate columns first); w_down: [E, F, D];
+    counts: [E] rows per expert (sum M, zeros allowed) -> [M, D]. Differentiable in rows and
+    both weights. impl: "auto", "reference", "torch" or "triton".
+    """
+    check_impl(impl)
+    _validate(rows, w_gate_up, w_down)
+    dtype = compute_dtype(rows, w_gate_up)
+    rows, w_gate_up, w_down = rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+    if impl == "reference":
+        return expert_mlp_reference(rows, w_gate_up, w_down, counts)
+    groups = Groups(counts)
+    plan = _plan(impl, rows, w_gate_up, w_down)
+    if plan is None:
+        return CpuExpertMLP.apply(rows, w_gate_up, w_down, None, groups, None)
+    return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, groups, *plan)
+
+
+def moe_experts_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The routed experts of a dropless MoE layer: permute, expert MLP, weighted combine, fused.
+
+    x: [T, D] tokens; expert_ids: [T, k] chosen experts (int64); weights: [T, k] router weights
+    (any float dtype, not renormalised here); w_gate_up: [E, D, 2F]; w_down: [E, F, D] -> [T, D],
+    out[t] = sum_s weights[t, s] * MLP_{expert_ids[t, s]}(x[t]). Differentiable in x, weights and
+    both expert weights. impl: "auto" (fastest for the device), "reference" (pure-torch ops),
+    "torch" (no Triton), "triton". Under autocast the expert math runs in the autocast dtype.
+    """
+    check_impl(impl)
+    _validate(x, w_gate_up, w_down)
+    if expert_ids.shape != weights.shape or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]")
+    dtype = compute_dtype(x, w_gate_up)
+    x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+    if impl == "reference":
+        return moe_experts_reference(x, expert_ids, weights, w_gate_up, w_down)
+    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    plan = _plan(impl, x, w_gate_up, w_down)
+    if plan is None:
+        row_weights = weights.reshape(-1)[routing.order]
+        return CpuExpertMLP.apply(x, w_gate_up, w_down, row_weights, routing.groups, routing.token_of_row)
+    return _FusedExperts.apply(x, w_gate_up, w_down, weights, routing, routing.groups, *plan)

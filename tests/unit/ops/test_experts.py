@@ -1,0 +1,125 @@
+"""The fused expert path (CPU block chain, and the whole-tensor path with torch primitives)
+against the chain of reference ops: outputs and gradients of x, router weights, both weights."""
+
+import pytest
+import torch
+
+from optimus.ops import cpu_experts, expert_mlp, expert_mlp_reference, moe_experts_forward, moe_experts_reference
+from optimus.ops.experts import _FusedExperts
+from optimus.ops.grouped_mm import BACKENDS
+from optimus.ops.routing import Routing
+from optimus.ops.testing import ROUTINGS, check_against_reference, moe_inputs
+
+GRADS = ("x", "weights", "w_gate_up", "w_down")
+# (tokens, d_model, ffn, experts, top_k): odd sizes on purpose
+SHAPES = {"top1": (21, 12, 10, 4, 1), "top2": (17, 20, 6, 6, 2), "top8": (9, 16, 8, 16, 8)}
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Chunks of a few rows, so that chunk boundaries cut experts (as they do at real sizes)."""
+    monkeypatch.setattr(cpu_experts, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu_experts, "MIN_CHUNK_ROWS", 5)
+
+
+def _whole_tensor_torch(x, expert_ids, weights, w_gate_up, w_down):
+    # the accelerator path without Triton, run on CPU
+    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    return _FusedExperts.apply(x, w_gate_up, w_down, weights, routing, routing.groups, BACKENDS["loop"], "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_moe_experts_match_reference(shape, routing, dtype, tiny_chunks):
+    if routing == "empty_experts" and shape == "top8":
+        routing = "skewed"  # 8 of 16 experts cannot leave half of them empty
+    inputs = moe_inputs(*SHAPES[shape], routing=routing, dtype=dtype)
+    check_against_reference(moe_experts_forward, moe_experts_reference, inputs, GRADS, dtype, f"{shape}/{routing}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["uniform", "one_expert", "empty_experts"])
+def test_whole_tensor_path_matches_reference(routing, dtype):
+    inputs = moe_inputs(*SHAPES["top2"], routing=routing, dtype=dtype)
+    check_against_reference(_whole_tensor_torch, moe_experts_reference, inputs, GRADS, dtype, routing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_chunking_matches_reference(dtype):
+    inputs = moe_inputs(*SHAPES["top8"], routing="skewed", dtype=dtype)
+    check_against_reference(moe_experts_forward, moe_experts_reference, inputs, GRADS, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_tokens_on_one_expert_top1(dtype, tiny_chunks):
+    inputs = moe_inputs(23, 8, 6, 5, 1, routing="one_expert", dtype=dtype)
+    assert inputs["expert_ids"].unique().numel() == 1
+    check_against_reference(moe_experts_forward, moe_experts_reference, inputs, GRADS, dtype)
+
+
+@pytest.mark.parametrize("impl", ["auto", "whole_tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_mlp_matches_reference(dtype, impl, tiny_chunks):
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([7, 0, 12, 1])
+    inputs = {
+        "rows": torch.randn(20, 10, generator=gen).to(dtype).requires_grad_(),
+        "w_gate_up": (torch.randn(4, 10, 12, generator=gen) * 0.3).to(dtype).requires_grad_(),
+        "w_down": (torch.randn(4, 6, 10, generator=gen) * 0.4).to(dtype).requires_grad_(),
+        "counts": counts,
+    }
+    if impl == "auto":
+        fast = expert_mlp
+    else:
+        def fast(rows, w_gate_up, w_down, counts):
+            from optimus.ops.routing import Groups
+
+            return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, Groups(counts), BACKENDS["loop"], "torch")
+    check_against_reference(fast, expert_mlp_reference, inputs, ("rows", "w_gate_up", "w_down"), dtype)
+
+
+def test_reference_impl_is_the_reference():
+    inputs = moe_inputs(*SHAPES["top2"])
+    a = moe_experts_forward(**inputs, impl="reference")
+    b = moe_experts_reference(**inputs)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_saves_only_input_and_gate_up_output(chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setattr(cpu_experts, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(cpu_experts, "MIN_CHUNK_ROWS", 5)
+    inputs = moe_inputs(16, 8, 6, 4, 2)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        moe_experts_forward(**inputs)
+    activations = [t for t in saved if t.is_floating_point() and t.dim() == 2]
+    # x [T, D] and the gate_up output [T*k, 2F] (in chunks); no gathered rows, activation or down output
+    assert activations[0] is inputs["x"]
+    assert {t.shape[1] for t in activations[1:]} == {12} and sum(t.shape[0] for t in activations[1:]) == 32
+
+
+def test_backward_twice_fails_loudly():
+    # backward writes the gate_up gradient over the saved gate_up output
+    inputs = moe_inputs(8, 8, 4, 4, 2)
+    out = moe_experts_forward(**inputs)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_autocast_runs_in_bf16():
+    inputs = moe_inputs(8, 8, 4, 4, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe_experts_forward(**inputs)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert inputs["w_gate_up"].grad.dtype == torch.float32
+
+
+def test_rejects_mismatched_shapes():
+    inputs = moe_inputs(8, 8, 4, 4, 2)
+    with pytest.raises(ValueError, match="expert shapes disagree"):
+        moe_experts_forward(inputs["x"], inputs["expert_ids"], inputs["weights"], inputs["w_gate_up"], inputs["w_gate_up"])
