@@ -67,9 +67,17 @@ def real_token_batches(
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int, calls_per_round: int, warmup: int = 1
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    calls_per_round: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[str, float]]:
-    """Seconds per call of each fn: {name: {"median", "best"}}, the fns alternating round by round."""
+    """Seconds per call of each fn: {name: {"median", "best"}}, the fns alternating round by round.
+
+    `clock=time.process_time` with one thread measures CPU time, which other processes on a
+    shared machine barely disturb (with more threads it would add up the threads' times).
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -79,9 +87,9 @@ def time_interleaved(
         names = list(fns) if r % 2 == 0 else list(reversed(fns))
         for name in names:
             for _ in range(calls_per_round):
-                start = time.perf_counter()
+                start = clock()
                 fns[name]()
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(clock() - start)
     return {name: {"median": statistics.median(s), "best": min(s)} for name, s in samples.items()}
 
 

@@ -1,6 +1,6 @@
 """Training-step throughput: Optimus vs Hugging Face OlmoeForCausalLM, and dense MFU, on this machine.
 
-    python benchmarks/train_step.py [--json out.json] [--steps N] [--rounds R]
+    python benchmarks/train_step.py [--json out.json] [--steps N] [--rounds R] [--cpu-time]
 
 Both MoE models have the same shapes (mula-tiny-moe: d_model 256, 4 layers, 4 heads, 16 experts
 top-4, expert ffn 512, vocab 50,304), random weights, the same real-token micro-batch (8 x 256 from
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ def hf_step(model, optimizer, inputs, labels, dtype: str) -> float:
     return norm.item()
 
 
-def compare_moe(batches, dtype: str, rounds: int, steps: int) -> dict:
+def compare_moe(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
     """Tokens/s of our MoE step and Hugging Face's, interleaved in one run."""
     config = get_preset("mula-tiny-moe")
     ours = build_model(config, seed=0).train()
@@ -108,7 +109,7 @@ def compare_moe(batches, dtype: str, rounds: int, steps: int) -> dict:
         cursor["hf"] += 1
         hf_step(hf, hf_opt, inputs, labels, dtype)
 
-    times = time_interleaved({"ours": run_ours, "hf": run_hf}, rounds=rounds, calls_per_round=steps)
+    times = time_interleaved({"ours": run_ours, "hf": run_hf}, rounds=rounds, calls_per_round=steps, clock=clock)
     tokens = BATCH * SEQ_LEN
     result = {
         "ours_tokens_per_s": tokens / times["ours"]["median"],
@@ -124,7 +125,7 @@ def compare_moe(batches, dtype: str, rounds: int, steps: int) -> dict:
     return result
 
 
-def dense_mfu(batches, dtype: str, rounds: int, steps: int) -> dict:
+def dense_mfu(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
     """Our dense tiny model's tokens/s and MFU against the matmul peak measured now, same dtype."""
     config = get_preset("mula-tiny-dense")
     model = build_model(config, seed=0).train()
@@ -142,7 +143,7 @@ def dense_mfu(batches, dtype: str, rounds: int, steps: int) -> dict:
         peaks.append(measure_matmul_flops(DTYPES[dtype], seconds=0.5))
 
     # The peak is measured between the rounds, so that it sees the same machine load as the steps.
-    times = time_interleaved({"dense": run, "peak": measure_peak}, rounds=rounds, calls_per_round=steps)
+    times = time_interleaved({"dense": run, "peak": measure_peak}, rounds=rounds, calls_per_round=steps, clock=clock)
     fpt = flops_per_token(count_parameters(model, config), config, SEQ_LEN)
     best_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["best"]
     median_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["median"]
@@ -163,7 +164,7 @@ def print_table(results: dict, info: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"Training step, batch {BATCH} x {SEQ_LEN} ({info['machine']}, torch {info['torch']}, "
-                        f"{info['threads']} threads)")
+                        f"{info['threads']} threads, {info['clock']})")
     columns = ("dtype", "ours tok/s", "HF OLMoE tok/s", "ours / HF", "ours / HF (best)", "dense tok/s (best)",
                "matmul peak GFLOP/s", "dense MFU")
     for col in columns:
@@ -185,14 +186,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="one thread, timed by process CPU time: steadier on a busy shared machine",
+    )
     args = parser.parse_args(argv)
 
-    info = machine_info()
+    clock = time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.process_time
+    info = {**machine_info(), "clock": "CPU-time clock" if args.cpu_time else "wall clock"}
     batches = real_token_batches(4, BATCH, SEQ_LEN)
     results = {}
     for dtype in args.dtypes.split(","):
-        results[dtype] = compare_moe(batches, dtype, args.rounds, args.steps)
-        results[dtype].update(dense_mfu(batches, dtype, args.rounds, args.steps))
+        results[dtype] = compare_moe(batches, dtype, args.rounds, args.steps, clock)
+        results[dtype].update(dense_mfu(batches, dtype, args.rounds, args.steps, clock))
     print_table(results, info)
     payload = {**info, "batch": BATCH, "seq_len": SEQ_LEN, "steps": args.steps, "rounds": args.rounds,
                "figures": results}
