@@ -4,11 +4,15 @@
         = unpermute(grouped_mm(swiglu(grouped_mm(permute(x), w_gate_up)), w_down), weights)
 
 Fused, it keeps fewer activations and makes fewer passes over memory than the chain of
-separate ops: the router weight scales the SwiGLU output (so the combine after the down
-projection is a plain sum), only x and the gate_up output are saved (backward re-gathers the
-rows and recomputes the activation), and the gate_up gradient overwrites the saved gate_up
-output. On CPU the chain runs per expert block (ops/cpu_experts.py); on accelerators it runs
-whole-tensor with Triton kernels for the row work and the best grouped GEMM of the device.
+separate ops: the router weight is applied inside a pass that exists anyway (the SwiGLU kernel
+on accelerators, the combine on CPU) and its gradient comes out of one F-wide dot product; only
+x and the gate_up output are saved (backward re-gathers the rows and recomputes the
+activation); the gate_up gradient overwrites the saved gate_up output. On CPU the chain runs
+chunk by chunk over the sorted rows (ops/cpu_experts.py); on accelerators it runs whole-tensor,
+with Triton kernels for the row work and the device's best grouped GEMM.
+
+Backward may run once per forward (it reuses saved memory): a second backward through the same
+graph raises PyTorch's "modified by an inplace operation" error instead of giving wrong grads.
 """
 
 from __future__ import annotations
@@ -126,11 +130,12 @@ def expert_mlp(
     rows, w_gate_up, w_down = rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     if impl == "reference":
         return expert_mlp_reference(rows, w_gate_up, w_down, counts)
-    groups = Groups(counts)
     plan = _plan(impl, rows, w_gate_up, w_down)
     if plan is None:
-        return CpuExpertMLP.apply(rows, w_gate_up, w_down, None, groups, None)
-    return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, groups, *plan)
+        # the CPU path in its general form: row j is "token" j with one slot and no weight
+        identity = Routing(torch.arange(rows.shape[0], device=rows.device), counts, top_k=1)
+        return CpuExpertMLP.apply(rows, w_gate_up, w_down, None, identity)
+    return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, Groups(counts), *plan)
 
 
 def moe_experts_forward(
@@ -160,6 +165,5 @@ def moe_experts_forward(
     routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
     plan = _plan(impl, x, w_gate_up, w_down)
     if plan is None:
-        row_weights = weights.reshape(-1)[routing.order]
-        return CpuExpertMLP.apply(x, w_gate_up, w_down, row_weights, routing.groups, routing.token_of_row)
+        return CpuExpertMLP.apply(x, w_gate_up, w_down, weights, routing)
     return _FusedExperts.apply(x, w_gate_up, w_down, weights, routing, routing.groups, *plan)

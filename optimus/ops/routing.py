@@ -82,7 +82,7 @@ class Routing:
         """Sort the [T, k] expert choices by expert (stable) and count rows per expert."""
         if expert_ids.dim() != 2:
             raise ValueError(f"expert_ids must be [tokens, top_k], got shape {tuple(expert_ids.shape)}")
-        flat_ids = expert_ids.reshape(-1)
+        flat_ids = expert_ids.reshape(-1).long()
         order = torch.argsort(flat_ids, stable=True)
         return cls(order, count_per_expert(flat_ids, n_experts), expert_ids.shape[1])
 

@@ -16,12 +16,18 @@ def dot_settings(kernel, dtype: torch.dtype) -> dict:
     """Constexpr arguments for tl.dot.
 
     The interpreter computes bf16 tl.dot wrongly, so there the operands are upcast to fp32 first.
-    fp32 inputs use full precision unless the user allowed TF32 for matmuls, as torch does.
+    fp32 operands get full precision unless the user allowed TF32 for matmuls (as torch does),
+    and only on NVIDIA, where "tf32" is always accepted; other operands keep the backend default.
     """
     upcast = interpreting(kernel) and dtype != torch.float32
-    full_fp32 = (dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32) or upcast
-    # input_precision only matters for fp32 operands; "tf32" is Triton's default otherwise
-    return {"DOT_IN_FP32": upcast, "PRECISION": "ieee" if full_fp32 or interpreting(kernel) else "tf32"}
+    if interpreting(kernel):
+        precision = "ieee"
+    elif dtype == torch.float32:
+        tf32 = torch.backends.cuda.matmul.allow_tf32 and torch.version.hip is None and torch.cuda.is_available()
+        precision = "tf32" if tf32 else "ieee"
+    else:
+        precision = None
+    return {"DOT_IN_FP32": upcast, "PRECISION": precision}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,11 +15,13 @@ GRADS = ("x", "weights", "w_gate_up", "w_down")
 SHAPES = {"top1": (21, 12, 10, 4, 1), "top2": (17, 20, 6, 6, 2), "top8": (9, 16, 8, 16, 8)}
 
 
-@pytest.fixture
-def tiny_chunks(monkeypatch):
-    """Chunks of a few rows, so that chunk boundaries cut experts (as they do at real sizes)."""
-    monkeypatch.setattr(cpu_experts, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(cpu_experts, "MIN_CHUNK_ROWS", 5)
+@pytest.fixture(params=["5_row_chunks", "one_chunk"])
+def chunking(request, monkeypatch):
+    """Chunks of 5 rows cut experts (an expert spans chunks, its weight gradient accumulates);
+    one chunk holds every expert."""
+    if request.param == "5_row_chunks":
+        monkeypatch.setattr(cpu_experts, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(cpu_experts, "MIN_CHUNK_ROWS", 5)
 
 
 def _whole_tensor_torch(x, expert_ids, weights, w_gate_up, w_down):
@@ -31,7 +33,7 @@ def _whole_tensor_torch(x, expert_ids, weights, w_gate_up, w_down):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_moe_experts_match_reference(shape, routing, dtype, tiny_chunks):
+def test_moe_experts_match_reference(shape, routing, dtype, chunking):
     if routing == "empty_experts" and shape == "top8":
         routing = "skewed"  # 8 of 16 experts cannot leave half of them empty
     inputs = moe_inputs(*SHAPES[shape], routing=routing, dtype=dtype)
@@ -52,7 +54,7 @@ def test_default_chunking_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_tokens_on_one_expert_top1(dtype, tiny_chunks):
+def test_all_tokens_on_one_expert_top1(dtype, chunking):
     inputs = moe_inputs(23, 8, 6, 5, 1, routing="one_expert", dtype=dtype)
     assert inputs["expert_ids"].unique().numel() == 1
     check_against_reference(moe_experts_forward, moe_experts_reference, inputs, GRADS, dtype)
@@ -60,7 +62,7 @@ def test_all_tokens_on_one_expert_top1(dtype, tiny_chunks):
 
 @pytest.mark.parametrize("impl", ["auto", "whole_tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_mlp_matches_reference(dtype, impl, tiny_chunks):
+def test_expert_mlp_matches_reference(dtype, impl, chunking):
     gen = torch.Generator().manual_seed(2)
     counts = torch.tensor([7, 0, 12, 1])
     inputs = {
@@ -79,6 +81,17 @@ def test_expert_mlp_matches_reference(dtype, impl, tiny_chunks):
     check_against_reference(fast, expert_mlp_reference, inputs, ("rows", "w_gate_up", "w_down"), dtype)
 
 
+def test_chunks_cut_experts_into_pieces():
+    from optimus.ops.routing import Groups
+
+    chunks = list(cpu_experts.plan_chunks(Groups(torch.tensor([3, 0, 6, 1])), 10, 4))
+    assert chunks == [
+        (0, 4, [(0, 0, 3, True), (2, 3, 4, True)]),
+        (4, 8, [(2, 0, 4, False)]),
+        (8, 10, [(2, 0, 1, False), (3, 1, 2, True)]),
+    ]
+
+
 def test_reference_impl_is_the_reference():
     inputs = moe_inputs(*SHAPES["top2"])
     a = moe_experts_forward(**inputs, impl="reference")
@@ -95,10 +108,12 @@ def test_saves_only_input_and_gate_up_output(chunked, monkeypatch):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         moe_experts_forward(**inputs)
-    activations = [t for t in saved if t.is_floating_point() and t.dim() == 2]
-    # x [T, D] and the gate_up output [T*k, 2F] (in chunks); no gathered rows, activation or down output
-    assert activations[0] is inputs["x"]
-    assert {t.shape[1] for t in activations[1:]} == {12} and sum(t.shape[0] for t in activations[1:]) == 32
+    parameters = [inputs[name] for name in ("x", "weights", "w_gate_up", "w_down")]
+    activations = [t for t in saved if not any(t is p for p in parameters)]
+    # besides the inputs, the gate_up output [T*k, 2F] (in chunks) and nothing else:
+    # no gathered rows, no activation, no down output
+    assert any(t is inputs["x"] for t in saved)
+    assert {t.shape[1] for t in activations} == {12} and sum(t.shape[0] for t in activations) == 32
 
 
 def test_backward_twice_fails_loudly():
