@@ -1,6 +1,7 @@
 """MoE layer forward+backward: Optimus's expert kernels vs the reference ops vs transformers' OLMoE.
 
     python benchmarks/moe_layer.py                      # CPU: tiny and OLMoE-1B-7B layer shapes
+    python benchmarks/moe_layer.py --cpu-time           # CPU, 1 thread, CPU-time clock (steady)
     python benchmarks/moe_layer.py --device cuda --json bench-results/moe_layer_gpu.json
 
 One MoE layer = router (linear, fp32 softmax, top-k) + permute + SwiGLU experts + weighted
@@ -159,16 +160,16 @@ def step_fn(layer: Layer, forward, name: str, x: torch.Tensor, grad_out: torch.T
     return step
 
 
-def time_steps(fns: dict, rounds: dict) -> dict[str, dict[str, float]]:
+def time_steps(fns: dict, rounds: dict, clock=time.perf_counter) -> dict[str, dict[str, float]]:
     """Seconds per call {name: {"median", "best"}}: round r times every fn with more than r
     rounds, alternating the order, so fast and slow implementations still interleave."""
     samples = {name: [] for name in fns}
     for r in range(max(rounds.values())):
         names = [n for n in fns if rounds[n] > r]
         for name in names if r % 2 == 0 else reversed(names):
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: {"median": statistics.median(s), "best": min(s)} for name, s in samples.items()}
 
 
@@ -193,7 +194,9 @@ def dense_bf16_tflops(device: torch.device, size: int = 8192) -> float:
     return 2 * size**3 / seconds / 1e12
 
 
-def run_case(shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int | None, skip: set) -> list[dict]:
+def run_case(
+    shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int | None, skip: set, clock
+) -> list[dict]:
     """Check and time every implementation for one shape and dtype."""
     dtype = DTYPES[dtype_name]
     n_tokens = tokens or SHAPES[shape][5 if device.type == "cuda" else 4]
@@ -205,7 +208,7 @@ def run_case(shape: str, dtype_name: str, device: torch.device, tokens: int | No
     errors, peak_gb = check_agreement(layer, impls, x, grad_out, dtype)
     timed = {n: step_fn(layer, f, n, x, grad_out, device) for n, f in impls.items() if n not in skip}
     fast, slow = (rounds, rounds) if rounds else ROUNDS.get((shape, device.type), (5, 2))
-    timings = time_steps(timed, {n: slow if n in SLOW else fast for n in timed})
+    timings = time_steps(timed, {n: slow if n in SLOW else fast for n in timed}, clock)
     flops = layer_flops(shape, n_tokens)
     rows = []
     for name, t in timings.items():
@@ -246,23 +249,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, help="tokens per layer call (default: per shape and device)")
     parser.add_argument("--rounds", type=int, help="timed calls per implementation (default: per shape and device)")
     parser.add_argument("--skip", default="", help="comma list of implementations not to time (e.g. hf-eager)")
+    parser.add_argument(
+        "--cpu-time", action="store_true",
+        help="CPU: one thread, timed by process CPU time (steady on a shared machine; not wall clock)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    clock = time.perf_counter
+    if args.cpu_time:
+        if device.type != "cpu":
+            parser.error("--cpu-time is for CPU runs")
+        torch.set_num_threads(1)
+        clock = time.process_time
     peak = dense_bf16_tflops(device) if device.type == "cuda" else None
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     for shape in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):
-            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip)
+            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip, clock)
             print_table(case_rows, peak)
             rows.extend(case_rows)
     info = machine_info()
+    info["clock"] = "process CPU time, 1 thread" if args.cpu_time else "wall"
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
         info["dense_bf16_tflops"] = peak
     if args.json:
         write_json(args.json, {"benchmark": "moe_layer", "info": info, "results": rows})
-    print(f"# {info['date']}, {info.get('device', info['machine'])}, torch {info['torch']}, {info['threads']} threads")
+    print(f"# {info['date']}, {info.get('device', info['machine'])}, torch {info['torch']}, "
+          f"{info['threads']} threads, {info['clock']} clock")
 
 
 if __name__ == "__main__":
