@@ -241,6 +241,7 @@ def print_table(rows: list[dict], peak_tflops: float | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, check and time every case, print the tables, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the results here")
