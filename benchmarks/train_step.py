@@ -43,7 +43,7 @@ BATCH, SEQ_LEN, GRAD_CLIP = 8, 256, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def hf_olmoe(config, seed: int = 0):
+def hf_olmoe(config, seed: int = 0, seq_len: int = SEQ_LEN):
     """OlmoeForCausalLM with our config's shapes and loss settings, random weights."""
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
@@ -59,7 +59,7 @@ def hf_olmoe(config, seed: int = 0):
         norm_topk_prob=config.norm_topk_prob,
         rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta,
-        max_position_embeddings=max(4096, SEQ_LEN),
+        max_position_embeddings=max(4096, seq_len),
         output_router_logits=True,
         router_aux_loss_coef=config.aux_loss_coef,
         tie_word_embeddings=False,

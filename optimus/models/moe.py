@@ -2,8 +2,10 @@
 
 Router: linear to expert logits, softmax in fp32, top-k (optionally renormalised). Experts: SwiGLU
 with gate and up merged into one weight. Expert math goes through `optimus.ops` on tokens sorted by
-expert; there is no Python loop over experts. `GroupedExperts.forward(rows, counts)` is the seam
-expert parallelism wraps: it sees only expert-sorted rows and per-expert counts.
+expert; there is no Python loop over experts. The experts module is the seam expert parallelism
+swaps: it takes the tokens with their chosen experts and router weights and returns the weighted
+sum of their experts' outputs. `GroupedExperts` runs that as one fused op
+(`ops.moe_experts_forward`: permute, merged gate+up GEMM, SwiGLU, down GEMM, weighted combine).
 """
 
 from __future__ import annotations
@@ -55,11 +57,10 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [M, D] sorted by expert, counts [E] -> [M, D], each row through its expert's MLP."""
-        mm_impl = "reference" if self.impl == "reference" else "auto"
-        hidden = ops.swiglu(ops.grouped_mm(rows, self.w_gate_up, counts, impl=mm_impl))
-        return ops.grouped_mm(hidden, self.w_down, counts, impl=mm_impl)
+    def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """tokens [T, D], expert_ids [T, k], weights [T, k] -> [T, D]: sum_s weights[t, s] * MLP_ids[t, s](x[t])."""
+        impl = "reference" if self.impl == "reference" else "auto"
+        return ops.moe_experts_forward(tokens, expert_ids, weights, self.w_gate_up, self.w_down, impl=impl)
 
 
 class MoE(nn.Module):
@@ -75,9 +76,9 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits, probs, top_weights, top_ids = self.router(tokens)
-        rows, order, counts = ops.permute_tokens(tokens, top_ids, self.n_experts)
-        out = ops.unpermute_tokens(self.experts(rows, counts), order, top_weights)
-        return out.view(shape), self._stats(logits, probs, counts)
+        out = self.experts(tokens, top_ids, top_weights)
+        counts = torch.bincount(top_ids.flatten(), minlength=self.n_experts)
+        return out.view(shape).to(x.dtype), self._stats(logits, probs, counts)
 
     def _stats(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> RouterStats:
         n_tokens = probs.shape[0]

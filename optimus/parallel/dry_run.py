@@ -97,8 +97,11 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
         attention   norm(h)/t + g + [norm(h) + norm(kv) (QK-norm) + w (h + 2kv) (q, k, v after
                     RoPE) + 2 w h (attention output, and its copy as o_proj input)] / t
         dense MLP   norm(h)/t + g + 4 w f / t (gate, silu(gate), up, their product)
-        MoE MLP     norm(h)/t + g + w k (2h + 3fe) (permuted rows, gate/up, SwiGLU, expert output)
-                    + (4 + w) E (router logits and fp32 probabilities); MoE is replicated over tp
+        MoE MLP     norm(h)/t + g + (4 + w) E (router logits and fp32 probabilities) + the experts:
+                    w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
+                    it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
+                    rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
+                    returned rows for the combine); MoE is replicated over tp
     Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time.
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
@@ -125,7 +128,8 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     attn_selective = gathered + w * (3 * h + 2 * kv) / t
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
-        mlp_full = norm(h) / t + gathered + w * k * (2 * h + 3 * fe) + (4 + w) * m.n_experts
+        experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
+        mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         mlp_selective = gathered + w * k * (2 * h + 2 * fe)
     else:
         mlp_full = norm(h) / t + gathered + 4 * w * m.ffn_hidden / t

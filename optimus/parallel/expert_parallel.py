@@ -1,13 +1,14 @@
 """Expert parallelism: each EP rank holds n_experts / ep experts and computes them for every EP rank.
 
-The seam is `GroupedExperts.forward(rows, counts)` (rows sorted by global expert id, counts per
-expert): `apply_expert_parallel` swaps each MoE layer's experts for an `ExpertParallelExperts`
+The seam is the MoE layer's experts module, `experts(tokens, expert_ids, weights) -> [T, D]`:
+`apply_expert_parallel` swaps each MoE layer's `GroupedExperts` for an `ExpertParallelExperts`
 whose weights are DTensors sharded Shard(0) over mesh["ep"] (same parameter names, so DCP
 checkpoints and `get_model_state_dict` keep working and reshard), and whose forward
 
-    dispatch rows to the ranks owning their experts -> grouped GEMM on local experts -> combine back
+    sort token copies by global expert -> dispatch rows to the ranks owning their experts
+    -> expert MLP on local experts -> return rows to their owners -> weighted combine
 
-returns the rows in the caller's order. Two dispatch styles, both dropless and differentiable:
+gives the same result as the single-device experts. Two dispatch styles, both dropless and differentiable:
   * "all_to_all": exchange per-expert counts, then one uneven all_to_all_single each way.
   * "allgather" (Optimus): all-gather every rank's rows and counts, compute the local experts' rows,
     reduce-scatter the results back to their owners (robust where all-to-all is not).
@@ -141,15 +142,18 @@ class ExpertParallelExperts(nn.Module):
 
     def _compute(self, rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         w_gate_up, w_down = self._local_weights()
-        mm_impl = "reference" if self.impl == "reference" else "auto"
-        hidden = ops.swiglu(ops.grouped_mm(rows, w_gate_up, local_counts, impl=mm_impl))
-        return ops.grouped_mm(hidden, w_down, local_counts, impl=mm_impl)
+        impl = "reference" if self.impl == "reference" else "auto"
+        return ops.expert_mlp(rows, w_gate_up, w_down, local_counts, impl=impl)
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [M, D] sorted by global expert, counts [E] -> [M, D] through each row's expert."""
+    def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As GroupedExperts.forward, with each token copy computed on the EP rank owning its expert."""
+        impl = "reference" if self.impl == "reference" else "auto"
+        rows, order, counts = ops.permute_tokens(tokens, expert_ids, self.n_experts, impl=impl)
         if self.dispatch == "all_to_all":
-            return self._forward_all_to_all(rows, counts)
-        return self._forward_allgather(rows, counts)
+            rows = self._forward_all_to_all(rows, counts)
+        else:
+            rows = self._forward_allgather(rows, counts)
+        return ops.unpermute_tokens(rows, order, weights, impl=impl)
 
     def _forward_all_to_all(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
