@@ -143,6 +143,22 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _recompute_mask_matches_model(self) -> "Config":
+        # the default mask recomputes the feed-forward the model has; an explicit mask that names
+        # only the other kind ("moe" on a dense model) would silently recompute nothing
+        train, present, absent = self.train, "moe", "mlp"
+        if not self.model.is_moe:
+            present, absent = absent, present
+        if "recompute" not in train.model_fields_set:
+            train.recompute = [present]
+        elif train.activation_checkpointing == "selective" and set(train.recompute) <= {absent}:
+            kind = "an MoE" if self.model.is_moe else "a dense"
+            raise ValueError(
+                f"train.recompute {train.recompute} names nothing in {kind} model: use {present}, attention or norms"
+            )
+        return self
+
 
 def _parse_scalar(text: str) -> Any:
     """Read an override value the way YAML would (numbers, booleans, lists, null)."""
@@ -210,6 +226,8 @@ def _format_validation_error(err: ValidationError) -> str:
     if first["type"] == "missing":
         return f"missing config key '{where}': add it to the config file or pass --{where}=VALUE"
     given = first.get("input")
+    if isinstance(given, dict):  # a check across keys (a section's or the whole config's validator)
+        return first["msg"].removeprefix("Value error, ")
     return f"bad value for '{where}' ({given!r}): {first['msg']}"
 
 

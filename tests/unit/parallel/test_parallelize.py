@@ -42,6 +42,8 @@ MASKS = [["moe"], ["attention", "norms"], ["attention", "moe", "norms"], ["mlp",
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("recompute", MASKS, ids="+".join)
 def test_selective_mask_keeps_gradients_and_names(moe, recompute):
+    if recompute == ["moe"] and not moe:
+        recompute = ["mlp"]  # ["moe"] alone names nothing in a dense model (a config error)
     want, plain = _grads(tiny_config(moe=moe))
     config = tiny_config(moe=moe, train=dict(activation_checkpointing="selective", recompute=recompute))
     got, masked = _grads(config)
@@ -94,6 +96,18 @@ def test_selective_needs_a_non_empty_mask():
 
     with pytest.raises(ConfigError, match="train.recompute"):
         build_config({"train": {"activation_checkpointing": "selective", "recompute": []}})
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_selective_mask_must_name_a_module_the_model_has(moe):
+    from optimus.config import ConfigError, build_config
+
+    wrong, default = (["mlp"], ["moe"]) if moe else (["moe"], ["mlp"])
+    model = {"preset": "mula-tiny-moe" if moe else "mula-tiny-dense"}
+    with pytest.raises(ConfigError, match=rf"train.recompute \['{wrong[0]}'\] names nothing"):
+        build_config({"model": model, "train": {"activation_checkpointing": "selective", "recompute": wrong}})
+    # left unset, the mask recomputes the feed-forward the model has
+    assert build_config({"model": model, "train": {"activation_checkpointing": "selective"}}).train.recompute == default
 
 
 def test_clip_gradients_plain_tensors_matches_torch():
