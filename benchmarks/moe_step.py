@@ -1,7 +1,7 @@
 """Whole MoE training step: our fused experts vs the reference expert loop (and Hugging Face's OLMoE).
 
     python benchmarks/moe_step.py --device cuda [--json out.json]       # OLMoE-1B-7B layers, 4 x 2048 tokens
-    python benchmarks/moe_step.py --device cpu  [--json out.json]       # tiny shape, 8 x 256 tokens
+    python benchmarks/moe_step.py --device cpu  [--cpu-time] [--json F] # tiny shape, 8 x 256 tokens
 
 Three models with the same shapes take full training steps (forward, backward, gradient clipping
 at 1.0, AdamW) on the same real-token micro-batches, interleaved round by round (ours share one
@@ -131,8 +131,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="leave transformers' OLMoE out")
     parser.add_argument("--json", help="write the figures to this JSON file")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU only: one thread, timed by process CPU time (steadier on a busy shared machine)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    clock = time.perf_counter
+    if args.cpu_time:
+        if device.type != "cpu":
+            parser.error("--cpu-time times CPU work only: use it with --device cpu")
+        torch.set_num_threads(1)
+        clock = time.process_time
     args.shape = args.shape or ("tiny" if device.type == "cpu" else "olmoe")
     if args.layers is None and args.shape == "olmoe":
         args.layers = 2
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     _, batch, seq_len = SHAPES[args.shape]
     batches = [(x.to(device), y.to(device)) for x, y in real_token_batches(4, batch, seq_len)]
     steppers, facts = make_steppers(args, device, batches)
-    times = time_interleaved(steppers, rounds=args.rounds, calls_per_round=args.steps, clock=time.perf_counter)
+    times = time_interleaved(steppers, rounds=args.rounds, calls_per_round=args.steps, clock=clock)
 
     config = facts["optimus"]["config"]
     flops = flops_per_token(facts["optimus"]["parameters"], config, seq_len)
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
             "vs_reference_best": times["reference"]["best"] / t["best"],
             "tflops": tokens * flops / t["median"] / 1e12,
         })
-    info = machine_info()
+    info = {**machine_info(), "clock": "CPU-time clock" if args.cpu_time else "wall clock"}
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
     shape = (f"{config.preset} x{config.n_layers} layers (d {config.d_model}, {config.n_experts} experts top-"
