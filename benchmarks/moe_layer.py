@@ -14,8 +14,9 @@ combine, timed forward+backward on the same weights and inputs for:
   hf-eager           the same block with experts_implementation="eager" (its loop over experts)
 Before timing, every implementation's output and gradients (x, router, both expert weights) are
 checked against the reference; a mismatch stops the run. Timings are interleaved round by round
-(benchmarks/_common.py); ratios are against hf-eager and hf-default from the same run. On GPU it
-also reports achieved TFLOP/s next to the dense bf16 matmul rate measured in the same run.
+(benchmarks/_common.py); ratios are against hf-eager and hf-default from the same run. Achieved
+TFLOP/s are read against a matmul peak measured in the same run: the dense bf16 matmul on GPU,
+a square matmul in the case's dtype on CPU (the ceiling no expert implementation can pass).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time  # noqa: E402
 from benchmarks._common import machine_info, time_interleaved, write_json  # noqa: E402
 from optimus.ops import moe_experts_forward  # noqa: E402
 from optimus.ops.testing import relative_error  # noqa: E402
+from optimus.train.metrics import measure_matmul_flops  # noqa: E402
 
 # name: (d_model, experts, expert ffn, top_k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -194,8 +196,17 @@ def dense_bf16_tflops(device: torch.device, size: int = 8192) -> float:
     return 2 * size**3 / seconds / 1e12
 
 
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """The roofline each case is read against, measured now: dense bf16 matmul on GPU (the issue's
+    reference for both dtypes), a square matmul in the case's dtype on CPU."""
+    if device.type == "cuda":
+        return dense_bf16_tflops(device)
+    return measure_matmul_flops(dtype, size=2048, seconds=1.0) / 1e12
+
+
 def run_case(
-    shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int | None, skip: set, clock
+    shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int | None, skip: set, clock,
+    peak_tflops: float,
 ) -> list[dict]:
     """Check and time every implementation for one shape and dtype."""
     dtype = DTYPES[dtype_name]
@@ -218,25 +229,28 @@ def run_case(
             if base in timings:
                 row[f"vs_{base}"] = timings[base]["median"] / t["median"]
                 row[f"vs_{base}_best"] = timings[base]["best"] / t["best"]
+        row["tflops"] = flops / t["median"] / 1e12
+        row["pct_of_matmul_peak"] = 100 * row["tflops"] / peak_tflops
         if device.type == "cuda":
-            row["tflops"] = flops / t["median"] / 1e12
             row["peak_gib"] = peak_gb[name]
         rows.append(row)
     return rows
 
 
-def print_table(rows: list[dict], peak_tflops: float | None) -> None:
-    """Plain text table, one line per (shape, dtype, impl)."""
+def print_table(rows: list[dict], peak_tflops: float, on_gpu: bool) -> None:
+    """Plain text table, one line per (shape, dtype, impl), under the matmul peak of the case."""
+    print(f"matmul peak measured now: {peak_tflops:.3g} TFLOP/s ({'dense bf16' if on_gpu else rows[0]['dtype']})")
     head = (f"{'shape':6} {'dtype':5} {'impl':15} {'tokens':>6} {'median ms':>10} {'best ms':>10} {'tokens/s':>10} "
-            f"{'x hf-eager':>10} {'x hf-def':>9}")
-    if peak_tflops:
-        head += f" {'TFLOP/s':>8} {'% dense':>8} {'peak GiB':>8}"
+            f"{'x hf-eager':>10} {'x hf-def':>9} {'TFLOP/s':>8} {'% peak':>7}")
+    if on_gpu:
+        head += f" {'peak GiB':>8}"
     print(head)
     for r in rows:
         line = (f"{r['shape']:6} {r['dtype']:5} {r['impl']:15} {r['tokens']:>6} {r['ms']:>10.1f} {r['best_ms']:>10.1f} "
-                f"{r['tokens_per_s']:>10.0f} {r.get('vs_hf-eager', float('nan')):>10.2f} {r.get('vs_hf-default', float('nan')):>9.2f}")
-        if peak_tflops:
-            line += f" {r['tflops']:>8.1f} {100 * r['tflops'] / peak_tflops:>7.1f}% {r['peak_gib']:>8.2f}"
+                f"{r['tokens_per_s']:>10.0f} {r.get('vs_hf-eager', float('nan')):>10.2f} "
+                f"{r.get('vs_hf-default', float('nan')):>9.2f} {r['tflops']:>8.3g} {r['pct_of_matmul_peak']:>6.1f}%")
+        if on_gpu:
+            line += f" {r['peak_gib']:>8.2f}"
         print(line, flush=True)
 
 
@@ -262,19 +276,18 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--cpu-time is for CPU runs")
         torch.set_num_threads(1)
         clock = time.process_time
-    peak = dense_bf16_tflops(device) if device.type == "cuda" else None
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     for shape in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):
-            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip, clock)
-            print_table(case_rows, peak)
+            peak = matmul_peak_tflops(device, DTYPES[dtype_name])
+            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip, clock, peak)
+            print_table(case_rows, peak, device.type == "cuda")
             rows.extend(case_rows)
     info = machine_info()
     info["clock"] = "process CPU time, 1 thread" if args.cpu_time else "wall"
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
-        info["dense_bf16_tflops"] = peak
     if args.json:
         write_json(args.json, {"benchmark": "moe_layer", "info": info, "results": rows})
     print(f"# {info['date']}, {info.get('device', info['machine'])}, torch {info['torch']}, "

@@ -91,6 +91,18 @@ def test_selective_mask_keeps_fewer_activations():
     assert everything < moe_only < none
 
 
+@pytest.mark.slow
+def test_compile_per_block_keeps_gradients_and_names():
+    """train.compile: each block is compiled in place (the fused MoE experts op breaks the graph
+    around itself), giving the eager gradients under the same parameter names."""
+    want, _ = _grads(tiny_config(moe=True))
+    got, compiled = _grads(tiny_config(moe=True, train=dict(compile=True)))
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert all(hasattr(block, "_compiled_call_impl") for block in compiled.layers.values())
+
+
 def test_selective_needs_a_non_empty_mask():
     from optimus.config import ConfigError, build_config
 
