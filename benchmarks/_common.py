@@ -7,6 +7,7 @@ burst of load from another process hits both sides alike.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
@@ -91,6 +92,20 @@ def time_interleaved(
                 fns[name]()
                 samples[name].append(clock() - start)
     return {name: {"median": statistics.median(s), "best": min(s)} for name, s in samples.items()}
+
+
+CPU_TIME_HELP = "CPU only: one thread, timed by process CPU time (steadier on a busy shared machine)"
+
+
+def timing_clock(cpu_time: bool, device: torch.device, parser: argparse.ArgumentParser) -> Callable[[], float]:
+    """The clock a benchmark times with: the wall clock, or with --cpu-time (CPU runs only) the
+    process CPU time of a single thread, which other processes on the machine barely disturb."""
+    if not cpu_time:
+        return time.perf_counter
+    if device.type != "cpu":
+        parser.error("--cpu-time times CPU work only: use it with --device cpu")
+    torch.set_num_threads(1)
+    return time.process_time
 
 
 def write_json(path: str | Path, payload: dict) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from benchmarks._common import machine_info, time_interleaved, write_json  # noqa: E402
+from benchmarks._common import CPU_TIME_HELP, machine_info, time_interleaved, timing_clock, write_json  # noqa: E402
 from optimus.ops import moe_experts_forward  # noqa: E402
 from optimus.ops.testing import relative_error  # noqa: E402
 from optimus.train.metrics import measure_matmul_flops  # noqa: E402
@@ -264,18 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, help="tokens per layer call (default: per shape and device)")
     parser.add_argument("--rounds", type=int, help="timed calls per implementation (default: per shape and device)")
     parser.add_argument("--skip", default="", help="comma list of implementations not to time (e.g. hf-eager)")
-    parser.add_argument(
-        "--cpu-time", action="store_true",
-        help="CPU: one thread, timed by process CPU time (steady on a shared machine; not wall clock)",
-    )
+    parser.add_argument("--cpu-time", action="store_true", help=CPU_TIME_HELP)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    clock = time.perf_counter
-    if args.cpu_time:
-        if device.type != "cpu":
-            parser.error("--cpu-time is for CPU runs")
-        torch.set_num_threads(1)
-        clock = time.process_time
+    clock = timing_clock(args.cpu_time, device, parser)
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     for shape in args.shapes.split(","):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine_info, real_token_batches, time_interleaved, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    CPU_TIME_HELP, machine_info, real_token_batches, time_interleaved, timing_clock, write_json,
+)
 from train_step import hf_olmoe, same_adamw  # noqa: E402
 
 from optimus.config import OptimConfig  # noqa: E402
@@ -131,16 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="leave transformers' OLMoE out")
     parser.add_argument("--json", help="write the figures to this JSON file")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="CPU only: one thread, timed by process CPU time (steadier on a busy shared machine)")
+    parser.add_argument("--cpu-time", action="store_true", help=CPU_TIME_HELP)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    clock = time.perf_counter
-    if args.cpu_time:
-        if device.type != "cpu":
-            parser.error("--cpu-time times CPU work only: use it with --device cpu")
-        torch.set_num_threads(1)
-        clock = time.process_time
+    clock = timing_clock(args.cpu_time, device, parser)
     args.shape = args.shape or ("tiny" if device.type == "cpu" else "olmoe")
     if args.layers is None and args.shape == "olmoe":
         args.layers = 2

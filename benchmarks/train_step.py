@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine_info, real_token_batches, time_interleaved, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    CPU_TIME_HELP, machine_info, real_token_batches, time_interleaved, timing_clock, write_json,
+)
 
 from optimus.config import OptimConfig  # noqa: E402
 from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
@@ -186,16 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    parser.add_argument(
-        "--cpu-time", action="store_true",
-        help="one thread, timed by process CPU time: steadier on a busy shared machine",
-    )
+    parser.add_argument("--cpu-time", action="store_true", help=CPU_TIME_HELP)
     args = parser.parse_args(argv)
-
-    clock = time.perf_counter
-    if args.cpu_time:
-        torch.set_num_threads(1)
-        clock = time.process_time
+    clock = timing_clock(args.cpu_time, torch.device("cpu"), parser)
     info = {**machine_info(), "clock": "CPU-time clock" if args.cpu_time else "wall clock"}
     batches = real_token_batches(4, BATCH, SEQ_LEN)
     results = {}
