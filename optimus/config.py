@@ -35,6 +35,9 @@ class TrainConfig(_Section):
     eval_batches: int = Field(8, gt=0)
     ckpt_every: int = Field(50, ge=0, description="0 = only at the end")
     keep_last_k: int = Field(2, gt=0)
+    async_checkpoint: bool = Field(
+        False, description="write checkpoints in the background while training goes on (DCP async_save); "
+                           "each is committed before the next save, a load, or the end of training")
     dtype: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
     activation_checkpointing: Literal["none", "full", "selective", "ops"] = Field(

@@ -4,6 +4,7 @@ checkpoint. What a step computes lives in step.py; side concerns are callbacks.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,8 +118,30 @@ class Trainer:
         self.checkpoints.load(self.resume_step, state)
 
     def _save(self, step: int) -> None:
+        self._commit_pending_checkpoint()
         meta = {"model": self.config.model.model_dump(), "contents": sorted(self.state)}
-        self.checkpoints.save(step, self.state, meta)
+        asynchronous = self.config.train.async_checkpoint
+        self.checkpoints.save(step, self.state, meta, asynchronous=asynchronous)
+        if not asynchronous:
+            self._announce_checkpoint(step)
+
+    def _commit_pending_checkpoint(self) -> None:
+        step = self.checkpoints.finish_pending()
+        if step is not None:
+            self._announce_checkpoint(step)
+
+    def _commit_pending_checkpoint_on_error(self) -> None:
+        # training already failed: keep a checkpoint that finished writing, but report the first error
+        try:
+            step = self.checkpoints.finish_pending_on_exit()
+            if step is not None:
+                self._announce_checkpoint(step)
+        except Exception as err:
+            warnings.warn(f"after training failed, keeping the checkpoint it was writing failed too: {err}",
+                          stacklevel=2)
+
+    def _announce_checkpoint(self, step: int) -> None:
+        """Callbacks hear of a checkpoint once it is committed, i.e. once a rerun would resume from it."""
         for callback in self.callbacks:
             callback.on_checkpoint(step)
 
@@ -160,8 +183,12 @@ class Trainer:
                     heldout_loss = self._log_eval(step)
                 if at_end or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
                     self._save(step)
+            self._commit_pending_checkpoint()
             if start == cfg.train.max_steps:
                 heldout_loss = self.evaluate()
+        except BaseException:
+            self._commit_pending_checkpoint_on_error()
+            raise
         finally:
             for callback in self.callbacks:
                 callback.on_train_end(step)

@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.e2e.conftest import run_cli, start_cli
+from tests.e2e.conftest import run_cli, start_cli, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,16 @@ def last_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, token_dir) -> dict[int, float]:
+    """The losses of the tiny config's run never stopped (the config_file fixture's settings)."""
+    reference = tmp_path_factory.mktemp("reference")
+    (reference / "tiny.yaml").write_text(yaml.safe_dump(tiny_config(token_dir)))
+    result = run_cli("train", str(reference / "tiny.yaml"), f"--run.dir={reference / 'run'}", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    return losses(reference / "run")
+
+
 def kill_when(run_dir: Path, args: list[str], condition, deadline_s: float = 120) -> None:
     proc = start_cli(*args)
     deadline = time.monotonic() + deadline_s
@@ -39,11 +50,8 @@ def kill_when(run_dir: Path, args: list[str], condition, deadline_s: float = 120
     proc.wait()
 
 
-def test_sigkill_anywhere_then_rerun_gives_identical_losses(tmp_path, config_file):
-    reference = tmp_path / "reference"
-    result = run_cli("train", str(config_file), f"--run.dir={reference}", "--no-progress")
-    assert result.returncode == 0, result.stderr
-    expected = losses(reference)
+def test_sigkill_anywhere_then_rerun_gives_identical_losses(tmp_path, config_file, reference_losses):
+    expected = reference_losses
     assert sorted(expected) == list(range(1, 9))
 
     run = tmp_path / "killed"
@@ -61,6 +69,23 @@ def test_sigkill_anywhere_then_rerun_gives_identical_losses(tmp_path, config_fil
     assert committed == ["step-6", "step-8"]  # keep_last_k = 2
     assert (run / "latest").read_text().strip() == "8"
     assert (run / "loss.png").stat().st_size > 1000
+
+
+def test_sigkill_while_an_async_checkpoint_is_pending_then_rerun_gives_identical_losses(
+        tmp_path, config_file, reference_losses):
+    """With train.async_checkpoint the same run is killed while step 6's checkpoint is still being
+    written and step 7 already trained: the rerun resumes from the committed step 4."""
+    run = tmp_path / "killed"
+    args = ["train", str(config_file), f"--run.dir={run}", "--no-progress", "--train.async_checkpoint=true"]
+    kill_when(run, args, lambda: (run / "checkpoints" / ".tmp-step-6").exists() and last_step(run) >= 7)
+    assert (run / "checkpoints" / "step-4" / "COMMITTED").exists()  # committed while step 6 trained
+    assert not list((run / "checkpoints").glob(".tmp-*/COMMITTED"))
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert losses(run) == reference_losses
+    committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").exists())
+    assert committed == ["step-6", "step-8"] and not list((run / "checkpoints").glob(".tmp-*"))
+    assert (run / "latest").read_text().strip() == "8"
 
 
 def test_rerun_of_a_finished_run_changes_nothing(tmp_path, config_file):
