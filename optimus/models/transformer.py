@@ -15,6 +15,7 @@ from torch import nn
 
 from optimus.models.attention import Attention
 from optimus.models.config import ModelConfig
+from optimus.models.init import initial_rows
 from optimus.models.layers import RMSNorm, SwiGLUMLP, rotary_cos_sin
 from optimus.models.moe import MoE, RouterStats
 from optimus.ops.cross_entropy import linear_cross_entropy
@@ -98,20 +99,21 @@ class Transformer(nn.Module):
         counts = torch.stack([s.expert_counts for s in router_stats])
         return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, z_loss=z_loss, expert_counts=counts)
 
+    def initial_std(self, name: str) -> float | None:
+        """The init of parameter `name`: normal(0, std), or None for ones (norm weights)."""
+        if name.endswith("norm.weight"):
+            return None
+        # Output projections scaled down with depth (GPT-2 style) to keep the residual stream tame
+        is_output = name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
+        return self.config.init_std / math.sqrt(2 * self.config.n_layers) if is_output else self.config.init_std
+
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise every parameter in place (normal(0, init_std) matrices, unit norms)."""
-        std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.reset_parameters()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter in place from `seed` (models/init.py: the same values that
+        each rank of a sharded model computes for its own shard)."""
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight") or param.ndim == 1:
-                continue
-            # Output projections scaled down with depth (GPT-2 style) to keep the residual stream tame
-            is_output = name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
-            scale = 1.0 / math.sqrt(2 * self.config.n_layers) if is_output else 1.0
-            nn.init.normal_(param, mean=0.0, std=std * scale)
+            values = initial_rows(seed, name, tuple(param.shape), self.initial_std(name), 0, param.shape[0])
+            param.copy_(values)
 
 
 def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
@@ -121,7 +123,7 @@ def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: i
     if str(device) == "meta":
         return model
     model.to_empty(device=device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model.init_weights()
+    if seed is None:  # unseeded: draw one from the global generator, so torch.manual_seed still rules
+        seed = int(torch.randint(0, 2**62, ()).item())
+    model.init_weights(seed)
     return model

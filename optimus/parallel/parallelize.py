@@ -6,9 +6,8 @@ each is one clearly separated call below.
 
 Every parallel layout starts from the weights one process would have (`build_parallel_model`):
 the model is built on the meta device and parallelized there, each rank allocates only its own
-shards, and global rank 0 builds the full seeded model in host memory and broadcasts it, each
-rank keeping its slice (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`).
-No device ever holds the whole model; rank 0's host must (a 20B model: 80 GB of host memory).
+shards and computes their seeded initial values itself (models/init.py draws any slice of a
+parameter reproducibly). No process ever holds the whole model and nothing is broadcast.
 With device "meta" nothing is allocated: that is the dry run's path.
 """
 
@@ -20,6 +19,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from optimus.config import Config
 from optimus.models.moe import MoE
@@ -30,10 +30,10 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
                          device: torch.device | str) -> nn.Module:
     """The Trainer's model: built, parallelized, and holding the single-process initial weights.
 
-    One process: build_model on the CPU with the run's seed, moved to `device`, then parallelize_model
-    (initialising on the CPU makes the weights the same whatever the device). Parallel layouts
+    One process: build_model on `device` with the run's seed (the values are drawn on the CPU, so
+    they are the same whatever the device), then parallelize_model. Parallel layouts
     (pp included: its stages take their device at the first step): meta build -> parallelize_model ->
-    allocate local shards -> rank 0's full seeded weights broadcast into them.
+    allocate local shards -> each rank computes its shards of the seeded weights (models/init.py).
     device "meta": meta build -> parallelize_model, nothing allocated (dry runs).
     """
     from optimus.models.transformer import build_model
@@ -41,9 +41,8 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
     if str(device) == "meta":
         return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
     if mesh is None or not dims.is_parallel:
-        # Initialised on the CPU like rank 0's copy below: the same seed gives the same weights on any device.
-        model = build_model(config.model, device="cpu", seed=config.train.seed)
-        return parallelize_model(model.to(device), dims, mesh, config)
+        model = build_model(config.model, device=device, seed=config.train.seed)
+        return parallelize_model(model, dims, mesh, config)
     model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
     model.to_empty(device=device)
     load_initial_weights(model, config)
@@ -53,25 +52,40 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
 def load_initial_weights(model: nn.Module, config: Config) -> None:
     """Fill a parallelized, allocated model with the weights build_model(seed) gives one process.
 
-    Global rank 0 builds them on the CPU; every tensor is broadcast and each rank keeps its shard.
-    Raises if a parameter of this rank has no initial value (the names must be the single-process ones).
+    Every rank computes just its own shard of each parameter (models/init.py draws any slice of a
+    parameter reproducibly): no rank holds the full model and nothing is communicated.
+    Raises if a parameter's name is not a single-process name (an unknown wrapper prefix).
     """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from optimus.models.init import initial_slice
     from optimus.models.transformer import build_model
 
-    full = {}
-    if dist.get_rank() == 0:
-        full = build_model(config.model, device="cpu", seed=config.train.seed).state_dict()
-    names = [sorted(full)]
-    dist.broadcast_object_list(names, src=0)
-    missing = set(get_model_state_dict(model)) - set(names[0])
-    if missing:
-        raise RuntimeError(f"no initial weights for {sorted(missing)[:5]}: parallel names must match build_model's")
-    # strict=False: a pipeline stage holds only its own layers; the check above covers the rest
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, full, options=options)
+    single_process = build_model(config.model, device="meta")
+    single_process_names = {name for name, _ in single_process.named_parameters()}
+    with torch.no_grad():
+        for wrapped_name, param in model.named_parameters():
+            name = single_process_name(wrapped_name)
+            if name not in single_process_names:
+                raise RuntimeError(f"no initial weights for '{wrapped_name}': parallel names must match build_model's")
+            std = single_process.initial_std(name)
+            if isinstance(param, DTensor):
+                size, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                local = param.to_local()
+            else:
+                size, offset, local = tuple(param.shape), (0,) * param.ndim, param
+            local.copy_(initial_slice(config.train.seed, name, tuple(param.shape), std, offset, size))
+
+
+# Module wrappers that add a level to parameter names (activation checkpointing, torch.compile).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def single_process_name(name: str) -> str:
+    """A parameter's name as in the plain single-process model."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None, config: Config) -> nn.Module:
