@@ -77,7 +77,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         logits, probs, top_weights, top_ids = self.router(tokens)
         out = self.experts(tokens, top_ids, top_weights)
-        counts = torch.bincount(top_ids.flatten(), minlength=self.n_experts)
+        counts = ops.count_per_expert(top_ids.flatten(), self.n_experts)  # no host sync on GPU
         return out.view(shape).to(x.dtype), self._stats(logits, probs, counts)
 
     def _stats(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> RouterStats:

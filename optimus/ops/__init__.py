@@ -13,9 +13,11 @@ from optimus.ops.permute import (
     unpermute_tokens,
     unpermute_tokens_reference,
 )
+from optimus.ops.routing import count_per_expert
 from optimus.ops.swiglu import swiglu, swiglu_reference
 
 __all__ = [
+    "count_per_expert",
     "expert_mlp",
     "expert_mlp_reference",
     "grouped_mm",
