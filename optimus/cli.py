@@ -1,6 +1,7 @@
 """The `optimus` command: parse arguments, load the config, call one function per verb.
 
-Bad input (config, data, checkpoint, flags) ends with one line on stderr and exit code 2.
+Bad input (config, data, checkpoint, flags), and a run that cannot go on as configured (too many skipped
+steps in a row), end with one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from optimus.models.hf import InteropError
     from optimus.parallel.launch import LaunchError
     from optimus.parallel.mesh import LayoutError
+    from optimus.resilience.guards import TooManySkippedSteps
 
-    return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, UsageError)
+    return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, TooManySkippedSteps,
+            UsageError)
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -49,6 +52,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     trainer = Trainer(config, progress_bar=not args.no_progress)
     summary = trainer.fit()
+    if summary.stopped_by_signal:
+        # preempted: the trainer said where it stopped; leave at once, the grace period is short.
+        # Exit code 0 (see optimus/resilience/signals.py): the state is saved, nothing failed.
+        return 0
     _print_train_summary(trainer, summary, args.config, overrides)
     return 0
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from optimus.models.config import ModelConfig
 from optimus.models.presets import PRESETS
+from optimus.resilience.config import ResilienceConfig
 
 
 class ConfigError(ValueError):
@@ -135,6 +136,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
 
     @model_validator(mode="after")
     def _batch_sizes_agree(self) -> "Config":

@@ -15,6 +15,11 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=7
 #SBATCH -o logs/%x-%j.out
+#SBATCH --signal=USR1@180
+#SBATCH --requeue
+# Three minutes before the time limit every rank gets SIGUSR1: Optimus checkpoints at the next step
+# boundary and exits 0 (resilience.checkpoint_on_signal). --requeue lets Slurm requeue a preempted
+# job; after a time limit submit the same command again (or `scontrol requeue` the job): it resumes.
 set -euo pipefail
 
 CONFIG=${1:?usage: sbatch slurm-frontier.sh CONFIG [--section.key=value ...]}

@@ -2,7 +2,9 @@
 
 Gradient accumulation averages the per-micro-batch objective, so a step over n micro-batches of a
 global batch computes the same gradient as one pass over the whole batch (and as any data-parallel
-split of it). A step whose gradient is not finite is skipped rather than applied.
+split of it). A step whose loss or gradient is not finite is skipped rather than applied, and so is one
+the caller's `skip_step` rejects (a loss spike): the decision is taken on the global batch's loss and
+gradient norm, the same numbers on every rank, so all ranks skip or step together.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -19,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from optimus.parallel.pipeline import get_pipeline
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
+SkipReason = Literal["non-finite", "loss spike"]
 
 
 @dataclass
@@ -29,8 +33,9 @@ class StepResult:
     z_loss: float | None
     grad_norm: float
     tokens: int
-    skipped: bool
+    skipped: bool  # the optimizer step was not applied; skip_reason says why
     expert_counts: torch.Tensor | None  # [moe layers, n_experts], summed over micro-batches
+    skip_reason: SkipReason | None = None
 
 
 def autocast_context(device: torch.device, dtype: str):
@@ -103,7 +108,7 @@ def forward_backward(
 
 
 def average_over_dp(sums: dict[str, torch.Tensor], dp_mesh) -> dict[str, torch.Tensor]:
-    """Loss terms averaged and expert counts summed over the data-parallel ranks (for logging).
+    """Loss terms averaged and expert counts summed over the data-parallel ranks.
 
     Each rank's loss is the mean over the same number of micro-batches of equal size, so the mean
     of the ranks' losses is the global batch's loss. One all-reduce carries every term.
@@ -131,11 +136,14 @@ def train_step(
     dtype: str = "fp32",
     grad_clip: float = 0.0,
     dp_mesh=None,
+    skip_step: Callable[[float], bool] | None = None,
 ) -> StepResult:
     """Run one full optimizer step on this rank's micro-batches.
 
-    With `dp_mesh` (the data-parallel DeviceMesh), the reported losses are averaged and the expert
-    counts summed over the data-parallel ranks, so every rank reports the global batch's numbers.
+    With `dp_mesh` (the data-parallel DeviceMesh), the losses are averaged and the expert counts summed
+    over the data-parallel ranks, so every rank sees the global batch's numbers. `skip_step(loss)` is
+    asked, before the update and only for a finite loss and gradient norm, whether to skip the step
+    for that global loss; it must decide the same on every rank (it sees the same numbers there).
     """
     optimizer.zero_grad(set_to_none=True)
     # --- pipeline parallel path (optimus.parallel.pipeline): the schedule runs forward + backward ---
@@ -148,20 +156,27 @@ def train_step(
     # each pp rank holds other parameters: the norm sums over the stages
     grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---
-    skipped = not math.isfinite(grad_norm)
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
+    # the pp path's sums are already equal on every stage; averaged over dp they are the global batch's
     if dp_mesh is not None and dp_mesh.size() > 1:
         sums = average_over_dp(sums, dp_mesh)
+    loss = sums["loss"].item()
+    skip_reason: SkipReason | None = None
+    if not (math.isfinite(grad_norm) and math.isfinite(loss)):
+        skip_reason = "non-finite"
+    elif skip_step is not None and skip_step(loss):
+        skip_reason = "loss spike"
+    if skip_reason is None:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=sums["loss"].item(),
+        loss=loss,
         ce_loss=sums["ce_loss"].item(),
         aux_loss=sums["aux_loss"].item() if "aux_loss" in sums else None,
         z_loss=sums["z_loss"].item() if "z_loss" in sums else None,
         grad_norm=grad_norm,
         tokens=sum(inputs.numel() for inputs, _ in micro_batches),
-        skipped=skipped,
+        skipped=skip_reason is not None,
         expert_counts=sums.get("expert_counts"),
+        skip_reason=skip_reason,
     )

@@ -4,11 +4,14 @@ checkpoint. What a step computes lives in step.py; side concerns are callbacks.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
 from optimus.config import Config, save_config
@@ -22,11 +25,15 @@ from optimus.parallel.launch import detect_launch_env, device_for, init_distribu
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.pipeline import get_pipeline
 from optimus.parallel.parallelize import build_parallel_model
+from optimus.resilience.guards import ConsecutiveSkips, LossSpikeGuard
+from optimus.resilience.signals import PreemptionSignals, signal_name
+from optimus.resilience.stragglers import Straggler, StragglerMonitor
+from optimus.resilience.watchdog import HangWatchdog
 from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
 from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
-from optimus.train.step import autocast_context, train_step
+from optimus.train.step import StepResult, autocast_context, train_step
 
 # Model fields that do not change the weights' meaning: a checkpoint may be resumed across them.
 _MODEL_FIELDS_FREE_TO_CHANGE = {"preset", "moe_impl", "aux_loss_coef", "z_loss_coef", "init_std"}
@@ -38,6 +45,7 @@ class TrainSummary:
     step: int
     heldout_loss: float | None
     resumed_from: int | None
+    stopped_by_signal: str | None = None  # e.g. "SIGTERM": checkpointed at `step` and stopped early
 
 
 def model_fingerprint(config: Config) -> dict:
@@ -89,6 +97,13 @@ class Trainer:
             "loader": LoaderState(self.data.loader),
             "rng": RNGState(),
         }
+        r = config.resilience
+        self.consecutive_skips = self.state["consecutive_skips"] = ConsecutiveSkips(r.max_consecutive_skips)
+        self.spike_guard = LossSpikeGuard(r.spike_zscore, r.spike_window) if r.spike_zscore > 0 else None
+        if self.spike_guard is not None:
+            self.state["loss_spike_guard"] = self.spike_guard  # an older checkpoint without it starts it empty
+        self.stragglers = (StragglerMonitor(r.straggler_every, r.straggler_factor, self.device)
+                           if r.straggler_every and launch.world_size > 1 else None)
         # the whole model's count (on meta, free): under PP this rank's model holds only its stages
         params = count_parameters(build_model(config.model, device="meta"), config.model)
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
@@ -98,6 +113,8 @@ class Trainer:
             callbacks = []
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks(progress_bar)
         self._heldout = None
+        self._signals: PreemptionSignals | None = None  # set while fit() runs
+        self._watchdog: HangWatchdog | None = None
 
     def _default_callbacks(self, progress_bar: bool) -> list[Callback]:
         callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir)]
@@ -175,14 +192,23 @@ class Trainer:
         self.throughput.report()  # start the throughput window now, not at construction
         heldout_loss = None
         step = start
+        stopped_by_signal = None
+        resilience = contextlib.ExitStack()
         try:
+            self._start_resilience(resilience)
             for step in range(start + 1, cfg.train.max_steps + 1):
                 self._one_step(step)
+                self._beat(step)
                 at_end = step == cfg.train.max_steps
+                stopped_by_signal = None if at_end else self._checkpoint_if_signalled(step)
+                if stopped_by_signal:
+                    break
                 if at_end or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                     heldout_loss = self._log_eval(step)
+                    self._beat(step)
                 if at_end or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
                     self._save(step)
+                    self._beat(step)
             self._commit_pending_checkpoint()
             if start == cfg.train.max_steps:
                 heldout_loss = self.evaluate()
@@ -190,28 +216,69 @@ class Trainer:
             self._commit_pending_checkpoint_on_error()
             raise
         finally:
+            resilience.close()
             for callback in self.callbacks:
                 callback.on_train_end(step)
-        return TrainSummary(self.run_dir, step, heldout_loss, self.resume_step)
+        return TrainSummary(self.run_dir, step, heldout_loss, self.resume_step, stopped_by_signal)
+
+    def _start_resilience(self, resilience: contextlib.ExitStack) -> None:
+        """Catch preemption signals and watch for hangs while fit() runs, as configured; `resilience` undoes both."""
+        cfg = self.config.resilience
+        self._signals = resilience.enter_context(PreemptionSignals()) if cfg.checkpoint_on_signal else None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._watchdog = (resilience.enter_context(HangWatchdog(cfg.hang_timeout_s, rank))
+                          if cfg.hang_timeout_s > 0 else None)
+
+    def _beat(self, step: int) -> None:
+        if self._watchdog is not None:
+            self._watchdog.beat(step)
+
+    def _checkpoint_if_signalled(self, step: int) -> str | None:
+        """At a step boundary: when any rank got a preemption signal, commit a checkpoint of `step` on every
+        rank and return the signal's name (then fit stops; this step's scheduled evaluation is skipped)."""
+        signum = self._signals.received_on_any_rank(self.device) if self._signals is not None else 0
+        if not signum:
+            return None
+        self._save(step)
+        self._commit_pending_checkpoint()  # an asynchronous save must be on disk before the process ends
+        self._beat(step)
+        name = signal_name(signum)
+        if self.is_rank0:
+            print(f"{name} at step {step}: checkpoint saved, exiting; rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+        return name
 
     def _one_step(self, step: int) -> None:
         cfg = self.config
         lr = lr_at(step - 1, cfg.train.max_steps, cfg.optim)
         set_lr(self.optimizer, lr)
-        result = train_step(
-            self.model,
-            self.optimizer,
-            self.data.loader.next_batch(),
-            device=self.device,
-            dtype=cfg.train.dtype,
-            grad_clip=cfg.optim.grad_clip,
-            dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
-        )
+        with self.stragglers.timed_step() if self.stragglers is not None else contextlib.nullcontext():
+            result = train_step(
+                self.model,
+                self.optimizer,
+                self.data.loader.next_batch(),
+                device=self.device,
+                dtype=cfg.train.dtype,
+                grad_clip=cfg.optim.grad_clip,
+                dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
+                skip_step=self.spike_guard,
+            )
         self.progress.step = step
         self.progress.tokens_seen += result.tokens * self.dims.dp  # result.tokens: this data-parallel rank's share
         self.throughput.add(result.tokens)
-        if step % cfg.train.log_every and step != cfg.train.max_steps:
-            return
+        stragglers = self.stragglers.check(step) if self.stragglers is not None else None
+        # a skipped step or a straggler report is logged whatever the cadence: it is rare and telling
+        if result.skipped or stragglers or step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            self._log_step(step, lr, result, stragglers)
+        detail = self._describe_skip(result) if result.skipped else ""
+        self.consecutive_skips.update(step, result.skip_reason, detail)  # raises after too many in a row
+
+    def _describe_skip(self, result: StepResult) -> str:
+        if result.skip_reason == "loss spike" and self.spike_guard is not None:
+            return self.spike_guard.describe(result.loss)
+        return f"loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g}"
+
+    def _log_step(self, step: int, lr: float, result: StepResult, stragglers: list[Straggler] | None) -> None:
         tokens_per_s, mfu = self.throughput.report()
         metrics = {
             "step": step,
@@ -224,9 +291,13 @@ class Trainer:
             "mfu": mfu,
             "skipped": result.skipped,
         }
+        if result.skipped:
+            metrics["skip_reason"] = result.skip_reason
         if result.aux_loss is not None:
             metrics.update(aux_loss=result.aux_loss, z_loss=result.z_loss)
             metrics.update(expert_load_summary(result.expert_counts))
+        if stragglers:
+            metrics["stragglers"] = [s.as_record() for s in stragglers]
         for callback in self.callbacks:
             callback.on_step_end(step, metrics)
 

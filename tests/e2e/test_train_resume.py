@@ -1,8 +1,10 @@
-"""A run killed with SIGKILL at any moment and started again gives exactly the losses of a run never stopped."""
+"""A run killed with SIGKILL at any moment, or stopped by SIGTERM, and started again gives exactly the losses
+of a run never stopped."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -96,3 +98,30 @@ def test_rerun_of_a_finished_run_changes_nothing(tmp_path, config_file):
     again = run_cli("train", str(config_file), f"--run.dir={run}", "--no-progress", "--train.max_steps=2")
     assert again.returncode == 0, again.stderr
     assert losses(run) == before
+
+
+def test_sigterm_checkpoints_the_step_it_stops_at_exits_0_and_rerun_gives_identical_losses(
+        tmp_path, config_file, reference_losses):
+    """Preemption (Slurm, torchrun and PBS send SIGTERM): the run commits a checkpoint at the next step boundary,
+    says so and exits with 0; the same command resumes from exactly there."""
+    run = tmp_path / "preempted"
+    args = ["train", str(config_file), f"--run.dir={run}", "--no-progress"]
+    proc = start_cli(*args)
+    deadline = time.monotonic() + 120
+    while last_step(run) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"run ended before the signal: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 0, stderr
+    match = re.search(r"SIGTERM at step (\d+): checkpoint saved, exiting; rerun the same command to resume", stderr)
+    assert match, stderr
+    stopped_at = int(match.group(1))
+    assert 1 <= stopped_at < 8 and last_step(run) == stopped_at
+    assert (run / "checkpoints" / f"step-{stopped_at}" / "COMMITTED").exists()
+    assert (run / "latest").read_text().strip() == str(stopped_at)
+    assert "Traceback" not in stderr and "sample:" not in stderr
+
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert losses(run) == reference_losses
