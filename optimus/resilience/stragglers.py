@@ -8,7 +8,6 @@ alone takes longer. Comparing the per-rank means over the last N steps names the
 
 from __future__ import annotations
 
-import logging
 import socket
 import statistics
 import time
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,7 +64,7 @@ class StragglerMonitor:
     def check(self, step: int) -> list[Straggler] | None:
         """At every `every`-th step: the ranks slower than factor x median (on every rank), else None.
 
-        Rank 0 logs one warning line naming them.
+        The trainer puts them into that step's metrics; the console prints one line naming them.
         """
         if step % self.every or not self._times:
             return None
@@ -74,9 +72,4 @@ class StragglerMonitor:
         self._times.clear()
         gathered = torch.empty(self.world_size, dtype=torch.float32, device=self.device)
         dist.all_gather_into_tensor(gathered, mine)
-        stragglers = find_stragglers(gathered.tolist(), self.hosts, self.factor)
-        if stragglers and self.rank == 0:
-            named = ", ".join(f"rank {s.rank} ({s.host}) {s.step_time_s:.3f} s" for s in stragglers)
-            log.warning("step %d: straggling ranks (step time > %g x the median %.3f s over the last %d steps): %s",
-                        step, self.factor, stragglers[0].median_s, self.every, named)
-        return stragglers
+        return find_stragglers(gathered.tolist(), self.hosts, self.factor)

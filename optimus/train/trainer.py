@@ -29,7 +29,7 @@ from optimus.resilience.guards import ConsecutiveSkips, LossSpikeGuard
 from optimus.resilience.signals import PreemptionSignals, signal_name
 from optimus.resilience.stragglers import Straggler, StragglerMonitor
 from optimus.resilience.watchdog import HangWatchdog
-from optimus.train.callbacks import Callback, ConsoleProgress, JsonlMetrics, LossPlot
+from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
 from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
@@ -117,7 +117,7 @@ class Trainer:
         self._watchdog: HangWatchdog | None = None
 
     def _default_callbacks(self, progress_bar: bool) -> list[Callback]:
-        callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir)]
+        callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir), EventLines()]
         if progress_bar:
             callbacks.insert(0, ConsoleProgress())
         if self.config.train.tensorboard:

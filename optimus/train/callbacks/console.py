@@ -1,4 +1,4 @@
-"""Live progress bar: step, loss, tokens/s, MFU, ETA; a line for each skipped optimizer step."""
+"""Live progress bar: step, loss, tokens/s, MFU, ETA."""
 
 from __future__ import annotations
 
@@ -36,9 +36,6 @@ class ConsoleProgress(Callback):
             f"loss {metrics['loss']:.4f}  {metrics['tokens_per_s']:,.0f} tok/s  MFU {100 * metrics['mfu']:.1f}%"
         )
         self.progress.update(self.task, completed=step, stats=stats)
-        if metrics.get("skipped"):
-            self.progress.console.print(
-                f"step {step}: optimizer step skipped ({metrics.get('skip_reason')}, loss {metrics['loss']:.4g})")
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self.progress.console.print(f"step {step}: held-out loss {metrics['eval_loss']:.4f}")
