@@ -7,7 +7,6 @@ steps in a row), end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 

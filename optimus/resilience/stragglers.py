@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass
 class Straggler:
     rank: int
@@ -49,7 +48,7 @@ class StragglerMonitor:
 
     def __init__(self, every: int, factor: float, device: torch.device):
         self.every, self.factor, self.device = every, factor, device
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.world_size = dist.get_world_size()
         self.hosts: list[str] = [""] * self.world_size
         dist.all_gather_object(self.hosts, socket.gethostname())
         self._times: list[float] = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 
 from optimus.config import build_config
 from optimus.resilience.stragglers import Straggler
