@@ -39,7 +39,8 @@ class TrainConfig(_Section):
     async_checkpoint: bool = Field(
         False, description="write checkpoints in the background while training goes on (DCP async_save); "
                            "each is committed before the next save, a load, or the end of training")
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 where the device computes it natively, fp32 elsewhere (see train/precision.py)")
     compile: bool = False
     activation_checkpointing: Literal["none", "full", "selective", "ops"] = Field(
         "none", description="full: whole blocks; selective: the sub-modules in recompute; ops: op-level policy")

@@ -30,6 +30,8 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction for 'bf16'; plain fp32 otherwise."""
     if dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if dtype != "fp32":
+        raise ValueError(f"training dtype {dtype!r} is not resolved: pass 'fp32' or 'bf16' (choose_precision)")
     return MixedPrecisionPolicy()
 
 

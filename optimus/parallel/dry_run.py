@@ -244,6 +244,12 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group: it plays one rank of a fake one")
+    if config.train.dtype == "auto":
+        # the accelerators a dry run plans for (device_memory_gb) compute bf16 natively: count it as bf16
+        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+        notes_on_dtype = ["train.dtype=auto counted as bf16 (what auto picks on accelerators with native bf16)"]
+    else:
+        notes_on_dtype = []
     p = config.parallel
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
     dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
@@ -251,7 +257,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
 
     total = sum(q.numel() for q in build_model(config.model, device="meta").parameters())
     ranks_to_show = [0] if dims.pp == 1 else [0, world_size - 1]
-    notes: list[str] = []
+    notes: list[str] = notes_on_dtype
     ranks = []
     for rank in ranks_to_show:
         try:

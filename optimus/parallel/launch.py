@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -149,3 +150,16 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float =
         backend=backend_for(device), rank=launch.rank, world_size=launch.world_size, store=store,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+# Variables that change which CPU kernels run without changing the machine (oneDNN's ISA cap, ATen's
+# dispatch level): a measured CPU speed is only valid under the same values.
+_CPU_KERNEL_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def cpu_speed_cache(env: Mapping[str, str] | None = None) -> tuple[Path, str]:
+    """(file caching this machine's measured CPU speed, the kernel settings its entry is keyed by)."""
+    env = os.environ if env is None else env
+    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    kernel_env = ",".join(f"{name}={env[name]}" for name in _CPU_KERNEL_VARIABLES if env.get(name))
+    return base / "optimus" / "cpu_speed.json", kernel_env

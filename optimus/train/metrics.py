@@ -1,88 +1,57 @@
 """Throughput, MFU and router-load figures for the training log.
 
-MFU is model FLOPs per second over the device's peak. GPU peaks come from the vendor sheet; on CPU
-the peak is measured once (a large matmul in the training dtype) and cached, and the log says so.
+Tokens per second are counted twice, under distinct names: `tokens_per_s` is the whole job's
+(every data-parallel replica's tokens), `tokens_per_s_per_device` that divided by the devices
+that computed them (tp x pp x ... ranks share one replica's tokens). MFU is per device: model
+FLOPs one device did per second over that device's peak (optimus.train.hardware). An MFU above
+100% means the peak is wrong; it is then reported as missing, with one warning, rather than shown.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-# Dense bf16 peak TFLOP/s per device (vendor figures, no sparsity).
-_KNOWN_PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "MI250X": 191.5, "MI300X": 1307.0}
 
-
-def _cpu_peak_cache_path() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "optimus" / "cpu_peak.json"
-
-
-def measure_matmul_flops(dtype: torch.dtype, size: int = 2048, seconds: float = 1.0) -> float:
-    """Best-of measured FLOP/s of a square matmul on the CPU in `dtype`."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b  # warm-up
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
-
-
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, how it was obtained) for MFU."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in _KNOWN_PEAKS_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"{name} datasheet"
-        return measure_matmul_flops(dtype, size=8192), f"{name} measured"
-    key = hashlib.sha1(
-        f"{platform.processor()}|{platform.machine()}|{torch.get_num_threads()}|{dtype}|{torch.__version__}".encode()
-    ).hexdigest()[:16]
-    path = _cpu_peak_cache_path()
-    cache = {}
-    if path.is_file():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
-    if key not in cache:
-        cache[key] = measure_matmul_flops(dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, path)
-    return cache[key], f"measured CPU matmul peak ({torch.get_num_threads()} threads, {dtype}), cached"
+@dataclass(frozen=True)
+class ThroughputReport:
+    tokens_per_s: float  # the whole job
+    tokens_per_s_per_device: float
+    mfu: float | None  # None when the figure exceeds 100%: the peak it was read against is too low
+    impossible_mfu: float | None = None  # the >100% figure, for the one warning that says so
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps since the last report."""
+    """Tokens/s and MFU over the steps since the last report.
 
-    def __init__(self, flops_per_token: float, peak_flops: float):
+    add() takes this rank's data-parallel replica's tokens; `replicas` is the number of
+    data-parallel replicas and `world_size` the number of devices, so a tp=2 job counts each
+    replica's tokens once but spreads their FLOPs over two devices.
+    """
+
+    def __init__(self, flops_per_token: float, peak_flops: float, replicas: int = 1, world_size: int = 1):
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.replicas = replicas
+        self.world_size = world_size
         self._tokens = 0
         self._start = time.perf_counter()
 
     def add(self, tokens: int) -> None:
         self._tokens += tokens
 
-    def report(self) -> tuple[float, float]:
-        """(tokens per second, MFU) since the previous report; resets the window."""
+    def report(self) -> ThroughputReport:
+        """Throughput since the previous report; resets the window."""
         elapsed = max(time.perf_counter() - self._start, 1e-9)
-        tokens_per_s = self._tokens / elapsed
+        global_tokens_per_s = self._tokens * self.replicas / elapsed
         self._tokens, self._start = 0, time.perf_counter()
-        return tokens_per_s, tokens_per_s * self.flops_per_token / self.peak_flops
+        per_device = global_tokens_per_s / self.world_size
+        mfu = per_device * self.flops_per_token / self.peak_flops
+        if mfu > 1.0:
+            return ThroughputReport(global_tokens_per_s, per_device, None, mfu)
+        return ThroughputReport(global_tokens_per_s, per_device, mfu)
 
 
 def expert_load_summary(expert_counts: torch.Tensor) -> dict[str, float]:

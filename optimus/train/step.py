@@ -39,9 +39,14 @@ class StepResult:
 
 
 def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast for 'bf16' (fp32 master weights and optimizer state); nothing for 'fp32'."""
+    """bf16 autocast for 'bf16' (fp32 master weights and optimizer state); nothing for 'fp32'.
+
+    'auto' must be resolved for the device first (optimus.train.precision.choose_precision).
+    """
     if dtype == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if dtype != "fp32":
+        raise ValueError(f"training dtype {dtype!r} is not resolved: pass 'fp32' or 'bf16' (choose_precision)")
     return contextlib.nullcontext()
 
 

@@ -21,7 +21,7 @@ from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
-from optimus.parallel.launch import detect_launch_env, device_for, init_distributed
+from optimus.parallel.launch import cpu_speed_cache, detect_launch_env, device_for, init_distributed
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.pipeline import get_pipeline
 from optimus.parallel.parallelize import build_parallel_model
@@ -31,7 +31,9 @@ from optimus.resilience.stragglers import Straggler, StragglerMonitor
 from optimus.resilience.watchdog import HangWatchdog
 from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot
 from optimus.train.evaluate import evaluate
-from optimus.train.metrics import Throughput, device_peak_flops, expert_load_summary
+from optimus.train.hardware import cpu_speed, device_peak_flops
+from optimus.train.metrics import Throughput, expert_load_summary
+from optimus.train.precision import Precision, choose_precision
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, autocast_context, train_step
 
@@ -68,6 +70,7 @@ class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; `fit()` trains to max_steps."""
 
     def __init__(self, config: Config, callbacks: list[Callback] | None = None, progress_bar: bool = True):
+        self.requested_config = config
         self.config = config
         self.run_dir = config.run.path
         launch = detect_launch_env()
@@ -77,6 +80,11 @@ class Trainer:
         self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=launch.world_size)
         self.dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
         init_distributed(launch, self.device)
+        self.precision, peak, self.peak_source = self._choose_precision(config.train.dtype)
+        # The run computes in the resolved dtype; config.yaml keeps what was asked ("auto" stays auto,
+        # so the same run resumed on another machine chooses for that machine).
+        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": self.precision.dtype})})
+        self.config = config
         self.mesh = self.dims.build_mesh(self.device.type) if self.dims.is_parallel else None
         dp_rank = self.mesh.local_rank("dp") if self.mesh else 0
         torch.manual_seed(config.train.seed)
@@ -107,8 +115,10 @@ class Trainer:
         # the whole model's count (on meta, free): under PP this rank's model holds only its stages
         params = count_parameters(build_model(config.model, device="meta"), config.model)
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
-        peak, self.peak_source = device_peak_flops(self.device, torch.bfloat16 if config.train.dtype == "bf16" else torch.float32)
-        self.throughput = Throughput(self.flops_per_token, peak)
+        self.peak_flops = peak
+        self.throughput = Throughput(self.flops_per_token, peak, replicas=self.dims.dp, world_size=launch.world_size)
+        self._warned_impossible_mfu = False
+        self._logged_first_row = False
         if not self.is_rank0:
             callbacks = []
         self.callbacks = callbacks if callbacks is not None else self._default_callbacks(progress_bar)
@@ -125,6 +135,21 @@ class Trainer:
 
             callbacks.append(TensorBoardLogger(self.run_dir / "tensorboard"))
         return callbacks
+
+    def _choose_precision(self, requested: str) -> tuple[Precision, float, str]:
+        """(training precision, peak FLOP/s of this device in it, the peak's source)."""
+        cpu = None
+        if self.device.type == "cpu":
+            cache_file, kernel_env = cpu_speed_cache()
+            cpu = cpu_speed(cache_file, kernel_env)
+        precision = choose_precision(requested, self.device, cpu)
+        peak, source = device_peak_flops(self.device, precision.dtype, cpu)
+        return precision, peak, source
+
+    def _say(self, line: str) -> None:
+        """One line on stderr from rank 0 (shown above the progress bar)."""
+        if self.is_rank0:
+            print(line, file=sys.stderr, flush=True)
 
     def _restore(self) -> None:
         if self.resume_step is None:
@@ -185,7 +210,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._restore()
         if self.is_rank0:
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(self.requested_config, self.run_dir / "config.yaml")
+            self._say(self.precision.describe())
+            if self.precision.warning:
+                self._say(self.precision.warning)
+            self._say(f"peak for MFU: {self.peak_flops / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
         start = self.progress.step
         for callback in self.callbacks:
             callback.on_train_start(start, cfg.train.max_steps)
@@ -279,7 +308,11 @@ class Trainer:
         return f"loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g}"
 
     def _log_step(self, step: int, lr: float, result: StepResult, stragglers: list[Straggler] | None) -> None:
-        tokens_per_s, mfu = self.throughput.report()
+        throughput = self.throughput.report()
+        if throughput.impossible_mfu is not None and not self._warned_impossible_mfu:
+            self._warned_impossible_mfu = True
+            self._say(f"warning: MFU computed as {100 * throughput.impossible_mfu:.0f}%, above 100%: the peak of "
+                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({self.peak_source}) is too low, so MFU is not reported")
         metrics = {
             "step": step,
             "loss": result.loss,
@@ -287,10 +320,17 @@ class Trainer:
             "lr": lr,
             "grad_norm": result.grad_norm,
             "tokens_seen": self.progress.tokens_seen,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
+            "tokens_per_s": throughput.tokens_per_s,
+            "tokens_per_s_per_device": throughput.tokens_per_s_per_device,
+            "mfu": throughput.mfu,
             "skipped": result.skipped,
         }
+        if not self._logged_first_row:
+            # how the figures above were obtained, once per run segment: the first row of metrics.jsonl
+            self._logged_first_row = True
+            metrics.update(dtype=self.precision.dtype, dtype_requested=self.precision.requested,
+                           dtype_reason=self.precision.reason, peak_flops_per_device=self.peak_flops,
+                           peak_source=self.peak_source, world_size=self.dims.world_size)
         if result.skipped:
             metrics["skip_reason"] = result.skip_reason
         if result.aux_loss is not None:

@@ -32,9 +32,8 @@ class ConsoleProgress(Callback):
         self.task = self.progress.add_task("train", total=max_steps, completed=start_step, stats="")
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        stats = (
-            f"loss {metrics['loss']:.4f}  {metrics['tokens_per_s']:,.0f} tok/s  MFU {100 * metrics['mfu']:.1f}%"
-        )
+        mfu = "-" if metrics.get("mfu") is None else f"{100 * metrics['mfu']:.1f}%"
+        stats = f"loss {metrics['loss']:.4f}  {metrics['tokens_per_s']:,.0f} tok/s  MFU {mfu}"
         self.progress.update(self.task, completed=step, stats=stats)
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:

@@ -1,0 +1,191 @@
+"""What the device computes, and how fast: peak FLOP/s by SKU and dtype, native bf16 or not.
+
+Accelerator peaks come from the vendors' datasheets (dense, no sparsity), per device as torch sees
+it: one GCD of an MI250X, one tile of a Ponte Vecchio card. A CPU has no datasheet figure we can
+trust, so its fp32 and bf16 matmul rates are measured (best of several probes) and cached per
+machine: the cache key names the host, the CPU model, the kernel capability torch dispatches to
+and the thread count, so another machine, or the same one under `ATEN_CPU_CAPABILITY=avx2`, is
+measured afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+# (name fragment as torch reports the device, bf16 TFLOP/s, fp32 TFLOP/s, source). First match wins,
+# so the more specific names (H100 PCIe, H100 NVL) come before the generic ones. fp32 is the
+# non-tensor-core rate: PyTorch does not use TF32 for fp32 matmuls unless asked to.
+DEVICE_PEAKS_TFLOPS: tuple[tuple[str, float, float, str], ...] = (
+    ("H100 PCIe", 756.0, 51.2, "NVIDIA H100 datasheet (PCIe)"),
+    ("H100 NVL", 835.0, 60.0, "NVIDIA H100 datasheet (NVL)"),
+    ("H100", 989.4, 66.9, "NVIDIA H100 datasheet (SXM5)"),
+    ("H200 NVL", 835.0, 60.0, "NVIDIA H200 datasheet (NVL)"),
+    ("H200", 989.4, 66.9, "NVIDIA H200 datasheet (SXM)"),
+    ("GH200", 989.4, 66.9, "NVIDIA GH200 datasheet"),
+    ("A100", 312.0, 19.5, "NVIDIA A100 datasheet"),
+    ("MI300X", 1307.4, 163.4, "AMD Instinct MI300X datasheet"),
+    ("MI300A", 980.6, 122.6, "AMD Instinct MI300A datasheet"),
+    ("MI250X", 191.5, 47.9, "AMD Instinct MI250X datasheet, per GCD (383 / 95.7 TFLOP/s per card of 2)"),
+    ("Max 1550", 419.4, 26.2, "Intel Data Center GPU Max 1550 datasheet, per tile (2 per card)"),
+)
+
+CPU_FP32_FLOOR_PER_THREAD = 1e9  # any x86/Arm core with SIMD FMA does more; below it a probe was starved
+
+
+@dataclass(frozen=True)
+class CpuSpeed:
+    """Measured matmul rates of this CPU with this process's threads, and what its flags say."""
+
+    fp32_flops: float
+    bf16_flops: float
+    capability: str  # the kernel level torch dispatches to: "AVX2", "AVX512", ...
+    bf16_flags: bool  # AVX512-BF16 or AMX present
+
+    @property
+    def bf16_slowdown(self) -> float:
+        """How many times slower a bf16 matmul runs than an fp32 one (below 1: bf16 is faster)."""
+        return self.fp32_flops / max(self.bf16_flops, 1.0)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_bf16_flags() -> bool:
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def best_matmul_rate(dtype: torch.dtype, size: int, seconds: float, device: torch.device | None = None,
+                     min_repeats: int = 3) -> float:
+    """Best FLOP/s of a square `size` matmul in `dtype` over `seconds` (at least `min_repeats` timed runs)."""
+    device = device or torch.device("cpu")
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b  # warm-up: first-call dispatch and allocation
+    sync()
+    best, repeats, deadline = 0.0, 0, time.perf_counter() + seconds
+    while repeats < min_repeats or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+        repeats += 1
+    return best
+
+
+def measure_cpu_speed() -> CpuSpeed:
+    """Probe fp32 and bf16 matmul rates (about 2 s; well under 1 s for bf16 on a CPU without it).
+
+    bf16 is first tried small: where it is emulated (a hundred times slower) a large probe would take
+    minutes and tells nothing more. Large sizes give the peak MFU is read against.
+    """
+    fp32_small = best_matmul_rate(torch.float32, 256, 0.05)
+    bf16_small = best_matmul_rate(torch.bfloat16, 256, 0.05, min_repeats=2)
+    fp32 = max(best_matmul_rate(torch.float32, 1024, 0.3), best_matmul_rate(torch.float32, 2048, 0.6))
+    if bf16_small < 0.5 * fp32_small:
+        bf16 = bf16_small
+    else:
+        bf16 = max(best_matmul_rate(torch.bfloat16, 1024, 0.3), best_matmul_rate(torch.bfloat16, 2048, 0.6))
+    floor = CPU_FP32_FLOOR_PER_THREAD * torch.get_num_threads()
+    return CpuSpeed(max(fp32, floor), bf16, torch.backends.cpu.get_cpu_capability(), _cpu_bf16_flags())
+
+
+def _cpu_cache_key(kernel_env: str) -> str:
+    return "|".join([socket.gethostname(), _cpu_model(), torch.backends.cpu.get_cpu_capability(),
+                     f"bf16flags={_cpu_bf16_flags()}", f"threads={torch.get_num_threads()}", torch.__version__,
+                     kernel_env])
+
+
+def cpu_speed(cache_file: Path | None = None, kernel_env: str = "", remeasure: bool = False) -> CpuSpeed:
+    """This CPU's speed, from `cache_file` when this very machine and setting was measured before.
+
+    kernel_env: settings that change which kernels run but not the CPU's identity (oneDNN's ISA
+    limit), read by the launcher; part of the key.
+    """
+    key = _cpu_cache_key(kernel_env)
+    cache: dict = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        if not isinstance(cache, dict):
+            cache = {}
+    entry = cache.get(key)
+    speed = None
+    if not remeasure and isinstance(entry, dict):
+        try:
+            speed = CpuSpeed(**entry)
+        except TypeError:
+            pass  # written by another version: measure again
+    if speed is not None:
+        # A peak measured while the machine was busy is too low and would overstate MFU for good:
+        # every start takes one more short probe and the cache keeps the best rate seen.
+        fp32 = max(speed.fp32_flops, best_matmul_rate(torch.float32, 1024, 0.2))
+        bf16 = speed.bf16_flops
+        if bf16 >= speed.fp32_flops:  # native bf16: its rate is a peak too (emulated, it is left alone)
+            bf16 = max(bf16, best_matmul_rate(torch.bfloat16, 1024, 0.2))
+        if (fp32, bf16) == (speed.fp32_flops, speed.bf16_flops):
+            return speed
+        speed = replace(speed, fp32_flops=fp32, bf16_flops=bf16)
+    else:
+        speed = measure_cpu_speed()
+    if cache_file is not None:
+        cache[key] = asdict(speed)
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass  # a read-only home only costs a probe per start
+    return speed
+
+
+def _accelerator_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "xpu":
+        return torch.xpu.get_device_name(device)
+    return device.type
+
+
+def device_peak_flops(device: torch.device, dtype: str, cpu: CpuSpeed | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device in the training dtype "fp32"/"bf16", where that figure comes from).
+
+    On CPU the peak is the measured rate of the dtype, except for bf16 on a CPU that only emulates
+    it: then the fp32 rate, the most this machine can do (MFU then shows what bf16 wastes).
+    """
+    if device.type == "cpu":
+        cpu = cpu or cpu_speed()
+        threads = torch.get_num_threads()
+        if dtype == "bf16" and cpu.bf16_flops >= cpu.fp32_flops:
+            return cpu.bf16_flops, f"measured CPU bf16 matmul, {threads} threads, {cpu.capability}"
+        if dtype == "bf16":
+            return cpu.fp32_flops, (f"measured CPU fp32 matmul, {threads} threads, {cpu.capability}: "
+                                    f"bf16 is emulated here, {cpu.bf16_slowdown:.0f}x slower")
+        return cpu.fp32_flops, f"measured CPU fp32 matmul, {threads} threads, {cpu.capability}"
+    name = _accelerator_name(device)
+    for fragment, bf16, fp32, source in DEVICE_PEAKS_TFLOPS:
+        if fragment in name:
+            return (bf16 if dtype == "bf16" else fp32) * 1e12, f"{source}: {name}, {dtype}"
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    measured = best_matmul_rate(torch_dtype, 8192, 1.0, device=device)
+    return measured, f"measured {dtype} matmul on {name} (no datasheet entry)"

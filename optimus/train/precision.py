@@ -1,0 +1,70 @@
+"""The training dtype, chosen by what the device computes natively.
+
+`train.dtype: auto` (the default) trains in bf16 (bf16 autocast over fp32 master weights) where the
+device has bf16 matrix units: CUDA compute capability 8.0 and newer, ROCm MI200 and newer, Intel
+XPU, a CPU with AVX512-BF16 or AMX whose measured bf16 matmul is not slower than fp32. Elsewhere
+fp32: on an AVX2-only CPU a bf16 matmul is emulated and runs about a hundred times slower.
+An explicit `bf16` on such a device still runs, with one warning that states the slowdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optimus.train.hardware import CpuSpeed, cpu_speed
+
+# ROCm architectures with bf16 matrix cores: MI200 (gfx90a), MI300 (gfx94x), MI350 (gfx95x)
+_ROCM_BF16_ARCHS = ("gfx90a", "gfx94", "gfx95")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtype training runs in ("fp32" or "bf16"), what was asked for, and why."""
+
+    dtype: str
+    requested: str
+    reason: str
+    warning: str | None = None  # set when an explicit bf16 will run slowly here
+
+    def describe(self) -> str:
+        """One log line: the choice and its reason."""
+        how = "train.dtype=auto" if self.requested == "auto" else f"train.dtype={self.requested}"
+        return f"precision: {self.dtype} ({how}; {self.reason})"
+
+
+def native_bf16(device: torch.device, cpu: CpuSpeed | None = None) -> tuple[bool, str]:
+    """(whether `device` computes bf16 natively, the evidence in a few words)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.version.hip:
+            arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+            return arch.startswith(_ROCM_BF16_ARCHS), f"{name} ({arch})"
+        major, minor = torch.cuda.get_device_capability(device)
+        return (major, minor) >= (8, 0), f"{name}, compute capability {major}.{minor}"
+    if device.type == "xpu":
+        supported = getattr(torch.xpu, "is_bf16_supported", lambda: True)()
+        return bool(supported), torch.xpu.get_device_name(device)
+    cpu = cpu or cpu_speed()
+    flags = "with AVX512-BF16/AMX" if cpu.bf16_flags else "without AVX512-BF16/AMX"
+    measured = (f"bf16 matmul {cpu.bf16_flops / 1e9:.3g} vs fp32 {cpu.fp32_flops / 1e9:.3g} GFLOP/s measured")
+    return cpu.bf16_flags and cpu.bf16_flops >= cpu.fp32_flops, f"CPU {cpu.capability} {flags}, {measured}"
+
+
+def choose_precision(requested: str, device: torch.device, cpu: CpuSpeed | None = None) -> Precision:
+    """Resolve train.dtype ("auto", "fp32" or "bf16") on `device`."""
+    if requested == "fp32":
+        return Precision("fp32", requested, "as configured")
+    if device.type == "cpu" and cpu is None:
+        cpu = cpu_speed()
+    native, evidence = native_bf16(device, cpu)
+    if requested == "auto":
+        return Precision("bf16" if native else "fp32", requested,
+                         f"{'native' if native else 'no native'} bf16: {evidence}")
+    if native:
+        return Precision("bf16", requested, f"as configured; native bf16: {evidence}")
+    slowdown = f"about {cpu.bf16_slowdown:.0f}x slower than fp32" if cpu is not None else "slower than fp32"
+    warning = (f"warning: train.dtype=bf16 on a device without native bf16 ({evidence}): its matmuls run "
+               f"{slowdown}; use train.dtype=auto (or fp32) here")
+    return Precision("bf16", requested, f"as configured; no native bf16: {evidence}", warning)
