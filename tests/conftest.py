@@ -1,11 +1,14 @@
 """Suite-wide settings: quiet, deterministic, and marker handling for GPU tests."""
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# the CPU speed probe's cache (optimus.train.hardware): the repository's own, never the user's home
+os.environ["XDG_CACHE_HOME"] = str(Path(__file__).resolve().parents[1] / ".cache")
 
 
 def pytest_collection_modifyitems(config, items):

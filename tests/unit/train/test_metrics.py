@@ -1,0 +1,44 @@
+"""Throughput: the job's tokens/s and each device's; MFU per device, never above 100%."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from optimus.train.metrics import Throughput
+
+
+def _report(throughput: Throughput, tokens: int, seconds: float):
+    throughput._start = time.perf_counter() - seconds  # a window of known length
+    throughput.add(tokens)
+    return throughput.report()
+
+
+def test_one_device_counts_its_own_tokens():
+    r = _report(Throughput(flops_per_token=100.0, peak_flops=1e6), tokens=1000, seconds=1.0)
+    assert r.tokens_per_s == pytest.approx(1000, rel=1e-3)
+    assert r.tokens_per_s_per_device == pytest.approx(1000, rel=1e-3)
+    assert r.mfu == pytest.approx(0.1, rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "tp=2 x pp=2"])
+def test_model_parallel_ranks_share_their_replicas_tokens(layout):
+    """Under tp or pp one replica's tokens are computed by several devices: MFU is per device, not tp x pp it."""
+    devices = {"tp=2": 2, "pp=2": 2, "tp=2 x pp=2": 4}[layout]
+    r = _report(Throughput(100.0, 1e6, replicas=1, world_size=devices), tokens=1000, seconds=1.0)
+    assert r.tokens_per_s == pytest.approx(1000, rel=1e-3)
+    assert r.tokens_per_s_per_device == pytest.approx(1000 / devices, rel=1e-3)
+    assert r.mfu == pytest.approx(0.1 / devices, rel=1e-3)
+
+
+def test_data_parallel_replicas_add_up_to_the_global_rate():
+    r = _report(Throughput(100.0, 1e6, replicas=4, world_size=8), tokens=1000, seconds=1.0)  # dp 4 x tp 2
+    assert r.tokens_per_s == pytest.approx(4000, rel=1e-3)
+    assert r.tokens_per_s_per_device == pytest.approx(500, rel=1e-3)
+    assert r.mfu == pytest.approx(0.05, rel=1e-3)
+
+
+def test_an_mfu_above_100_percent_is_not_reported():
+    r = _report(Throughput(100.0, peak_flops=1e4), tokens=1000, seconds=1.0)
+    assert r.mfu is None and r.impossible_mfu == pytest.approx(10.0, rel=1e-3)
