@@ -128,6 +128,9 @@ class ParallelConfig(_Section):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual_stages: int = Field(1, gt=0)
     ep_dispatch: Literal["all_to_all", "allgather"] = "all_to_all"
+    defer_grad_sync: Literal["none", "replicate", "all"] = Field(
+        "replicate", description="gradient accumulation: reduce only after a step's last micro-batch over dp_replicate "
+                                 "(HSDP's all-reduce), over every dp dim (all: unsharded gradients held meanwhile), or none")
 
 
 class Config(_Section):

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from optimus.models.moe import MoE
@@ -94,3 +94,21 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                 ignored_params=ignored)
     return model
+
+
+def set_gradient_sync(model: nn.Module, last_micro_batch: bool, defer: str = "replicate") -> None:
+    """Before a micro-batch's backward: whether FSDP reduces gradients now or lets them accumulate.
+
+    defer="none": reduce-scatter (and HSDP's all-reduce) after every micro-batch's backward.
+    "replicate" (default): reduce-scatter every micro-batch, so accumulated gradients stay sharded
+    (no memory cost), but all-reduce over dp_replicate only after the last: HSDP's slow inter-node
+    traffic once per step. "all": neither until the last micro-batch; meanwhile each rank holds the
+    unsharded gradients of its FSDP units (more memory, fewest bytes moved). A model without FSDP
+    (one rank, TP only) is left alone; pipeline stages defer by themselves (torch's schedules).
+    """
+    if defer == "none" or not isinstance(model, FSDPModule):
+        return
+    if defer == "replicate":
+        model.set_requires_all_reduce(last_micro_batch, recurse=True)
+    else:
+        model.set_requires_gradient_sync(last_micro_batch, recurse=True)

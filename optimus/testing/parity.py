@@ -147,7 +147,8 @@ def _train(model: nn.Module, optimizer, config: Config, steps: int, micro_batche
             continue
         set_lr(optimizer, lr_at(step - 1, config.train.max_steps, config.optim))
         result = train_step(model, optimizer, micro_batches_of(batch), device=device, dtype=config.train.dtype,
-                            grad_clip=config.optim.grad_clip, dp_mesh=dp_mesh)
+                            grad_clip=config.optim.grad_clip, dp_mesh=dp_mesh,
+                            defer_grad_sync=config.parallel.defer_grad_sync)
         record.losses.append(result.loss)
         record.grad_norms.append(result.grad_norm)
         if step == 1:

@@ -19,6 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from optimus.parallel.data_parallel import set_gradient_sync
 from optimus.parallel.pipeline import get_pipeline
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -93,12 +94,18 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_mesh=None) ->
 
 
 def forward_backward(
-    model: nn.Module, micro_batches: list[MicroBatch], device: torch.device, dtype: str
+    model: nn.Module, micro_batches: list[MicroBatch], device: torch.device, dtype: str,
+    defer_grad_sync: str = "replicate",
 ) -> dict[str, torch.Tensor]:
-    """Accumulate gradients over micro-batches; returns the batch-mean loss terms (detached)."""
+    """Accumulate gradients over micro-batches; returns the batch-mean loss terms (detached).
+
+    defer_grad_sync: which data-parallel gradient reductions wait for the last micro-batch
+    (optimus.parallel.data_parallel.set_gradient_sync).
+    """
     scale = 1.0 / len(micro_batches)
     sums: dict[str, torch.Tensor] = {}
-    for inputs, labels in micro_batches:
+    for index, (inputs, labels) in enumerate(micro_batches):
+        set_gradient_sync(model, last_micro_batch=index == len(micro_batches) - 1, defer=defer_grad_sync)
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with autocast_context(device, dtype):
             out = model(inputs, labels)
@@ -142,6 +149,7 @@ def train_step(
     grad_clip: float = 0.0,
     dp_mesh=None,
     skip_step: Callable[[float], bool] | None = None,
+    defer_grad_sync: str = "replicate",
 ) -> StepResult:
     """Run one full optimizer step on this rank's micro-batches.
 
@@ -156,7 +164,7 @@ def train_step(
     if pipeline is not None:
         sums = pipeline.forward_backward(micro_batches, device, autocast_context(device, dtype))
     else:
-        sums = forward_backward(model, micro_batches, device, dtype)
+        sums = forward_backward(model, micro_batches, device, dtype, defer_grad_sync)
     params = [p for p in model.parameters() if p.requires_grad]
     # each pp rank holds other parameters: the norm sums over the stages
     grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)

@@ -291,6 +291,7 @@ class Trainer:
                 grad_clip=cfg.optim.grad_clip,
                 dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
                 skip_step=self.spike_guard,
+                defer_grad_sync=cfg.parallel.defer_grad_sync,
             )
         self.progress.step = step
         self.progress.tokens_seen += result.tokens * self.dims.dp  # result.tokens: this data-parallel rank's share
