@@ -1,8 +1,13 @@
-"""Helpers shared by the benchmark scripts: machine facts, real token batches, fair timing, JSON.
+"""Helpers shared by the benchmark scripts: machine facts, the dtype, real token batches, fair timing, JSON.
 
 Timings on a small shared CPU are noisy. Every benchmark therefore times the things it compares
 in the same run, interleaved round by round, and reports the median (and best) per call, so a
 burst of load from another process hits both sides alike.
+
+The dtype defaults to "auto" as in training (optimus.train.precision): bf16 only where the device
+computes it natively. A benchmark that compares dtypes compares those native here unless told
+otherwise: an emulated bf16 (about a hundred times slower on an AVX2-only CPU) measures nothing
+worth a figure.
 """
 
 from __future__ import annotations
@@ -12,11 +17,16 @@ import datetime as _dt
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from optimus.parallel.launch import cpu_speed_cache
+from optimus.train.hardware import best_matmul_rate, cpu_speed
+from optimus.train.precision import Precision, choose_precision
 
 
 def cpu_model() -> str:
@@ -106,6 +116,72 @@ def timing_clock(cpu_time: bool, device: torch.device, parser: argparse.Argument
         parser.error("--cpu-time times CPU work only: use it with --device cpu")
     torch.set_num_threads(1)
     return time.process_time
+
+
+def choose_dtype(requested: str, device: torch.device) -> Precision:
+    """`--dtype` ("auto", "fp32", "bf16") resolved for `device` as training resolves train.dtype.
+
+    On CPU the measured matmul rates come from the per-machine cache the trainer uses (the first
+    run on a machine probes for about 2 s).
+    """
+    cpu = None
+    if device.type == "cpu":
+        cpu = cpu_speed(*cpu_speed_cache())
+    return choose_precision(requested, device, cpu)
+
+
+DTYPES_HELP = "comma list of fp32, bf16; auto (default): fp32, and bf16 where the device computes it natively"
+
+
+def dtype_list(text: str) -> str:
+    """argparse type of --dtypes: "auto", or a comma list of distinct fp32 and bf16 (returned as given)."""
+    names = text.split(",")
+    if text != "auto" and (any(n not in ("fp32", "bf16") for n in names) or len(set(names)) != len(names)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, or a comma list of fp32 and bf16")
+    return text
+
+
+def dtypes_to_compare(requested: str, device: torch.device) -> list[Precision]:
+    """`--dtypes` resolved: "auto" is fp32 and, where the device computes it natively, bf16;
+    an explicit list ("fp32,bf16") runs every dtype named, bf16 with choose_precision's warning
+    where it is emulated."""
+    if requested != "auto":
+        return [choose_dtype(name, device) for name in requested.split(",")]
+    auto = choose_dtype("auto", device)
+    if auto.dtype == "fp32":
+        return [auto]  # no native bf16: its reason says why bf16 is left out
+    return [Precision("fp32", "auto", "fp32 is compared on every device"), auto]
+
+
+def emulated_bf16(precision: Precision) -> bool:
+    """Whether `precision` is a bf16 the device only emulates (choose_precision warns exactly then)."""
+    return precision.dtype == "bf16" and precision.warning is not None
+
+
+def precision_fields(precision: Precision) -> dict[str, str]:
+    """The dtype, what was asked for and why, as every benchmark's JSON names them."""
+    return {"dtype": precision.dtype, "dtype_requested": precision.requested, "dtype_reason": precision.reason}
+
+
+def announce(precision: Precision) -> str:
+    """Print the dtype line (stdout) and choose_precision's warning if any (stderr); returns the line."""
+    line = f"dtype {precision.dtype} (--dtype {precision.requested}: {precision.reason})"
+    print(line, flush=True)
+    if precision.warning:
+        print(precision.warning, file=sys.stderr, flush=True)
+    return line
+
+
+def cpu_matmul_peak(precision: Precision, size: int = 2048, seconds: float = 1.0) -> tuple[float, str]:
+    """(best FLOP/s of a square CPU matmul measured now, which matmul) for `precision`.
+
+    An emulated bf16 is read against the fp32 rate, the most this CPU can do (as
+    optimus.train.hardware.device_peak_flops does); probing it at this size would take minutes.
+    """
+    dtype = "fp32" if emulated_bf16(precision) else precision.dtype
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    what = f"{dtype} matmul" + (" (bf16 is emulated here)" if dtype != precision.dtype else "")
+    return best_matmul_rate(torch_dtype, size, seconds), what
 
 
 def write_json(path: str | Path, payload: dict) -> None:

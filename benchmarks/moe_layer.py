@@ -16,7 +16,9 @@ Before timing, every implementation's output and gradients (x, router, both expe
 checked against the reference; a mismatch stops the run. Timings are interleaved round by round
 (benchmarks/_common.py); ratios are against hf-eager and hf-default from the same run. Achieved
 TFLOP/s are read against a matmul peak measured in the same run: the dense bf16 matmul on GPU,
-a square matmul in the case's dtype on CPU (the ceiling no expert implementation can pass).
+a square matmul in the case's dtype on CPU (the ceiling no expert implementation can pass; fp32 for
+a bf16 the CPU only emulates). --dtypes auto (the default) runs fp32 and, where the device computes
+it natively, bf16; an explicit "fp32,bf16" runs an emulated bf16 too, with a warning.
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from benchmarks._common import CPU_TIME_HELP, machine_info, time_interleaved, timing_clock, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    CPU_TIME_HELP, DTYPES_HELP, announce, cpu_matmul_peak, dtype_list, dtypes_to_compare, machine_info,
+    precision_fields, timing_clock, write_json,
+)
 from optimus.ops import moe_experts_forward  # noqa: E402
 from optimus.ops.testing import relative_error  # noqa: E402
-from optimus.train.metrics import measure_matmul_flops  # noqa: E402
+from optimus.train.hardware import best_matmul_rate  # noqa: E402
+from optimus.train.precision import Precision  # noqa: E402
 
 # name: (d_model, experts, expert ffn, top_k, tokens on CPU, tokens on GPU)
 SHAPES = {
@@ -183,33 +189,22 @@ def layer_flops(shape: str, n_tokens: int) -> float:
     return 3.0 * forward
 
 
-def dense_bf16_tflops(device: torch.device, size: int = 8192) -> float:
-    """The device's dense bf16 matmul rate, measured now (the roofline our numbers are read against)."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-
-    def matmul():
-        a @ b
-        torch.cuda.synchronize()
-
-    seconds = time_interleaved({"mm": matmul}, rounds=5, calls_per_round=3, warmup=2)["mm"]["best"]
-    return 2 * size**3 / seconds / 1e12
-
-
-def matmul_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
-    """The roofline each case is read against, measured now: dense bf16 matmul on GPU (the issue's
-    reference for both dtypes), a square matmul in the case's dtype on CPU."""
+def matmul_peak_tflops(device: torch.device, precision: Precision) -> tuple[float, str]:
+    """(the roofline each case is read against, measured now, which matmul): dense bf16 8192^2 on
+    GPU (the issue's reference for both dtypes), a square 2048^2 matmul in the case's dtype on CPU
+    (fp32 for an emulated bf16)."""
     if device.type == "cuda":
-        return dense_bf16_tflops(device)
-    return measure_matmul_flops(dtype, size=2048, seconds=1.0) / 1e12
+        return best_matmul_rate(torch.bfloat16, 8192, 1.0, device=device, min_repeats=15) / 1e12, "dense bf16 matmul"
+    flops, what = cpu_matmul_peak(precision, size=2048, seconds=1.0)
+    return flops / 1e12, what
 
 
 def run_case(
-    shape: str, dtype_name: str, device: torch.device, tokens: int | None, rounds: int | None, skip: set, clock,
+    shape: str, precision: Precision, device: torch.device, tokens: int | None, rounds: int | None, skip: set, clock,
     peak_tflops: float,
 ) -> list[dict]:
     """Check and time every implementation for one shape and dtype."""
-    dtype = DTYPES[dtype_name]
+    dtype = DTYPES[precision.dtype]
     n_tokens = tokens or SHAPES[shape][5 if device.type == "cuda" else 4]
     layer = Layer(shape, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -223,7 +218,7 @@ def run_case(
     flops = layer_flops(shape, n_tokens)
     rows = []
     for name, t in timings.items():
-        row = {"shape": shape, "dtype": dtype_name, "impl": name, "tokens": n_tokens, "ms": 1e3 * t["median"],
+        row = {"shape": shape, **precision_fields(precision), "impl": name, "tokens": n_tokens, "ms": 1e3 * t["median"],
                "best_ms": 1e3 * t["best"], "tokens_per_s": n_tokens / t["median"], "max_rel_error": errors[name]}
         for base in ("hf-eager", "hf-default"):
             if base in timings:
@@ -237,9 +232,10 @@ def run_case(
     return rows
 
 
-def print_table(rows: list[dict], peak_tflops: float, on_gpu: bool) -> None:
-    """Plain text table, one line per (shape, dtype, impl), under the matmul peak of the case."""
-    print(f"matmul peak measured now: {peak_tflops:.3g} TFLOP/s ({'dense bf16' if on_gpu else rows[0]['dtype']})")
+def print_table(rows: list[dict], peak_tflops: float, peak_what: str, dtype_line: str, on_gpu: bool) -> None:
+    """Plain text table, one line per (shape, dtype, impl), under the case's dtype and matmul peak."""
+    print(dtype_line)
+    print(f"matmul peak measured now: {peak_tflops:.3g} TFLOP/s ({peak_what})")
     head = (f"{'shape':6} {'dtype':5} {'impl':15} {'tokens':>6} {'median ms':>10} {'best ms':>10} {'tokens/s':>10} "
             f"{'x hf-eager':>10} {'x hf-def':>9} {'TFLOP/s':>8} {'% peak':>7}")
     if on_gpu:
@@ -260,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--shapes", default="tiny,olmoe", help=f"comma list of {sorted(SHAPES)}")
-    parser.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {sorted(DTYPES)}")
+    parser.add_argument("--dtypes", type=dtype_list, default="auto", help=DTYPES_HELP)
     parser.add_argument("--tokens", type=int, help="tokens per layer call (default: per shape and device)")
     parser.add_argument("--rounds", type=int, help="timed calls per implementation (default: per shape and device)")
     parser.add_argument("--skip", default="", help="comma list of implementations not to time (e.g. hf-eager)")
@@ -269,19 +265,22 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     clock = timing_clock(args.cpu_time, device, parser)
     skip = set(filter(None, args.skip.split(",")))
+    precisions = dtypes_to_compare(args.dtypes, device)
+    dtype_lines = [announce(p) for p in precisions]  # before the run: an emulated bf16's warning says why it is slow
     rows = []
     for shape in args.shapes.split(","):
-        for dtype_name in args.dtypes.split(","):
-            peak = matmul_peak_tflops(device, DTYPES[dtype_name])
-            case_rows = run_case(shape, dtype_name, device, args.tokens, args.rounds, skip, clock, peak)
-            print_table(case_rows, peak, device.type == "cuda")
+        for precision, dtype_line in zip(precisions, dtype_lines):
+            peak, peak_what = matmul_peak_tflops(device, precision)
+            case_rows = run_case(shape, precision, device, args.tokens, args.rounds, skip, clock, peak)
+            print_table(case_rows, peak, peak_what, dtype_line, device.type == "cuda")
             rows.extend(case_rows)
     info = machine_info()
     info["clock"] = "process CPU time, 1 thread" if args.cpu_time else "wall"
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
     if args.json:
-        write_json(args.json, {"benchmark": "moe_layer", "info": info, "results": rows})
+        write_json(args.json, {"benchmark": "moe_layer", "info": info, "dtype_requested": args.dtypes,
+                               "dtypes": [precision_fields(p) for p in precisions], "results": rows})
     print(f"# {info['date']}, {info.get('device', info['machine'])}, torch {info['torch']}, "
           f"{info['threads']} threads, {info['clock']} clock")
 

@@ -15,8 +15,10 @@ seeded init; HF's is its own random init, as routing balance is what matters for
 The shape "olmoe" is OLMoE-1B-7B's layer (d_model 2048, 64 experts, top-8, expert ffn 1024,
 vocab 50,304) with fewer layers (--layers, default 2) so that three models with their AdamW state
 fit on one 80 GB GPU (--layers 4 --no-hf fits too; more layers weigh the LM head less, so the
-whole-step ratio grows toward the MoE layer's); "tiny" is mula-tiny-moe. bf16 is autocast with fp32 weights and state, as in
-training. The figure that matters is optimus / reference (the paper reports 1.71x on Mula-7B-A1B).
+whole-step ratio grows toward the MoE layer's); "tiny" is mula-tiny-moe. --dtype auto (the default)
+picks bf16 where the device computes it natively and fp32 elsewhere, as training does; bf16 is
+autocast with fp32 weights and state, as in training. The figure that matters is optimus /
+reference (the paper reports 1.71x on Mula-7B-A1B).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (  # noqa: E402
-    CPU_TIME_HELP, machine_info, real_token_batches, time_interleaved, timing_clock, write_json,
+    CPU_TIME_HELP, announce, choose_dtype, machine_info, precision_fields, real_token_batches, time_interleaved,
+    timing_clock, write_json,
 )
 from train_step import hf_olmoe, same_adamw  # noqa: E402
 
@@ -81,8 +84,7 @@ def make_steppers(args, device: torch.device, batches) -> tuple[dict, dict]:
         steppers[name] = _our_stepper(model, optimizer, batches, device, args.dtype)
     if args.hf:
         config = model_config(args.shape, args.layers, "fast")
-        _, _, seq_len = SHAPES[args.shape]
-        model = hf_olmoe(config, seq_len=seq_len).to(device)
+        model = hf_olmoe(config, seq_len=batches[0][0].shape[1]).to(device)
         optimizer = same_adamw(optimizer, model)  # the reference's AdamW settings and implementation
         facts["hf"] = {"experts_implementation": getattr(model.config, "_experts_implementation", None),
                        "attn_implementation": getattr(model.config, "_attn_implementation", None)}
@@ -127,7 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: olmoe on accelerators, tiny on CPU")
     parser.add_argument("--layers", type=int, help="transformer layers (default: 2 for olmoe, the preset's for tiny)")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="auto: bf16 where the device computes it natively, else fp32")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: per shape)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: per shape)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="leave transformers' OLMoE out")
@@ -136,11 +141,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     clock = timing_clock(args.cpu_time, device, parser)
+    precision = choose_dtype(args.dtype, device)
+    dtype_line = announce(precision)  # before the run: an emulated bf16's warning says why it is slow
+    args.dtype = precision.dtype
     args.shape = args.shape or ("tiny" if device.type == "cpu" else "olmoe")
     if args.layers is None and args.shape == "olmoe":
         args.layers = 2
 
-    _, batch, seq_len = SHAPES[args.shape]
+    _, shape_batch, shape_seq_len = SHAPES[args.shape]
+    batch, seq_len = args.batch or shape_batch, args.seq_len or shape_seq_len
     batches = [(x.to(device), y.to(device)) for x, y in real_token_batches(4, batch, seq_len)]
     steppers, facts = make_steppers(args, device, batches)
     times = time_interleaved(steppers, rounds=args.rounds, calls_per_round=args.steps, clock=clock)
@@ -161,11 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         info["device"] = torch.cuda.get_device_name(device)
     shape = (f"{config.preset} x{config.n_layers} layers (d {config.d_model}, {config.n_experts} experts top-"
              f"{config.top_k}, ffn {config.expert_ffn_hidden})")
-    print_table(rows, f"MoE training step, {shape}, {batch} x {seq_len} tokens, {args.dtype}, "
-                      f"{info.get('device', info['machine'])}")
+    print_table(rows, f"MoE training step, {shape}, {batch} x {seq_len} tokens, {info.get('device', info['machine'])}"
+                      f"\n{dtype_line}")
     print("tok/s from the median step; (best): fastest step of each; TFLOP/s: model FLOPs (6N + attention) per second.")
     payload = {**info, "shape": args.shape, "layers": config.n_layers, "batch": batch, "seq_len": seq_len,
-               "dtype": args.dtype, "steps": args.steps, "rounds": args.rounds, "rows": rows,
+               **precision_fields(precision), "steps": args.steps, "rounds": args.rounds, "rows": rows,
                "hf": facts.get("hf")}
     if args.json:
         write_json(args.json, payload)

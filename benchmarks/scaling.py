@@ -20,6 +20,8 @@ all-reduce / broadcast / send. That is compared with the analytic count per step
 Collectives issued through functional collectives (DTensor's gradient-norm reduction, the logged
 loss all-reduce) are not seen by the wrapper; they are a few scalars per step.
 On a shared 2-core machine the timings are informational only (4 ranks oversubscribe the cores).
+The dtype is fp32 on every machine, not auto: the analytic counts are of fp32 weights and gradients
+(bf16 would halve FSDP's all-gathers), and the figures compare runs, not dtypes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from optimus.testing.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=64)
 BATCH, SEQ = 4, 64
+DTYPE = "fp32"  # resolved, never "auto": build_parallel_model and train_step take fp32 or bf16
+DTYPE_REASON = "fixed: the analytic byte counts are of fp32 weights and gradients"
 WRAPPED = {  # collective -> (position, keyword) of the tensor whose bytes it moves
     "all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input"),
     "all_to_all_single": (1, "input"), "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
@@ -121,7 +125,7 @@ def _rank(rank: int, world: int, steps: int, dispatch: str) -> dict:
     from optimus.train.step import train_step
 
     config = tiny_config(moe=True, model=MODEL, parallel=dict(dp_shard=world, ep=world, ep_dispatch=dispatch),
-                         train=dict(seq_len=SEQ, micro_batch_size=BATCH, global_batch_size=BATCH * world))
+                         train=dict(seq_len=SEQ, micro_batch_size=BATCH, global_batch_size=BATCH * world, dtype=DTYPE))
     counter = CollectiveCounter()
     counter.install()
     dims = ParallelDims(dp_shard=world, ep=world, world_size=world)
@@ -136,7 +140,8 @@ def _rank(rank: int, world: int, steps: int, dispatch: str) -> dict:
         counter.active = step == 1  # count one steady-state step (not the first: lazy init)
         dist.barrier()
         start = time.perf_counter()
-        train_step(model, optimizer, batch, device=torch.device("cpu"), grad_clip=1.0, dp_mesh=mesh["dp"])
+        train_step(model, optimizer, batch, device=torch.device("cpu"), dtype=config.train.dtype, grad_clip=1.0,
+                   dp_mesh=mesh["dp"])
         times.append(time.perf_counter() - start)
         counter.active = False
     from optimus.models.transformer import build_model
@@ -151,14 +156,16 @@ def _single(steps: int) -> dict:
     from optimus.optim.build import build_optimizer
     from optimus.train.step import train_step
 
-    config = tiny_config(moe=True, model=MODEL, train=dict(seq_len=SEQ, micro_batch_size=BATCH, global_batch_size=BATCH))
+    config = tiny_config(moe=True, model=MODEL,
+                         train=dict(seq_len=SEQ, micro_batch_size=BATCH, global_batch_size=BATCH, dtype=DTYPE))
     model = build_model(config.model, device="cpu", seed=0)
     optimizer = build_optimizer(model, config.optim)
     tokens = torch.randint(0, MODEL["vocab_size"], (steps + 2, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100))
     times = []
     for step in range(steps + 2):
         start = time.perf_counter()
-        train_step(model, optimizer, [(tokens[step, :, :-1], tokens[step, :, 1:])], device=torch.device("cpu"), grad_clip=1.0)
+        train_step(model, optimizer, [(tokens[step, :, :-1], tokens[step, :, 1:])], device=torch.device("cpu"),
+                   dtype=config.train.dtype, grad_clip=1.0)
         times.append(time.perf_counter() - start)
     return {"step_s": sorted(times[2:])[len(times[2:]) // 2], "bytes": {}, "calls": {}, "analytic": {}}
 
@@ -210,6 +217,7 @@ def main() -> None:
                                      if k not in ("all_gather_single", "reduce_scatter_single", "all_to_all_single")}})
     base = rows[0]["step_s"]
     print(f"weak scaling, tiny MoE, {BATCH}x{SEQ} tokens per rank, dispatch={args.dispatch} (CPU gloo, informational)")
+    print(f"dtype {DTYPE} ({DTYPE_REASON})")
     print(f"{'ranks':>5} {'layout':<18} {'step s':>8} {'tok/s':>9} {'efficiency':>10}")
     for row in rows:
         row["weak_scaling_efficiency"] = base / row["step_s"]
@@ -225,6 +233,7 @@ def main() -> None:
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": "scaling", "dispatch": args.dispatch, "per_rank_tokens": BATCH * SEQ,
+                                "dtype": DTYPE, "dtype_requested": DTYPE, "dtype_reason": DTYPE_REASON,
                                 "model": MODEL, "rows": rows}, indent=2))
     print(f"\nwrote {path}")
 

