@@ -58,3 +58,13 @@ def test_saved_config_round_trips(tmp_path):
     config = build_config({"model": {"preset": "mula-tiny-dense"}, "train": {"max_steps": 3}})
     save_config(config, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == config
+
+
+def test_precision_defaults_to_auto_in_the_code_and_in_every_shipped_config():
+    from pathlib import Path
+
+    from optimus.config import TrainConfig, load_config
+
+    assert TrainConfig().dtype == "auto"
+    for path in sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml")):
+        assert load_config(path).train.dtype == "auto", path.name
