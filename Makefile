@@ -27,7 +27,7 @@ train: setup
 	$(VENV)/bin/optimus train configs/mula-tiny-moe.yaml
 
 test: setup
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu and not soak" tests
 
 bench: setup
 	$(PY) benchmarks/train_step.py

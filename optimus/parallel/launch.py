@@ -33,6 +33,9 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "single", "torchrun", "slurm", "pals", "pmi", "openmpi"
+    # torchrun --max-restarts: which attempt this is, and whether its agent hosts the rendezvous store
+    restart_count: int = 0
+    agent_store: bool = False
 
 
 def first_host(nodelist: str) -> str:
@@ -68,7 +71,9 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         local = int(env.get("LOCAL_RANK", rank))
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         addr, port = _master(env, "127.0.0.1")
-        return LaunchEnv(rank, world, local, local_world, addr, port, "torchrun")
+        restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return LaunchEnv(rank, world, local, local_world, addr, port, "torchrun", restart, agent_store)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _ints(env, "SLURM_PROCID", "SLURM_NTASKS")
         local = int(env.get("SLURM_LOCALID", 0))
@@ -138,8 +143,17 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float =
         torch.cuda.set_device(device)
     elif device.type == "xpu":
         torch.xpu.set_device(device)
+    if launch.launcher == "torchrun" and launch.agent_store:
+        # torchrun's agent hosts the rendezvous store and keeps it across restarts (--max-restarts): under
+        # env:// a restarted attempt can read the dead attempt's gloo addresses and fail to connect. Each
+        # attempt joins under its own key prefix, so it only ever sees its own peers.
+        agent = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(f"optimus/attempt-{launch.restart_count}", agent)
+        dist.init_process_group(backend=backend_for(device), rank=launch.rank, world_size=launch.world_size,
+                                store=store, timeout=timedelta(seconds=timeout_s))
+        return
     if launch.launcher == "torchrun":
-        # torchrun's agent already hosts the rendezvous store; env:// joins it
         dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s))
         return
     store = dist.TCPStore(

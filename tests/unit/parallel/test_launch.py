@@ -118,3 +118,11 @@ def test_device_and_backend_choice():
     assert backend_for(torch.device("cuda", 0)) == "nccl"
     assert backend_for(torch.device("xpu", 0)) == "xccl"
     assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_torchrun_restart_attempt_and_agent_store_are_read():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    launch = detect_launch_env(env)
+    assert (launch.restart_count, launch.agent_store) == (3, True)
+    assert (detect_launch_env({"RANK": "0", "WORLD_SIZE": "2"}).restart_count,
+            detect_launch_env({"RANK": "0", "WORLD_SIZE": "2"}).agent_store) == (0, False)
