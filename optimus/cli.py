@@ -7,6 +7,7 @@ steps in a row), end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,10 +25,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from optimus.models.hf import InteropError
     from optimus.parallel.launch import LaunchError
     from optimus.parallel.mesh import LayoutError
+    from optimus.resilience.chaos import ChaosError
     from optimus.resilience.guards import TooManySkippedSteps
 
     return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, TooManySkippedSteps,
-            UsageError)
+            UsageError, ChaosError)
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -50,6 +52,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.train.trainer import Trainer
 
     trainer = Trainer(config, progress_bar=not args.no_progress)
+    _add_injected_faults(trainer)
     summary = trainer.fit()
     if summary.stopped_by_signal:
         # preempted: the trainer said where it stopped; leave at once, the grace period is short.
@@ -57,6 +60,17 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     _print_train_summary(trainer, summary, args.config, overrides)
     return 0
+
+
+def _add_injected_faults(trainer) -> None:
+    """Under `optimus chaos`: the steps whose loss the harness wants non-finite (in both of its runs)."""
+    from optimus.resilience.chaos import NAN_STEPS_VARIABLE
+
+    steps = {int(step) for step in os.environ.get(NAN_STEPS_VARIABLE, "").split(",") if step.strip()}
+    if steps:
+        from optimus.train.callbacks.fault_injection import NonFiniteAtSteps
+
+        trainer.callbacks.append(NonFiniteAtSteps(trainer.model, steps))
 
 
 def _print_train_summary(trainer, summary, config_path: str, overrides: list[str]) -> None:
@@ -110,6 +124,21 @@ def load_run(run_dir: str):
     manager.load(step, {"model": ModelState(model)})
     model.eval()
     return config, model
+
+
+# ---------------------------------------------------------------------------------------- chaos
+def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.resilience.chaos import FAULT_KINDS, IN_JOB_KINDS, format_report, run_chaos
+
+    if args.faults < 1 or args.ranks < 1:
+        raise UsageError("--faults and --ranks must be at least 1")
+    kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
+    out = Path(args.out or f"runs/chaos-{Path(args.config).stem}")
+    report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,
+                       hang_timeout_s=args.hang_timeout, timeout=args.timeout)
+    print(format_report(report))
+    print(f"report: {out / 'report.json'}; logs: {out}/reference.log, {out}/chaos.log")
+    return 0 if report.survived else 1
 
 
 # ------------------------------------------------------------------------------------- tokenize
@@ -260,6 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --dry-run --world-size: device memory to compare against (default 64)")
     train.add_argument("--no-progress", action="store_true", help="no live progress bar")
     train.set_defaults(func=cmd_train, takes_overrides=True)
+
+    chaos = verbs.add_parser("chaos", help="train a config undisturbed and again under injected faults; compare")
+    chaos.add_argument("config", help="YAML config (overrides --section.key=value apply to both runs)")
+    chaos.add_argument("--faults", type=int, default=10, help="how many faults to inject (default 10)")
+    chaos.add_argument("--ranks", type=int, default=2, help="processes per run, under torchrun when > 1 (default 2)")
+    chaos.add_argument("--kinds", help="comma list of fault kinds (default: all that the rank count allows)")
+    chaos.add_argument("--seed", type=int, default=0, help="draws the faults' kinds, steps and victims")
+    chaos.add_argument("--hang-timeout", type=float, default=20.0, help="watchdog timeout for hang_rank (s)")
+    chaos.add_argument("--timeout", type=float, default=600.0, help="longest wait for any one stage (s)")
+    chaos.add_argument("--out", help="output folder (default runs/chaos-CONFIG)")
+    chaos.set_defaults(func=cmd_chaos, takes_overrides=True)
 
     tokenize = verbs.add_parser("tokenize", help="turn txt/jsonl[.gz|.zst]/parquet into token memmaps")
     from optimus.data.tokenize import add_tokenize_arguments

@@ -281,6 +281,8 @@ class Trainer:
         cfg = self.config
         lr = lr_at(step - 1, cfg.train.max_steps, cfg.optim)
         set_lr(self.optimizer, lr)
+        for callback in self.callbacks:
+            callback.on_step_start(step)
         with self.stragglers.timed_step() if self.stragglers is not None else contextlib.nullcontext():
             result = train_step(
                 self.model,

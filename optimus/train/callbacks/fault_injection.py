@@ -1,0 +1,31 @@
+"""Fault injection for `optimus chaos`: a non-finite loss at chosen steps, as a bad batch or a flaky
+device would produce, so the harness can show that every rank skips that step together."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from optimus.train.callbacks.base import Callback
+
+
+class NonFiniteAtSteps(Callback):
+    """Makes the forward pass of each listed step produce NaN on this rank (every later op sees it)."""
+
+    def __init__(self, model: nn.Module, steps: set[int]):
+        self.steps = steps
+        # the first module this rank runs: the embedding on the first pipeline stage, else its first block
+        self.target = getattr(model, "embed", None) or next(iter(model.layers.values()))
+        self._hook = None
+
+    def on_step_start(self, step: int) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if step in self.steps:
+            self._hook = self.target.register_forward_hook(lambda module, args, out: out * torch.nan)
+
+    def on_train_end(self, step: int) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
