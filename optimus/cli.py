@@ -300,12 +300,61 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("target", nargs="?", help="a preset name or a config file")
     info.add_argument("--seq-len", type=int, default=4096)
     info.set_defaults(func=cmd_info, takes_overrides=True)
+
+    verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
+                                    "and ends a bad-input error with one line and exit code 2",
+                     usage="optimus launch [torchrun options] VERB ...")
     return parser
+
+
+_VERBS = ("train", "tokenize", "eval", "generate", "export", "import", "info")
+
+
+def _report_user_error(line: str) -> None:
+    """Bad input ends the job with `line` once: on rank 0 only (every rank usually meets the same error).
+
+    Under torchrun the line also goes to the worker's error file, so torchrun's failure summary names
+    it and `optimus launch` prints it last. Other ranks wait a moment before exiting: torchrun stops
+    every worker as soon as one exits, and rank 0 should have said why by then.
+    """
+    import json
+    import os
+    import time
+
+    from optimus.parallel.launch import LaunchError, detect_launch_env
+    from optimus.parallel.torchrun import WORKER_ERRORS_ENV, WORKER_ERRORS_TO_LAUNCHER
+
+    try:
+        rank = detect_launch_env().rank
+    except (LaunchError, ValueError):
+        rank = 0
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        try:
+            Path(error_file).write_text(json.dumps({"message": record}))
+        except OSError:
+            pass  # the line is still printed below
+    if rank == 0 and os.environ.get(WORKER_ERRORS_ENV) != WORKER_ERRORS_TO_LAUNCHER:
+        print(line, file=sys.stderr, flush=True)
+    elif rank != 0:
+        time.sleep(_QUIET_RANK_DELAY_S)
+
+
+_QUIET_RANK_DELAY_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `optimus` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # torchrun's options pass through untouched: no argparse here
+        from optimus.parallel.torchrun import run_torchrun
+
+        try:
+            return run_torchrun(argv[1:], _VERBS)
+        except ValueError as err:
+            print(f"optimus launch: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):
@@ -313,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra)
     except _user_errors() as err:
-        print(f"optimus {args.verb}: error: {err}", file=sys.stderr)
+        _report_user_error(f"optimus {args.verb}: error: {err}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"optimus {args.verb}: interrupted", file=sys.stderr)
