@@ -314,8 +314,9 @@ def _report_user_error(line: str) -> None:
     """Bad input ends the job with `line` once: on rank 0 only (every rank usually meets the same error).
 
     Under torchrun the line also goes to the worker's error file, so torchrun's failure summary names
-    it and `optimus launch` prints it last. Other ranks wait a moment before exiting: torchrun stops
-    every worker as soon as one exits, and rank 0 should have said why by then.
+    it and `optimus launch` prints it last. Other ranks wait a moment first: torchrun stops every
+    worker as soon as one exits, and rank 0 should have said why by then (a rank that alone meets
+    the error still records it after the wait).
     """
     import json
     import os
@@ -328,6 +329,8 @@ def _report_user_error(line: str) -> None:
         rank = detect_launch_env().rank
     except (LaunchError, ValueError):
         rank = 0
+    if rank != 0:  # a rank stopped meanwhile by torchrun leaves no record: rank 0's is the root cause
+        time.sleep(_QUIET_RANK_DELAY_S)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
@@ -337,8 +340,6 @@ def _report_user_error(line: str) -> None:
             pass  # the line is still printed below
     if rank == 0 and os.environ.get(WORKER_ERRORS_ENV) != WORKER_ERRORS_TO_LAUNCHER:
         print(line, file=sys.stderr, flush=True)
-    elif rank != 0:
-        time.sleep(_QUIET_RANK_DELAY_S)
 
 
 _QUIET_RANK_DELAY_S = 3.0
