@@ -78,7 +78,7 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
 
     if get_pipeline(trainer.model) is None:
         new = generate(trainer.model, torch.tensor([ids], device=trainer.device), max_new_tokens=24)
-        say(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+        say(f"sample: prompt {prompt!r} -> continuation {tokenizer.decode(new[0].tolist())!r} (greedy)")
     else:  # each rank holds only its stages: sample from the checkpoint instead
         say("sample: (pipeline-parallel run: use `optimus generate` below, which loads the whole model)")
     kept = [o for o in overrides if not o.startswith("--train.max_steps")]
@@ -166,17 +166,26 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     eos = tokenizer_info(config.data.tokenizer)["eos_id"]
     new = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, eos, generator)
-    print(tokenizer.decode(new[0].tolist()))
+    # the prompt is echoed on its own line, then only the model's continuation (exactly as decoded)
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seed {args.seed}"
+    print(f"prompt: {args.prompt}")
+    print(f"continuation ({new.shape[1]} tokens, {how}): {tokenizer.decode(new[0].tolist())}")
     return 0
 
 
 # ------------------------------------------------------------------------------- export/import
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from optimus.models.hf import export_hf
+    from optimus.data.sources import resolve_tokenizer_path, tokenizer_info
+    from optimus.models.hf import ExportTokenizer, export_hf
 
     config, model = load_run(args.run)
-    out = export_hf(model, config.model, args.out, dense_format=args.dense_format)
-    print(f"exported {args.run} to {out} (Hugging Face transformers layout)")
+    info = tokenizer_info(config.data.tokenizer)
+    tokenizer, note = None, " without a tokenizer: the run's tokenizer has more ids than the model's vocabulary"
+    if info["vocab_size"] <= config.model.vocab_size:  # e.g. an imported model with its own small vocabulary
+        tokenizer = ExportTokenizer(resolve_tokenizer_path(config.data.tokenizer), info["eos_token"], info["pad_token"])
+        note = " with its tokenizer"
+    out = export_hf(model, config.model, args.out, dense_format=args.dense_format, tokenizer=tokenizer)
+    print(f"exported {args.run} to {out} (Hugging Face transformers layout{note})")
     return 0
 
 
@@ -211,11 +220,11 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.models.presets import PRESETS
     from optimus.models.transformer import build_model
 
-    rows = dict(PRESETS)
+    rows = dict(PRESETS)  # no target: every preset
     highlight = None
     if args.target:
         if args.target in PRESETS:
-            highlight = args.target
+            rows = {args.target: PRESETS[args.target]}  # only the one asked (each row builds a meta model)
         elif Path(args.target).is_file():
             highlight = "config"
             rows = {"config": load_config(args.target, overrides).model}
