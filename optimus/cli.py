@@ -92,7 +92,7 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
 
     if get_pipeline(trainer.model) is None:
         new = generate(trainer.model, torch.tensor([ids], device=trainer.device), max_new_tokens=24)
-        say(f"sample: {prompt}{tokenizer.decode(new[0].tolist())!r}")
+        say(f"sample: prompt {prompt!r} -> continuation {tokenizer.decode(new[0].tolist())!r} (greedy)")
     else:  # each rank holds only its stages: sample from the checkpoint instead
         say("sample: (pipeline-parallel run: use `optimus generate` below, which loads the whole model)")
     kept = [o for o in overrides if not o.startswith("--train.max_steps")]
@@ -195,17 +195,26 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     eos = tokenizer_info(config.data.tokenizer)["eos_id"]
     new = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, eos, generator)
-    print(tokenizer.decode(new[0].tolist()))
+    # the prompt is echoed on its own line, then only the model's continuation (exactly as decoded)
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seed {args.seed}"
+    print(f"prompt: {args.prompt}")
+    print(f"continuation ({new.shape[1]} tokens, {how}): {tokenizer.decode(new[0].tolist())}")
     return 0
 
 
 # ------------------------------------------------------------------------------- export/import
 def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
-    from optimus.models.hf import export_hf
+    from optimus.data.sources import resolve_tokenizer_path, tokenizer_info
+    from optimus.models.hf import ExportTokenizer, export_hf
 
     config, model = load_run(args.run)
-    out = export_hf(model, config.model, args.out, dense_format=args.dense_format)
-    print(f"exported {args.run} to {out} (Hugging Face transformers layout)")
+    info = tokenizer_info(config.data.tokenizer)
+    tokenizer, note = None, " without a tokenizer: the run's tokenizer has more ids than the model's vocabulary"
+    if info["vocab_size"] <= config.model.vocab_size:  # e.g. an imported model with its own small vocabulary
+        tokenizer = ExportTokenizer(resolve_tokenizer_path(config.data.tokenizer), info["eos_token"], info["pad_token"])
+        note = " with its tokenizer"
+    out = export_hf(model, config.model, args.out, dense_format=args.dense_format, tokenizer=tokenizer)
+    print(f"exported {args.run} to {out} (Hugging Face transformers layout{note})")
     return 0
 
 
@@ -240,11 +249,11 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.models.presets import PRESETS
     from optimus.models.transformer import build_model
 
-    rows = dict(PRESETS)
+    rows = dict(PRESETS)  # no target: every preset
     highlight = None
     if args.target:
         if args.target in PRESETS:
-            highlight = args.target
+            rows = {args.target: PRESETS[args.target]}  # only the one asked (each row builds a meta model)
         elif Path(args.target).is_file():
             highlight = "config"
             rows = {"config": load_config(args.target, overrides).model}
@@ -340,12 +349,62 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("target", nargs="?", help="a preset name or a config file")
     info.add_argument("--seq-len", type=int, default=4096)
     info.set_defaults(func=cmd_info, takes_overrides=True)
+
+    verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
+                                    "and ends a bad-input error with one line and exit code 2",
+                     usage="optimus launch [torchrun options] VERB ...")
     return parser
+
+
+_VERBS = ("train", "tokenize", "eval", "generate", "export", "import", "info")
+
+
+def _report_user_error(line: str) -> None:
+    """Bad input ends the job with `line` once: on rank 0 only (every rank usually meets the same error).
+
+    Under torchrun the line also goes to the worker's error file, so torchrun's failure summary names
+    it and `optimus launch` prints it last. Other ranks wait a moment first: torchrun stops every
+    worker as soon as one exits, and rank 0 should have said why by then (a rank that alone meets
+    the error still records it after the wait).
+    """
+    import json
+    import os
+    import time
+
+    from optimus.parallel.launch import LaunchError, detect_launch_env
+    from optimus.parallel.torchrun import WORKER_ERRORS_ENV, WORKER_ERRORS_TO_LAUNCHER
+
+    try:
+        rank = detect_launch_env().rank
+    except (LaunchError, ValueError):
+        rank = 0
+    if rank != 0:  # a rank stopped meanwhile by torchrun leaves no record: rank 0's is the root cause
+        time.sleep(_QUIET_RANK_DELAY_S)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        try:
+            Path(error_file).write_text(json.dumps({"message": record}))
+        except OSError:
+            pass  # the line is still printed below
+    if rank == 0 and os.environ.get(WORKER_ERRORS_ENV) != WORKER_ERRORS_TO_LAUNCHER:
+        print(line, file=sys.stderr, flush=True)
+
+
+_QUIET_RANK_DELAY_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `optimus` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # torchrun's options pass through untouched: no argparse here
+        from optimus.parallel.torchrun import run_torchrun
+
+        try:
+            return run_torchrun(argv[1:], _VERBS)
+        except ValueError as err:
+            print(f"optimus launch: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):
@@ -353,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra)
     except _user_errors() as err:
-        print(f"optimus {args.verb}: error: {err}", file=sys.stderr)
+        _report_user_error(f"optimus {args.verb}: error: {err}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"optimus {args.verb}: interrupted", file=sys.stderr)

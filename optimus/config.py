@@ -27,8 +27,10 @@ class _Section(BaseModel):
 
 class TrainConfig(_Section):
     seq_len: int = Field(256, gt=0)
-    micro_batch_size: int = Field(8, gt=0)
-    global_batch_size: int = Field(8, gt=0)
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="samples per forward on a rank (a memory knob); unset: derived from the global "
+                                "batch and the data-parallel ranks (see optimus/parallel/validate.py)")
+    global_batch_size: int = Field(8, gt=0, description="samples per optimizer step over all ranks (the contract)")
     max_steps: int = Field(100, gt=0)
     seed: int = 0
     log_every: int = Field(1, gt=0)
@@ -143,13 +145,12 @@ class Config(_Section):
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
 
     @model_validator(mode="after")
-    def _batch_sizes_agree(self) -> "Config":
-        t = self.train
-        if t.global_batch_size % t.micro_batch_size:
-            raise ValueError(
-                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size ({t.micro_batch_size})"
-            )
+    def _layout_fits(self) -> "Config":
+        # every layout and batch rule, for the world size the degrees imply (the trainer and the dry run
+        # check again for the real world size); imported here: validate.py needs this module's classes
+        from optimus.parallel.validate import validate_layout
+
+        validate_layout(self)
         return self
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=7
-#SBATCH -o logs/%x-%j.out
+#SBATCH -o %x-%j.slurm.out
 #SBATCH --signal=USR1@180
 #SBATCH --requeue
 # Three minutes before the time limit every rank gets SIGUSR1: Optimus checkpoints at the next step
@@ -24,6 +24,11 @@ set -euo pipefail
 
 CONFIG=${1:?usage: sbatch slurm-frontier.sh CONFIG [--section.key=value ...]}
 shift
+
+# Slurm opens the -o file before this script runs, so it cannot live in a folder the script makes (the
+# job would lose its output): Slurm's own messages go to the submit directory, the job's log to logs/.
+mkdir -p logs
+exec >>"logs/${SLURM_JOB_NAME:-optimus}-${SLURM_JOB_ID:-local}.out" 2>&1  # appended: a requeued job keeps its history
 
 # --- software: ROCm PyTorch in a venv or conda env of your own (module versions change; see the OLCF guide)
 module load PrgEnv-gnu

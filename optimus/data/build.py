@@ -41,5 +41,8 @@ def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> T
         if dataset.num_instances(config.train.seq_len) == 0:
             raise DataError(f"data source {dataset.path} holds fewer than seq_len+1 tokens: add text or lower train.seq_len")
     mixture = Mixture(train_sets, weights, config.train.seq_len, config.train.seed)
-    loader = BatchLoader(mixture, config.train.global_batch_size, config.train.micro_batch_size, dp_rank, dp_size)
+    # the trainer passes a config whose micro-batch validate_layout filled in; other callers (eval) get each
+    # rank's share in one micro-batch, the derived default without pipeline parallelism
+    micro = config.train.micro_batch_size or max(1, config.train.global_batch_size // dp_size)
+    loader = BatchLoader(mixture, config.train.global_batch_size, micro, dp_rank, dp_size)
     return TrainingData(loader=loader, heldout=heldout_sets)

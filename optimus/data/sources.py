@@ -180,29 +180,31 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _first_token_id(vocab: dict[str, int], names: tuple[str, ...]) -> int | None:
-    return next((vocab[name] for name in names if name in vocab), None)
+def _first_token(vocab: dict[str, int], names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if name in vocab), None)
 
 
 def tokenizer_info(spec: str) -> dict:
-    """Facts the rest of Optimus needs about a tokenizer: vocab_size, eos_id, pad_id, sha256.
+    """Facts the rest of Optimus needs about a tokenizer: vocab_size, eos_id, pad_id (and their tokens), sha256.
 
     vocab_size is the largest token id + 1 (50280 for OLMoE; padding the embedding to a multiple
     of 64 is the model's business). pad_id falls back to eos_id when the tokenizer has no pad.
     """
     path = resolve_tokenizer_path(spec)
     vocab = load_tokenizer(spec).get_vocab(with_added_tokens=True)
-    eos_id = _first_token_id(vocab, _EOS_NAMES)
-    if eos_id is None:
+    eos = _first_token(vocab, _EOS_NAMES)
+    if eos is None:
         raise DataError(
             f"tokenizer {spec!r} has no end-of-document token (looked for {', '.join(_EOS_NAMES)}): "
             "add one to its tokenizer.json or use 'olmoe'"
         )
-    pad_id = _first_token_id(vocab, _PAD_NAMES)
+    pad = _first_token(vocab, _PAD_NAMES) or eos
     return {
         "vocab_size": max(vocab.values()) + 1,
-        "eos_id": eos_id,
-        "pad_id": eos_id if pad_id is None else pad_id,
+        "eos_id": vocab[eos],
+        "pad_id": vocab[pad],
+        "eos_token": eos,
+        "pad_token": pad,
         "sha256": file_sha256(path),
     }
 

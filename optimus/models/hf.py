@@ -14,6 +14,7 @@ accepts both layouts.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,8 +149,40 @@ def _prepare_out_dir(out_dir: str | Path) -> Path:
     return out
 
 
-def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dense_format: str = "auto") -> Path:
-    """Write `config.json` and `model.safetensors` (fp32) that transformers' from_pretrained loads.
+@dataclass(frozen=True)
+class ExportTokenizer:
+    """The tokenizer a run was trained with, for the export: its tokenizer.json and special tokens."""
+
+    path: Path  # a Hugging Face tokenizers tokenizer.json
+    eos_token: str
+    pad_token: str
+
+
+def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer) -> dict[str, int]:
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json, so that
+    AutoTokenizer.from_pretrained(out) and generate() work offline; returns the eos and pad ids."""
+    from tokenizers import Tokenizer
+
+    text = tokenizer.path.read_text()
+    loaded = Tokenizer.from_str(text)
+    ids = {"eos_token_id": loaded.token_to_id(tokenizer.eos_token), "pad_token_id": loaded.token_to_id(tokenizer.pad_token)}
+    (out / "tokenizer.json").write_text(text)
+    specials = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+    # a generic fast tokenizer over tokenizer.json: no BOS added (OLMoE and OLMo-2 train without one)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "bos_token": None,
+                        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                        "model_max_length": MAX_POSITIONS}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    generation = {"bos_token_id": None, **ids, "do_sample": False}  # greedy by default, as `optimus generate`
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return ids
+
+
+def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dense_format: str = "auto",
+              tokenizer: ExportTokenizer | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` (fp32) that transformers' from_pretrained loads, and,
+    given the run's tokenizer, its files (see write_tokenizer_files).
 
     MoE models become OlmoeForCausalLM; dense ones Olmo2ForCausalLM or LlamaForCausalLM, chosen by
     norm placement and QK-norm when dense_format is "auto". Returns the output directory.
@@ -157,8 +190,11 @@ def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dens
     family = pick_format(config, dense_format)
     tensors = to_hf_state_dict(model, config, family)
     out = _prepare_out_dir(out_dir)
-    # config.json first: a folder left half-written by a crash then counts as an export to redo.
-    (out / "config.json").write_text(json.dumps(hf_config(config, family), indent=2) + "\n")
+    hf = hf_config(config, family)
+    if tokenizer is not None:
+        hf.update(write_tokenizer_files(out, tokenizer))
+    # config.json before the weights: a folder left half-written by a crash then counts as an export to redo.
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})  # transformers checks format == "pt"
     tmp.replace(out / "model.safetensors")

@@ -30,6 +30,7 @@ from torch import nn
 
 from optimus.config import Config
 from optimus.parallel.mesh import ParallelDims
+from optimus.parallel.validate import BatchLayout, resolve_batch, validate_layout
 
 GIB = 1024**3
 HEADROOM = 0.9  # fraction of device memory a plan may use
@@ -61,6 +62,7 @@ class DryRunReport:
     ranks: list[RankMemory]
     total_parameters: int
     notes: list[str]
+    batch: BatchLayout | None = None  # the step's split over ranks and micro-batches
 
 
 def _local_numel(param: torch.Tensor) -> int:
@@ -117,7 +119,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     """
     m, t = config.model, dims.tp
     h, kv = m.d_model, m.kv_heads * m.head_dim
-    tokens = config.train.micro_batch_size * config.train.seq_len
+    tokens = _batch(config, dims).micro_batch_size * config.train.seq_len
     w = 2 if config.train.dtype == "bf16" else 4
 
     def norm(n: int) -> float:
@@ -178,14 +180,18 @@ def checkpointing_modes(config: Config) -> dict[str, Config]:
             for label, mode in modes.items()}
 
 
+def _batch(config: Config, dims: ParallelDims) -> BatchLayout:
+    """The step's batch split as the trainer makes it (the micro-batch derived when not configured)."""
+    return resolve_batch(config.train, dims, config.parallel.pp_schedule)
+
+
 def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> int:
     """Micro-batches whose activations pipeline stage `stage` holds at once.
 
     GPipe: all of the rank's micro-batches. 1F1B (and, to first order, interleaved 1F1B): the warm-up
     depth pp - stage, so the first stage holds the most. No pipeline: one at a time.
     """
-    per_rank = config.train.global_batch_size // max(1, dims.dp)
-    n_micro = max(1, per_rank // config.train.micro_batch_size)
+    n_micro = _batch(config, dims).micro_batches
     if dims.pp == 1:
         return 1
     if config.parallel.pp_schedule == "gpipe":
@@ -250,9 +256,8 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
         notes_on_dtype = ["train.dtype=auto counted as bf16 (what auto picks on accelerators with native bf16)"]
     else:
         notes_on_dtype = []
-    p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
-    dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
+    layout = validate_layout(config, world_size)  # the trainer's own checks: what it refuses, this refuses
+    config, dims = layout.config, layout.dims  # config: with the micro-batch the trainer would use
     from optimus.models.transformer import build_model
 
     total = sum(q.numel() for q in build_model(config.model, device="meta").parameters())
@@ -272,7 +277,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
         if per_ep_rank % dims.dp_shard_mod_ep:
             notes.append(f"{per_ep_rank} experts do not divide over {dims.dp_shard_mod_ep} FSDP ranks: expert weights "
                          f"are sharded along their second dim if it divides, else padded (counted above)")
-    return DryRunReport(config, dims, device_memory_gb, ranks, total, notes)
+    return DryRunReport(config, dims, device_memory_gb, ranks, total, notes, layout.batch)
 
 
 def format_report(report: DryRunReport) -> str:
@@ -285,6 +290,7 @@ def format_report(report: DryRunReport) -> str:
         f"tp={d.tp} pp={d.pp}; micro-batch {cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens, "
         f"dtype {cfg.train.dtype}, activation checkpointing {cfg.train.activation_checkpointing}"
         + (f" ({'+'.join(cfg.train.recompute)})" if cfg.train.activation_checkpointing == "selective" else ""),
+        *([report.batch.describe()] if report.batch is not None else []),
         "",
     ]
     headers = [f"rank {r.rank} (stage {r.stage}, {r.layers} layers)" for r in report.ranks]

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from optimus.config import ConfigError
 from optimus.models.config import ModelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
-class LayoutError(ValueError):
-    """Parallel degrees that do not fit the world or the model (one-line message with the fix)."""
+class LayoutError(ConfigError):
+    """Parallel degrees that do not fit the world, the model or the batch (one-line message with the fix).
+    All layout rules are gathered in optimus.parallel.validate.validate_layout."""
 
 
 @dataclass(frozen=True)

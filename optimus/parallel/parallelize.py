@@ -118,13 +118,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
     # 4. activation checkpointing
     if train.activation_checkpointing != "none":
-        if train.activation_checkpointing == "ops" and parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1 \
-                and dims.dp_replicate > 1:
-            from optimus.parallel.mesh import LayoutError
+        from optimus.parallel.validate import check_checkpointing_layout
 
-            raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep = dp_shard under "
-                              "dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
-                              "use selective (train.recompute) or full")
+        check_checkpointing_layout(train.activation_checkpointing, dims)
         apply_activation_checkpointing(model, train.activation_checkpointing, train.recompute)
 
     # 5. torch.compile, per block (keeps parameter names; FSDP hooks stay outside the graph)

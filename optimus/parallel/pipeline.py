@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from optimus.models.layers import rotary_cos_sin
 from optimus.models.transformer import Transformer
 from optimus.ops.cross_entropy import linear_cross_entropy
+from optimus.parallel.validate import check_pipeline_micro_batches
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -127,12 +128,8 @@ class PipelineRuntime:
 
     def schedule(self, n_microbatches: int):
         """The schedule for n micro-batches per step (built once per n)."""
-        if self.schedule_name == "1f1b" and n_microbatches < self.n_stages:
-            raise ValueError(
-                f"parallel.pp_schedule=1f1b needs at least pp ({self.n_stages}) micro-batches per step, got "
-                f"{n_microbatches} (train.global_batch_size / (dp x train.micro_batch_size)): use smaller "
-                f"micro-batches, a larger global batch, or pp_schedule=gpipe"
-            )
+        # validate_layout refuses such counts before training starts; a direct caller gets the same line
+        check_pipeline_micro_batches(self.schedule_name, self.pp_mesh.size(), n_microbatches)
         if n_microbatches not in self._schedules:
             group = self.pp_mesh.get_group()
             # the device of the weights now (a model built on meta is materialised after apply_pipeline)

@@ -22,9 +22,9 @@ from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
 from optimus.parallel.launch import cpu_speed_cache, detect_launch_env, device_for, init_distributed
-from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.pipeline import get_pipeline
 from optimus.parallel.parallelize import build_parallel_model
+from optimus.parallel.validate import validate_layout
 from optimus.resilience.guards import ConsecutiveSkips, LossSpikeGuard
 from optimus.resilience.signals import PreemptionSignals, signal_name
 from optimus.resilience.stragglers import Straggler, StragglerMonitor
@@ -70,15 +70,17 @@ class Trainer:
     """Owns the model, optimizer, data and checkpoints of one run; `fit()` trains to max_steps."""
 
     def __init__(self, config: Config, callbacks: list[Callback] | None = None, progress_bar: bool = True):
-        self.requested_config = config
         self.config = config
         self.run_dir = config.run.path
         launch = detect_launch_env()
         self.device = device_for(launch.local_rank)
         self.is_rank0 = launch.rank == 0
-        p = config.parallel
-        self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=launch.world_size)
-        self.dims.check_model(config.model, p.pp_virtual_stages, seq_len=config.train.seq_len)
+        # every layout and batch rule, before anything is written; the micro-batch is filled in when derived
+        layout = validate_layout(config, launch.world_size)
+        self.requested_config = self.config = config = layout.config
+        self.dims = layout.dims
+        if self.is_rank0 and layout.batch.derived:
+            print(layout.batch.describe(), file=sys.stderr, flush=True)
         init_distributed(launch, self.device)
         self.precision, peak, self.peak_source = self._choose_precision(config.train.dtype)
         # The run computes in the resolved dtype; config.yaml keeps what was asked ("auto" stays auto,

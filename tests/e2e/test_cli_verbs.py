@@ -49,11 +49,24 @@ def test_generate_is_greedy_and_deterministic(trained_run, capsys):
 
 
 def test_info_lists_every_preset_without_allocating(capsys):
-    assert main(["info", "mula-220b-a10b"]) == 0
+    assert main(["info"]) == 0
     out = capsys.readouterr().out
     for name in ("mula-1b", "mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b", "olmoe-1b-7b"):
         assert name in out
     assert "6.9" in out and "220." in out
+
+
+def test_info_of_one_preset_shows_only_that_preset(capsys):
+    assert main(["info", "mula-220b-a10b"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "mula-" in line or "olmoe" in line]
+    assert len(rows) == 1 and "mula-220b-a10b" in rows[0] and "220." in rows[0]
+
+
+def test_generate_echoes_the_prompt_then_the_continuation(trained_run, capsys):
+    assert main(["generate", str(trained_run), "--prompt", "The Constitution", "--max-new-tokens", "3"]) == 0
+    prompt, continuation = capsys.readouterr().out.splitlines()
+    assert prompt == "prompt: The Constitution"
+    assert continuation.startswith("continuation (3 tokens, greedy): ")
 
 
 def test_dry_run_prints_resolved_config(tmp_path, token_dir, capsys):

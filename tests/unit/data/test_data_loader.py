@@ -88,3 +88,16 @@ def test_heldout_batches_are_fixed_and_round_robin(sotu_tokenized, wiki_tokenize
     assert heldout_batches([], SEQ_LEN, 3, 2) == []  # nothing held out: the trainer skips evaluation
     with pytest.raises(DataError, match="must be positive"):
         heldout_batches(sources, SEQ_LEN, 0, 2)
+
+
+def test_training_data_without_a_micro_batch_gives_each_rank_its_share(small_token_dir):
+    """A config with train.micro_batch_size unset (an imported run, evaluated without --data) still loads."""
+    from optimus.config import build_config
+    from optimus.data.build import build_training_data
+
+    config = build_config({"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_experts": 0, "ffn_hidden": 64},
+                           "train": {"seq_len": 32, "global_batch_size": 8},
+                           "data": {"sources": [{"path": str(small_token_dir)}]}})
+    assert config.train.micro_batch_size is None
+    loader = build_training_data(config, dp_rank=1, dp_size=2).loader
+    assert loader.micro_batch_size == 4 and len(loader.next_batch()) == 1

@@ -15,18 +15,20 @@ from optimus.testing import in_forked_process
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 
 PAPER_LAYOUTS = [
-    ("mula-1b", dict(dp_shard=384), 384),
-    ("mula-7b-a1b", dict(dp_shard=256, ep=8), 256),  # not in the paper's table: the OLMoE-sized member
-    ("mula-20b-a2b", dict(dp_shard=384, ep=12), 384),
-    ("mula-100b-a7b", dict(dp_shard=96, ep=12, pp=4), 384),
-    ("mula-220b-a10b", dict(dp_shard=384, ep=12, pp=8), 3072),
+    ("mula-1b", dict(dp_shard=384), 384, 1536),
+    ("mula-7b-a1b", dict(dp_shard=256, ep=8), 256, 1536),  # not in the paper's table: the OLMoE-sized member
+    ("mula-20b-a2b", dict(dp_shard=384, ep=12), 384, 1536),
+    ("mula-100b-a7b", dict(dp_shard=96, ep=12, pp=4), 384, 1536),
+    # 1F1B over 8 stages needs 8 micro-batches per rank: 384 data-parallel ranks x 8
+    ("mula-220b-a10b", dict(dp_shard=384, ep=12, pp=8), 3072, 3072),
 ]
 
 
-@pytest.mark.parametrize("preset, parallel, world", PAPER_LAYOUTS)
+@pytest.mark.parametrize("preset, parallel, world, global_batch", PAPER_LAYOUTS)
 @in_forked_process  # builds a fake process group: keep it out of this process
-def test_paper_layouts_give_plausible_per_rank_memory(preset, parallel, world):
-    config = build_config({"model": {"preset": preset}, "parallel": parallel, "train": TRAIN})
+def test_paper_layouts_give_plausible_per_rank_memory(preset, parallel, world, global_batch):
+    config = build_config({"model": {"preset": preset}, "parallel": parallel,
+                           "train": {**TRAIN, "global_batch_size": global_batch}})
     start = time.monotonic()
     report = dry_run(config, world, device_memory_gb=64)
     assert time.monotonic() - start < 20
@@ -144,3 +146,33 @@ def test_activation_estimate_is_close_to_what_autograd_saves(moe, dtype):
     measured = _saved_activation_bytes(model, ids, dtype)
     estimate = activation_bytes(config, ParallelDims(world_size=1), layers=2, has_loss_head=True)
     assert estimate == pytest.approx(measured, rel=0.15)
+
+
+def test_dry_run_refuses_what_the_trainer_refuses(tmp_path):
+    """pp=2 with one micro-batch per step: the trainer stops at step 1; the dry run used to approve it.
+    Both now give the same one line, exit code 2, and nothing is written."""
+    import subprocess
+    import sys
+
+    flags = ["--parallel.pp=2", "--train.micro_batch_size=8", f"--run.dir={tmp_path / 'run'}"]
+    dry = subprocess.run([sys.executable, "-m", "optimus", "train", "configs/mula-tiny-moe.yaml", *flags,
+                          "--dry-run", "--world-size", "2"], capture_output=True, text=True)
+    train = subprocess.run([sys.executable, "-m", "optimus", "train", "configs/mula-tiny-moe.yaml", *flags],
+                           capture_output=True, text=True)
+    for result in (dry, train):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().endswith("micro-batches per step, got 1 (train.global_batch_size / "
+                                              "(data-parallel ranks x train.micro_batch_size)): use smaller "
+                                              "micro-batches, a larger global batch, or pp_schedule=gpipe")
+    assert dry.stderr == train.stderr and dry.stdout == "" and len(dry.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+@in_forked_process  # builds a fake process group: keep it out of this process
+def test_dry_run_derives_the_micro_batch_as_the_trainer_does():
+    config = build_config({"model": {"preset": "mula-tiny-moe"}, "parallel": dict(pp=2),
+                           "train": dict(global_batch_size=8)})
+    report = dry_run(config, 2)
+    assert report.batch.micro_batch_size == 4 and report.batch.micro_batches == 2
+    assert [r.in_flight for r in report.ranks] == [2, 1]
+    assert "2 micro-batch(es) of 4 per step (derived" in format_report(report)

@@ -155,15 +155,22 @@ def test_ops_checkpointing_with_one_rank_expert_groups():
     """ep = dp_shard: the experts have no FSDP replica; under ops they are left out of FSDP (a one-rank
     FSDP group unshards differently in the recompute, which op replay refuses). With HSDP they would
     need a group of their own: refused in one line."""
+    from optimus.config import ConfigError
     from optimus.parallel.mesh import LayoutError
 
-    config = tiny_config(moe=True, parallel=dict(dp_shard=8, ep=8), train=dict(activation_checkpointing="ops"))
+    config = tiny_config(moe=True, parallel=dict(dp_shard=8, ep=8),
+                         train=dict(activation_checkpointing="ops", global_batch_size=16))
     model = _meta_model(config, ParallelDims(dp_shard=8, ep=8, world_size=8))
     experts = model.layers["0"]._checkpoint_wrapped_module.mlp.experts
     assert experts.w_gate_up.device_mesh.mesh_dim_names == ("ep",)  # EP's DTensor, not FSDP's
     assert model.layers["0"].attn.q_proj.weight.device_mesh.mesh_dim_names == ("dp_shard",)
 
-    config = tiny_config(moe=True, parallel=dict(dp_replicate=2, dp_shard=4, ep=4), train=dict(activation_checkpointing="ops"))
-    with pytest.raises(LayoutError, match="activation_checkpointing=ops") as err:
-        _meta_model(config, ParallelDims(dp_replicate=2, dp_shard=4, ep=4, world_size=8))
+    hsdp = dict(dp_replicate=2, dp_shard=4, ep=4)
+    with pytest.raises(ConfigError, match="activation_checkpointing=ops") as err:  # refused when the config loads
+        tiny_config(moe=True, parallel=hsdp, train=dict(activation_checkpointing="ops", global_batch_size=16))
     assert "\n" not in str(err.value)
+    # and by parallelize itself, for a caller that skips the config (the same one line)
+    allowed = tiny_config(moe=True, parallel=hsdp, train=dict(global_batch_size=16))
+    config = allowed.model_copy(update={"train": allowed.train.model_copy(update={"activation_checkpointing": "ops"})})
+    with pytest.raises(LayoutError, match="activation_checkpointing=ops"):
+        _meta_model(config, ParallelDims(**hsdp, world_size=8))

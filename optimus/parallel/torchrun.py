@@ -1,0 +1,71 @@
+"""`optimus launch`: torchrun in this process, so a worker's bad-input error ends the job as one line.
+
+Under plain `torchrun ... -m optimus train ...`, a worker that refuses its input exits with code 2
+and torchrun then raises ChildFailedError: a Python traceback and a failure table after our line,
+and exit code 1. torchrun's own exit cannot be changed from a worker, so this wrapper runs
+torchrun's launcher (torch.distributed.run) itself and, when a worker exited with code 2, prints
+its one line last (read from the error file torchrun gives each worker,
+which optimus.cli writes) and exits 2. Any other failure is reported as torchrun reports it.
+
+    optimus launch --nproc-per-node=2 train configs/mula-tiny-moe.yaml --parallel.dp_shard=2
+    = torchrun --nproc-per-node=2 -m optimus train configs/mula-tiny-moe.yaml --parallel.dp_shard=2
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Collection
+
+# Set for the workers: they write their error line only to torchrun's error file and print nothing,
+# since this wrapper prints it last. Read by optimus.cli.
+WORKER_ERRORS_ENV = "OPTIMUS_WORKER_ERRORS"
+WORKER_ERRORS_TO_LAUNCHER = "launcher"
+EXIT_BAD_INPUT = 2
+
+
+def split_launch_args(argv: list[str], verbs: Collection[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's options, the optimus command): the command starts at the first optimus verb."""
+    for index, arg in enumerate(argv):
+        if arg in verbs:
+            return argv[:index], argv[index:]
+    raise ValueError(f"no optimus command after the torchrun options: add one of {', '.join(sorted(verbs))}")
+
+
+def _message_of(failure) -> str | None:
+    """The one line a worker wrote to its torchrun error file (optimus.cli), or None."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) and message.startswith("optimus ") else None
+
+
+def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
+    """Run `torchrun TORCHRUN_OPTIONS -m optimus VERB ARGS` in this process; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    torchrun_options, command = split_launch_args(argv, verbs)
+    args = parse_args([*torchrun_options, "-m", "optimus", *command])
+    os.environ[WORKER_ERRORS_ENV] = WORKER_ERRORS_TO_LAUNCHER  # inherited by the workers
+    # worker start/stop lines ("closing signal SIGTERM", "failed (exitcode: 2)"): the summary below says it
+    process_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = process_log.level
+    process_log.setLevel(logging.CRITICAL)
+    try:
+        run(args)
+        return 0
+    except ChildFailedError as err:
+        # the others were stopped by torchrun once one exited: report the lowest rank that refused its input
+        refused = sorted((rank, _message_of(failure)) for rank, failure in err.failures.items()
+                         if failure.exitcode == EXIT_BAD_INPUT and _message_of(failure) is not None)
+        if refused:
+            print(refused[0][1], file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+        rank, failure = err.get_first_failure()
+        print(f"optimus launch: rank {rank} failed\n{err}", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    finally:
+        process_log.setLevel(level)
+        os.environ.pop(WORKER_ERRORS_ENV, None)

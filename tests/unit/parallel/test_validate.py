@@ -1,0 +1,69 @@
+"""validate_layout: one place for every layout and batch rule; the micro-batch derived from the global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimus.config import ConfigError, build_config
+from optimus.parallel.mesh import LayoutError
+from optimus.parallel.validate import validate_layout
+
+TINY = {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_experts": 8, "top_k": 2, "expert_ffn_hidden": 32,
+        "vocab_size": 256}
+
+
+def _config(parallel=None, train=None, model=None):
+    return build_config({"model": {**TINY, **(model or {})}, "parallel": parallel or {},
+                         "train": {"seq_len": 64, **(train or {})}})
+
+
+@pytest.mark.parametrize("parallel, global_batch, micro, n_micro", [
+    ({}, 8, 8, 1),                                  # one rank: the whole batch in one micro-batch
+    ({"dp_shard": 2}, 8, 4, 1),                     # the README's two-rank example
+    ({"dp_shard": 2, "ep": 2}, 16, 8, 1),
+    ({"pp": 2}, 8, 4, 2),                           # 1F1B needs pp micro-batches
+    ({"pp": 4, "dp_shard": 2}, 24, 3, 4),           # 12 per rank: 4 micro-batches of 3
+    ({"pp": 2, "pp_schedule": "gpipe"}, 8, 4, 2),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, 8, 4, 2),
+])
+def test_micro_batch_is_derived_from_the_global_batch(parallel, global_batch, micro, n_micro):
+    layout = validate_layout(_config(parallel, {"global_batch_size": global_batch}))
+    assert layout.batch.derived
+    assert (layout.batch.micro_batch_size, layout.batch.micro_batches) == (micro, n_micro)
+    assert layout.config.train.micro_batch_size == micro  # what the trainer and the dry run use
+    assert "derived" in layout.batch.describe() and "\n" not in layout.batch.describe()
+
+
+def test_an_explicit_micro_batch_is_kept():
+    layout = validate_layout(_config({"dp_shard": 2}, {"global_batch_size": 8, "micro_batch_size": 2}))
+    assert not layout.batch.derived and layout.batch.micro_batches == 2
+    assert layout.config.train.micro_batch_size == 2
+
+
+@pytest.mark.parametrize("parallel, train, model, world, needle", [
+    ({"dp_shard": 2}, {}, {}, 4, "but the job has 4 ranks"),
+    ({"dp_shard": 2, "ep": 3}, {}, {}, None, "parallel.ep (3) must divide parallel.dp_shard (2)"),
+    ({"tp": 8}, {}, {}, None, "must divide model.n_heads"),
+    ({"tp": 2}, {"seq_len": 33}, {}, None, "train.seq_len (33) must be a multiple of parallel.tp (2)"),
+    ({"dp_shard": 3, "ep": 3}, {"global_batch_size": 9}, {}, None, "must divide model.n_experts"),
+    ({"dp_shard": 2, "ep": 2}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "needs an MoE model"),
+    ({"pp": 8}, {"global_batch_size": 8}, {}, None, "fewer than the pipeline stages"),
+    ({"pp": 2}, {"micro_batch_size": 8}, {}, None, "needs at least pp (2) micro-batches per step, got 1"),
+    ({"pp": 4}, {"global_batch_size": 2}, {}, None, "raise train.global_batch_size to a multiple of 4"),
+    ({"pp": 2, "pp_virtual_stages": 2}, {}, {}, None, "needs parallel.pp_schedule=interleaved_1f1b"),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, {}, {}, None, "pp_virtual_stages >= 2"),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, {"global_batch_size": 5, "micro_batch_size": 1},
+     {}, None, "cannot split 5 micro-batches"),
+    ({"dp_shard": 3}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "not divisible by the 3 data-parallel ranks"),
+    ({"dp_shard": 2}, {"micro_batch_size": 8}, {}, None, "gets 4 samples"),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "ops"}, {}, None, "activation_checkpointing=ops"),
+])
+def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):
+    raw = {"model": {**TINY, **model}, "parallel": parallel, "train": {"seq_len": 64, **train}}
+    if world is None:  # the degrees imply the world size: the config itself refuses at load
+        with pytest.raises(ConfigError) as err:
+            build_config(raw)
+    else:
+        with pytest.raises(LayoutError) as err:
+            validate_layout(build_config(raw), world)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
