@@ -43,7 +43,7 @@ test: setup
 	$(PY) -m pytest -q -m "not gpu and not soak" tests
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m "slow or soak" tests
 
 bench: setup
 	$(PY) benchmarks/train_step.py
