@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest, seal, write_json_durably
+from optimus.checkpoint.preflight import RunDirError, check_run_dir
 from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from optimus.checkpoint.values import (
     UnsupportedValue, encode_values, live_state, merge_rank_values, read_values, restore_values, split_values,
@@ -119,6 +120,19 @@ class CheckpointManager:
             if step in steps and step == steps[-1]:
                 return step
         return steps[-1] if steps else None
+
+    def preflight(self, checkpoint_bytes: int) -> None:
+        """Before training: fail now, in one line, if checkpoints of about `checkpoint_bytes` could not be
+        written under the run directory (collective: every rank checks and all stop together)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            check_run_dir(self.run_dir, checkpoint_bytes, probe_name=f".write-test-{rank}")
+            problem = None
+        except RunDirError as err:
+            problem = str(err)
+        problem = self._first_problem_on_any_rank(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     # ------------------------------------------------------------------------------------ save
     def save(self, step: int, state: dict[str, Stateful | Any], meta: dict[str, Any],

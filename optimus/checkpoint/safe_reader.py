@@ -119,7 +119,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else "refused"
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or ["refused"]
+            # torch's text opens with advice to retry with weights_only=False; keep the line saying what was refused
+            first = next((line for line in lines if "unsupported" in line.lower() or "WeightsUnpickler" in line),
+                         lines[0])
             raise UnsafeCheckpoint(
                 f"checkpoint item '{read_item.dest_index.fqn}' holds a pickle that is not plain data ({first[:160]}): "
                 "refusing to load it"

@@ -42,7 +42,9 @@ def split_values(tree: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[Value
             if isinstance(value, torch.Tensor):
                 kept[key] = value
             elif isinstance(value, dict) and value:
-                kept[key] = walk(value, (*path, key))
+                inner = walk(value, (*path, key))
+                if inner:  # a dict with no tensors at all lives in the values only
+                    kept[key] = inner
             else:
                 _check_plain(value, (*path, key))
                 values.append(((*path, key), value))
