@@ -194,7 +194,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     config = build_config({"model": model_config.model_dump(), "run": {"dir": str(out)}})
     model = build_model(config.model, device="cpu")
     model.load_state_dict(state_dict, strict=True)
-    out.mkdir(parents=True, exist_ok=True)
+    CheckpointManager(out).preflight(checkpoint_bytes=sum(t.numel() * 4 for t in state_dict.values()))
     save_config(config, out / "config.yaml")
     CheckpointManager(out).save(0, {"model": ModelState(model)}, {"model": config.model.model_dump(), "contents": ["model"]})
     print(f"imported {args.hf_dir} into {out} (step 0): continue with optimus train {out}/config.yaml")

@@ -64,3 +64,17 @@ def flip_bytes_in_tensor(checkpoint: Path, tensor: torch.Tensor, count: int = 64
             shard.write_bytes(bytes(data))
             return shard
     raise AssertionError("the tensor's bytes are in no shard")
+
+
+def flip_bytes_in_item(checkpoint: Path, fqn: str, count: int = 4096) -> Path:
+    """Invert `count` bytes in the middle of the stored item `fqn` (a large tensor: its data dominates the
+    record); COMMITTED is left as it was, like bit rot. Returns the shard."""
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # the test's own file
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    shard = checkpoint / info.relative_path
+    data = bytearray(shard.read_bytes())
+    start = info.offset + info.length // 2
+    for i in range(start, start + min(count, info.length // 4)):
+        data[i] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
