@@ -215,7 +215,7 @@ class CheckpointManager:
         for rank, message in enumerate(everyone):
             decoded = bytes(message.tolist()).rstrip(b"\0").decode(errors="ignore")
             if decoded:
-                return decoded if rank == dist.get_rank() or decoded.startswith("rank ") else f"rank {rank}: {decoded}"
+                return decoded if decoded.startswith("rank ") else f"rank {rank}: {decoded}"  # same text on every rank
         return None
 
     def finish_pending(self) -> int | None:
@@ -331,6 +331,7 @@ class CheckpointManager:
         while target.exists():
             suffix += 1
             target = self.dir / f"{DAMAGED_PREFIX}step-{step}.{suffix}"
+        _barrier()  # every rank has picked the same name before rank 0 renames
         if _is_rank0():
             os.replace(source, target)
         _barrier()
