@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest, seal, write_json_durably
-from optimus.checkpoint.preflight import RunDirError, check_run_dir
+from optimus.checkpoint.preflight import RunDirError, check_run_dir, human_bytes
 from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from optimus.checkpoint.values import (
     UnsupportedValue, encode_values, live_state, merge_rank_values, read_values, restore_values, split_values,
@@ -185,12 +185,24 @@ class CheckpointManager:
         return self.step_dir(step)
 
     def _write_failed(self, step: int, tmp: Path, failure: str) -> CheckpointError:
+        full = self._disk_full_note()  # before the partial files are removed, which frees space again
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         return CheckpointError(
-            f"checkpoint {self.step_dir(step)} could not be written ({failure}): check free space and "
+            f"checkpoint {self.step_dir(step)} could not be written ({failure}){full}: check free space and "
             f"permissions under {self.dir}; the earlier checkpoints are intact and a rerun resumes from them"
         )
+
+    def _disk_full_note(self) -> str:
+        # torch.save reports a full disk as "unexpected pos N vs M": say what it means
+        try:
+            free = shutil.disk_usage(self.dir).free
+            steps = self.committed_steps()
+            size = sum(p.stat().st_size for p in self.step_dir(steps[-1]).iterdir()) if steps else 16 << 20
+        except OSError:
+            return ""
+        return f"; the disk is full ({human_bytes(free)} free, a checkpoint takes about {human_bytes(size)})" \
+            if free < size else ""
 
     def _cpu_group(self) -> dist.ProcessGroup | None:
         # A gloo group of all ranks for CPU-tensor exchanges and DCP's background thread: the background

@@ -209,3 +209,32 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(as
     err = fail_line(capsys, [*_train(trained[0], run), f"--train.async_checkpoint={str(asynchronous).lower()}"])
     assert "step-4 could not be written" in err and "No space left on device" in err
     assert snapshot(run / "checkpoints") == before and (run / "latest").read_text().strip() == "2"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 110 MiB tmpfs: room for one checkpoint of the tiny model (about 77 MB) but not two."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_really_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(capsys, small_tmpfs, trained):
+    cfg, _ = trained
+    run = small_tmpfs / "run"
+    err = fail_line(capsys, _train(cfg, run))
+    assert "step-4 could not be written" in err and "the disk is full" in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-2"]
+    assert (run / "latest").read_text().strip() == "2"
+    from optimus.checkpoint.manager import CheckpointManager
+
+    assert CheckpointManager(run).find_problem(2) is None
