@@ -124,6 +124,7 @@ class CheckpointManager:
     def preflight(self, checkpoint_bytes: int) -> None:
         """Before training: fail now, in one line, if checkpoints of about `checkpoint_bytes` could not be
         written under the run directory (collective: every rank checks and all stop together)."""
+        self.finish_pending()
         rank = dist.get_rank() if dist.is_initialized() else 0
         try:
             check_run_dir(self.run_dir, checkpoint_bytes, probe_name=f".write-test-{rank}")
@@ -276,6 +277,7 @@ class CheckpointManager:
     def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
         """Rank 0, once every rank's files are written: seal them in COMMITTED and make them the latest."""
         final = self.step_dir(step)
+        self._checked.discard(step)
         write_json_durably(tmp / META, json.dumps({"step": step, **meta}, indent=1))
         merge_rank_values(tmp)
         seal(tmp)
@@ -296,7 +298,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------ check
     def find_problem(self, step: int) -> str | None:
         """What is wrong with the checkpoint of `step`, or None when every file has its committed size and
-        hash (collective: each rank checks a share of the files)."""
+        hash (collective: each rank checks a share of the files; a pending asynchronous save is committed first,
+        as its background collectives share the group used here)."""
+        self.finish_pending()
         if step in self._checked:
             return None
         path = self.step_dir(step)
