@@ -84,12 +84,15 @@ class _PendingSave:
 class CheckpointManager:
     """Save and load a dict of Stateful objects (model, optimizer, loader, ...) under a run directory."""
 
-    def __init__(self, run_dir: str | Path, keep_last_k: int = 2):
+    def __init__(self, run_dir: str | Path, keep_last_k: int = 2, device: torch.device | None = None):
+        """device: where this rank's tensors for collectives on the default group live (the training device;
+        CPU when None, which suits gloo and single processes)."""
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / "checkpoints"
         self.keep_last_k = keep_last_k
+        self.device = device or torch.device("cpu")
         self._pending: _PendingSave | None = None
-        self._cpu_group_: dist.ProcessGroup | None = None
+        self._async_group: dist.ProcessGroup | None = None
         self._checked: set[int] = set()  # steps whose files passed their check in this process
 
     def step_dir(self, step: int) -> Path:
@@ -165,7 +168,7 @@ class CheckpointManager:
         writer = CheckpointWriter(tmp, values_json)
         if asynchronous:
             try:
-                write = dcp.async_save(tensors, storage_writer=writer, process_group=self._cpu_group())
+                write = dcp.async_save(tensors, storage_writer=writer, process_group=self._background_group())
             except (Exception, CheckpointException) as err:
                 raise self._write_failed(step, tmp, _describe(err)) from None
             self._pending = _PendingSave(step, tmp, meta, write)
@@ -205,26 +208,27 @@ class CheckpointManager:
         return f"; the disk is full ({human_bytes(free)} free, a checkpoint takes about {human_bytes(size)})" \
             if free < size else ""
 
-    def _cpu_group(self) -> dist.ProcessGroup | None:
-        # A gloo group of all ranks for CPU-tensor exchanges and DCP's background thread: the background
-        # collectives (plan, write results) must not interleave with the training thread's on the default group.
+    def _background_group(self) -> dist.ProcessGroup | None:
+        # DCP's background thread runs collectives (plan, write results) while the training thread runs its own
+        # on the default group: on one gloo group the two interleave and crash or hang.
         if not dist.is_initialized():
             return None
-        if self._cpu_group_ is None:
-            self._cpu_group_ = dist.new_group(backend="gloo")  # collective: every rank reaches this together
-        return self._cpu_group_
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")  # collective: every rank saves together
+        return self._async_group
 
     def _first_problem_on_any_rank(self, problem: str | None) -> str | None:
-        """Collective: every rank learns the first rank's problem (None when no rank has one)."""
+        """Collective on the default group (never while a background save runs: callers finish it first):
+        every rank learns the first rank's problem (None when no rank has one)."""
         if not dist.is_initialized():
             return problem
-        group = self._cpu_group()
         mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
         text = (problem or "").encode()[:_MESSAGE_BYTES]
         if text:
             mine[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        mine = mine.to(self.device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine, group=group)
+        dist.all_gather(everyone, mine)
         for rank, message in enumerate(everyone):
             decoded = bytes(message.tolist()).rstrip(b"\0").decode(errors="ignore")
             if decoded:
@@ -298,8 +302,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------ check
     def find_problem(self, step: int) -> str | None:
         """What is wrong with the checkpoint of `step`, or None when every file has its committed size and
-        hash (collective: each rank checks a share of the files; a pending asynchronous save is committed first,
-        as its background collectives share the group used here)."""
+        hash (collective: each rank checks a share of the files; a pending asynchronous save is committed first)."""
         self.finish_pending()
         if step in self._checked:
             return None

@@ -82,7 +82,7 @@ class Trainer:
         dp_rank = self.mesh.local_rank("dp") if self.mesh else 0
         torch.manual_seed(config.train.seed)
         self.data = build_training_data(config, dp_rank=dp_rank, dp_size=self.dims.dp)
-        self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k)
+        self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k, device=self.device)
         # the whole model's count (on meta, free): under PP this rank's model holds only its stages
         params = count_parameters(build_model(config.model, device="meta"), config.model)
         self.checkpoints.preflight(checkpoint_bytes=params.total * CHECKPOINT_BYTES_PER_PARAMETER)
