@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest
 from optimus.checkpoint.manager import DAMAGED_PREFIX, INDEX, META
 from optimus.checkpoint.safe_reader import UnsafeCheckpoint, read_index
-from optimus.checkpoint.values import VALUES, read_values
+from optimus.checkpoint.values import read_values
 
 
 @dataclass

@@ -9,9 +9,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
-from optimus.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpoint, read_index
+from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_index
 from optimus.checkpoint.values import decode_values, encode_values, split_values
-from optimus.train.state import ModelState, OptimizerState
+from optimus.train.state import ModelState
 from tests.unit.checkpoint.tampering import plant_payload
 from tests.unit.checkpoint.test_manager import make_state
 
@@ -83,9 +83,6 @@ def test_payload_where_a_value_is_expected_is_read_weights_only(tmp_path):
     dcp.save(state, checkpoint_id=folder)  # the old layout: hyperparameters pickled by DCP
     _, optimizer2, _, state2 = make_state()
     optimizer2.param_groups[0]["lr"] = 7.0
-    manager = CheckpointManager(tmp_path)
-    from optimus.checkpoint.safe_reader import SafeLoadPlanner
-
     dcp.load(state2, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]  # old checkpoints still load
 
@@ -93,7 +90,6 @@ def test_payload_where_a_value_is_expected_is_read_weights_only(tmp_path):
     with pytest.raises(BaseException, match="not plain data.*posix.system"):
         dcp.load(make_state()[3], storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner())
     assert not (tmp_path / "marker").exists()
-    del manager
 
 
 def test_safe_reader_refuses_the_default_planner(tmp_path):
