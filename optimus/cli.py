@@ -232,10 +232,38 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     config = build_config({"model": model_config.model_dump(), "run": {"dir": str(out)}})
     model = build_model(config.model, device="cpu")
     model.load_state_dict(state_dict, strict=True)
-    out.mkdir(parents=True, exist_ok=True)
+    CheckpointManager(out).preflight(checkpoint_bytes=sum(t.numel() * 4 for t in state_dict.values()))
     save_config(config, out / "config.yaml")
     CheckpointManager(out).save(0, {"model": ModelState(model)}, {"model": config.model.model_dump(), "contents": ["model"]})
     print(f"imported {args.hf_dir} into {out} (step 0): continue with optimus train {out}/config.yaml")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- verify
+def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from optimus.checkpoint.preflight import human_bytes
+    from optimus.checkpoint.verify import verify_run
+
+    run = Path(args.run)
+    if not (run / "checkpoints").is_dir():
+        raise UsageError(f"'{run}' holds no checkpoints folder: pass the run.dir of a training run")
+    reports = verify_run(run)
+    if not reports:
+        raise UsageError(f"'{run}/checkpoints' holds no checkpoint yet: train first (optimus train ...)")
+    table = Table(title=f"checkpoints of {run}")
+    for column in ("checkpoint", "step", "files", "size", "status"):
+        table.add_column(column, justify="right" if column in ("step", "files", "size") else "left")
+    for report in reports:
+        table.add_row(report.name, str(report.step), str(report.files), human_bytes(report.bytes),
+                      "ok" if report.ok else report.problem, style=None if report.ok else "bold red")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    bad = [report.name for report in reports if not report.ok]
+    if bad:
+        print(f"optimus verify: {len(bad)} of {len(reports)} checkpoints are bad: {', '.join(bad)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 0
 
 
@@ -344,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("hf_dir")
     imp.add_argument("--out", required=True)
     imp.set_defaults(func=cmd_import)
+
+    verify = verbs.add_parser("verify", help="check every checkpoint of a run (sizes, hashes, index); exit 2 if any is bad")
+    verify.add_argument("run")
+    verify.set_defaults(func=cmd_verify)
 
     info = verbs.add_parser("info", help="parameters and FLOPs per token of the presets (or of a config)")
     info.add_argument("target", nargs="?", help="a preset name or a config file")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from optimus.models.config import ModelConfig
@@ -254,7 +255,7 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a folder's safetensors file(s), sharded or not; never unpickles anything."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shard_names = _shards_in_index(index)
         missing = [name for name in shard_names if not (hf_dir / name).is_file()]
         if missing:
             raise InteropError(f"shard '{missing[0]}' listed in {index.name} is missing from '{hf_dir}': "
@@ -271,8 +272,28 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
         raise InteropError(f"no *.safetensors weights in '{hf_dir}': export the model with save_pretrained first")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        tensors.update(load_file(str(path)))
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as err:  # truncated, random or not safetensors at all
+            detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+            raise InteropError(f"'{path}' is not a readable safetensors file ({detail}): copy it again "
+                               "from its source") from None
     return tensors
+
+
+def _shards_in_index(index: Path) -> list[str]:
+    """The shard file names a model.safetensors.index.json maps tensors to."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
+        raise InteropError(f"{index.name} in '{index.parent}' is malformed ({type(err).__name__}): it needs a "
+                           '"weight_map" object of tensor name -> shard file') from None
+    bad = [name for name in names if not isinstance(name, str) or "/" in name or name in ("", ".", "..")]
+    if bad:
+        raise InteropError(f"{index.name} in '{index.parent}' names shard {bad[0]!r}, which is not a file name "
+                           "in that folder")
+    return names
 
 
 def state_dict_from_hf(
@@ -342,10 +363,18 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         hf = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"config.json in '{folder}' is not valid JSON ({err.msg}, line {err.lineno})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InteropError(f"config.json in '{folder}' cannot be read ({type(err).__name__})") from None
+    if not isinstance(hf, dict):
+        raise InteropError(f"config.json in '{folder}' holds a {type(hf).__name__}, not a JSON object: "
+                           "pass the config.json save_pretrained wrote")
     try:
         config = config_from_hf(hf)
     except KeyError as err:
         raise InteropError(f"config.json in '{folder}' lacks the field {err}: is it a complete HF config?") from None
+    except (TypeError, AttributeError) as err:
+        raise InteropError(f"config.json in '{folder}' has a field of the wrong type ({err}): is it an HF "
+                           "config.json?") from None
     tensors = read_safetensors(folder)
     tied = hf.get("tie_word_embeddings", True) is not False  # transformers' default when the key is absent
     return config, state_dict_from_hf(tensors, config, hf["model_type"], tied=tied)

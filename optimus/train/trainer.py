@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
+from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
 from optimus.data.loader import heldout_batches
@@ -91,8 +92,14 @@ class Trainer:
         dp_rank = self.mesh.local_rank("dp") if self.mesh else 0
         torch.manual_seed(config.train.seed)
         self.data = build_training_data(config, dp_rank=dp_rank, dp_size=self.dims.dp)
-        self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k)
-        self.resume_step = self.checkpoints.latest()
+        self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k, device=self.device)
+        # the whole model's count (on meta, free): under PP this rank's model holds only its stages
+        params = count_parameters(build_model(config.model, device="meta"), config.model)
+        self.checkpoints.preflight(checkpoint_bytes=params.total * CHECKPOINT_BYTES_PER_PARAMETER)
+        self.resume_step, skipped = self.checkpoints.newest_usable()  # damaged ones are moved aside, never deleted
+        if skipped and self.is_rank0:
+            print(f"resuming from step {self.resume_step}: skipped checkpoint {'; '.join(skipped)}",
+                  file=sys.stderr, flush=True)
         if self.resume_step is not None:
             check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
 
@@ -114,8 +121,6 @@ class Trainer:
             self.state["loss_spike_guard"] = self.spike_guard  # an older checkpoint without it starts it empty
         self.stragglers = (StragglerMonitor(r.straggler_every, r.straggler_factor, self.device)
                            if r.straggler_every and launch.world_size > 1 else None)
-        # the whole model's count (on meta, free): under PP this rank's model holds only its stages
-        params = count_parameters(build_model(config.model, device="meta"), config.model)
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
         self.peak_flops = peak
         self.throughput = Throughput(self.flops_per_token, peak, replicas=self.dims.dp, world_size=launch.world_size)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from optimus.cli import main
@@ -92,3 +95,147 @@ def test_subprocess_error_has_no_traceback(tmp_path):
     result = run_cli("train", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Run directories, checkpoints and Hugging Face folders that cannot be used: a table of cases, each run
+# through the CLI; every one must end with exit 2, one line, no traceback, and name the problem.
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, token_dir) -> tuple[Path, Path]:
+    """(config, run dir) of a 2-step tiny run with one checkpoint, step-2."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = tmp / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 2, "ckpt_every": 2, "eval_every": 0})))
+    assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
+    return cfg, tmp / "run"
+
+
+def _train(cfg: Path, run: Path) -> list[str]:
+    return ["train", str(cfg), f"--run.dir={run}", "--train.max_steps=4", "--no-progress"]
+
+
+def _copy(trained, tmp: Path) -> Path:
+    shutil.copytree(trained[1], tmp / "run")
+    return tmp / "run"
+
+
+def _garbled_index(trained, tmp: Path) -> Path:
+    """A corrupt DCP index whose manifest was rewritten to match (so only loading can find out)."""
+    from tests.unit.checkpoint.tampering import reseal
+
+    run = _copy(trained, tmp)
+    index = run / "checkpoints" / "step-2" / ".metadata"
+    index.write_bytes(index.read_bytes()[:100])
+    reseal(index.parent)
+    return run
+
+
+def _hf_folder(tmp: Path, config: object = None, weights: bytes | None = None, index: str | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    from optimus.models.config import ModelConfig
+    from optimus.models.hf import hf_config
+
+    folder = tmp / "hf"
+    folder.mkdir()
+    model = ModelConfig(d_model=32, n_layers=1, n_heads=2, n_experts=2, top_k=1, expert_ffn_hidden=16, vocab_size=64)
+    (folder / "config.json").write_text(json.dumps(hf_config(model, "olmoe") if config is None else config))
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(folder / "model.safetensors"))
+    if weights is not None:
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[: len(data) // 2] if weights == b"truncate" else weights)
+    if index is not None:
+        (folder / "model.safetensors.index.json").write_text(index)
+    return folder
+
+
+def _import(folder: Path, tmp: Path) -> list[str]:
+    return ["import", str(folder), "--out", str(tmp / "imported")]
+
+
+BAD_INPUT_CASES = {
+    # run directories, checked at start-up before any step
+    "run.dir is a file": (lambda t, tr: (t / "f").write_text("x") and _train(tr[0], t / "f"),
+                          "is a file, not a directory"),
+    "run.dir under /proc": (lambda t, tr: _train(tr[0], Path("/proc/optimus-run")), "cannot write checkpoints"),
+    "checkpoints is a file": (lambda t, tr: ((t / "r").mkdir(), (t / "r" / "checkpoints").write_text("x"))
+                              and _train(tr[0], t / "r"), "checkpoints' is a file"),
+    "latest is a directory": (lambda t, tr: (t / "r" / "latest").mkdir(parents=True) or _train(tr[0], t / "r"),
+                              "latest' is not a file"),
+    # checkpoints
+    "garbled index, eval": (lambda t, tr: ["eval", str(_garbled_index(tr, t)), "--batches", "1"],
+                            "step-2 could not be loaded"),
+    "garbled index, resume": (lambda t, tr: _train(tr[0], _garbled_index(tr, t)), "step-2 could not be loaded"),
+    "COMMITTED garbage": (lambda t, tr: (_copy(tr, t) / "checkpoints/step-2/COMMITTED").write_text("{")
+                          and ["generate", str(t / "run"), "--prompt", "Hi"], "COMMITTED cannot be read"),
+    "verify, not a run": (lambda t, tr: ["verify", str(t)], "holds no checkpoints folder"),
+    "verify, no checkpoint": (lambda t, tr: (t / "checkpoints").mkdir() or ["verify", str(t)], "no checkpoint yet"),
+    # Hugging Face folders
+    "HF config.json a list": (lambda t, tr: _import(_hf_folder(t, config=[1, 2]), t), "holds a list, not a JSON object"),
+    "HF truncated safetensors": (lambda t, tr: _import(_hf_folder(t, weights=b"truncate"), t),
+                                 "not a readable safetensors file"),
+    "HF random safetensors": (lambda t, tr: _import(_hf_folder(t, weights=bytes(range(256)) * 8), t),
+                              "not a readable safetensors file"),
+    "HF index not JSON": (lambda t, tr: _import(_hf_folder(t, index="{weight_map"), t), "index.json in"),
+    "HF index weight_map a list": (lambda t, tr: _import(_hf_folder(t, index='{"weight_map": ["a"]}'), t),
+                                   "malformed (AttributeError)"),
+    "HF index shard outside": (lambda t, tr: _import(_hf_folder(t, index='{"weight_map": {"x": "../x"}}'), t),
+                               "not a file name"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT_CASES))
+def test_bad_input_table(case, capsys, tmp_path, trained):
+    build, expected = BAD_INPUT_CASES[case]
+    argv = build(tmp_path, trained)
+    capsys.readouterr()
+    err = fail_line(capsys, argv)
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(asynchronous, capsys, tmp_path,
+                                                                               trained, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run = _copy(trained, tmp_path)
+    before = snapshot(run / "checkpoints")
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    err = fail_line(capsys, [*_train(trained[0], run), f"--train.async_checkpoint={str(asynchronous).lower()}"])
+    assert "step-4 could not be written" in err and "No space left on device" in err
+    assert snapshot(run / "checkpoints") == before and (run / "latest").read_text().strip() == "2"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 110 MiB tmpfs: room for one checkpoint of the tiny model (about 77 MB) but not two."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_really_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(capsys, small_tmpfs, trained):
+    cfg, _ = trained
+    run = small_tmpfs / "run"
+    err = fail_line(capsys, _train(cfg, run))
+    assert "step-4 could not be written" in err and "the disk is full" in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-2"]
+    assert (run / "latest").read_text().strip() == "2"
+    from optimus.checkpoint.manager import CheckpointManager
+
+    assert CheckpointManager(run).find_problem(2) is None

@@ -1,0 +1,91 @@
+"""Through the CLI: a checkpoint carrying a pickle payload runs nothing; a bit-flipped one is named by eval and
+verify, and training resumes from the previous one to the very same weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optimus.checkpoint.integrity import read_manifest
+from optimus.cli import main
+from tests.e2e.conftest import run_cli, tiny_config
+from tests.unit.checkpoint.tampering import flip_bytes_in_item, plant_payload
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, token_dir) -> tuple[Path, Path]:
+    """(config, run dir) of a 4-step tiny run with checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("safety")
+    cfg = tmp / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 4, "ckpt_every": 2, "eval_every": 0})))
+    assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
+    return cfg, tmp / "run"
+
+
+def copy_run(two_checkpoints, tmp_path) -> tuple[Path, Path]:
+    cfg, run = two_checkpoints
+    shutil.copytree(run, tmp_path / "run")
+    return cfg, tmp_path / "run"
+
+
+def one_line(capsys, argv: list[str], code: int = 2) -> str:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_payload_checkpoint_runs_nothing_for_any_verb(two_checkpoints, tmp_path, capsys):
+    cfg, run = copy_run(two_checkpoints, tmp_path)
+    marker = tmp_path / "marker"
+    plant_payload(run / "checkpoints" / "step-4", "model.embed.weight", marker)
+    capsys.readouterr()
+    for argv in (["eval", str(run), "--batches", "1"], ["generate", str(run), "--prompt", "Hi"],
+                 ["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")],
+                 ["train", str(cfg), f"--run.dir={run}", "--train.max_steps=6", "--no-progress"]):
+        err = one_line(capsys, argv)
+        assert "'model.embed.weight' as pickled bytes where a tensor belongs" in err, (argv[0], err)
+        assert not marker.exists(), argv[0]
+    assert not (tmp_path / "hf").exists()
+    # sizes and hashes were forged to match, but verify sees a pickled item, which Optimus never writes
+    assert main(["verify", str(run)]) == 2
+    assert "pickled item 'model.embed.weight'" in capsys.readouterr().out
+    # a subprocess too, as a user runs it: one line, exit 2, nothing ran
+    result = run_cli("eval", str(run), "--batches", "1")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not marker.exists()
+
+
+def test_flipped_weight_is_named_and_resume_uses_the_previous_checkpoint(two_checkpoints, tmp_path, capsys):
+    cfg, run = copy_run(two_checkpoints, tmp_path)
+    newest = run / "checkpoints" / "step-4"
+    original, before = read_manifest(newest), losses(run)
+    shard = flip_bytes_in_item(newest, "model.embed.weight")
+    capsys.readouterr()
+
+    assert main(["verify", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert "step-2" in captured.out and "ok" in captured.out and f"'{shard.name}' does not match" in captured.out
+    assert "1 of 2 checkpoints are bad: step-4" in captured.err
+
+    err = one_line(capsys, ["eval", str(run), "--batches", "1"])
+    assert "step-4 is damaged" in err and f"'{shard.name}' does not match its BLAKE2b hash" in err
+
+    assert main(["train", str(cfg), f"--run.dir={run}", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 2: skipped checkpoint step-4 (file" in err and "damaged-step-4" in err
+    assert (run / "checkpoints" / "damaged-step-4" / shard.name).read_bytes() != (newest / shard.name).read_bytes()
+    # steps 3 and 4 trained again from step 2 give the very same files as the first time (bit-exact resume;
+    # DCP's index differs only in the save's id and path)
+    again = read_manifest(newest)
+    assert {n: r for n, r in again.items() if n != ".metadata"} == {n: r for n, r in original.items() if n != ".metadata"}
+    assert losses(run) == before and len(before) == 4
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]

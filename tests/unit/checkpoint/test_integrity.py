@@ -1,0 +1,135 @@
+"""Every file's size and hash are checked before a load; resume falls back past damaged checkpoints."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from optimus.checkpoint.integrity import read_manifest
+from optimus.checkpoint.manager import CheckpointError, CheckpointManager
+from optimus.checkpoint.verify import verify_run
+from optimus.train.state import ModelState
+from tests.unit.checkpoint.tampering import flip_bytes_in_tensor
+from tests.unit.checkpoint.test_manager import make_state
+
+
+def saved_run(tmp_path, steps=(1, 2), keep_last_k=3):
+    model, _, progress, state = make_state()
+    manager = CheckpointManager(tmp_path, keep_last_k=keep_last_k)
+    weights = {}
+    for step in steps:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        progress.step = step
+        manager.save(step, state, {"model": {}})
+        weights[step] = model.weight.detach().clone()
+    return manager, weights
+
+
+def test_manifest_records_size_and_hash_of_every_file(tmp_path):
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    folder = manager.step_dir(1)
+    records = read_manifest(folder)
+    assert set(records) == {p.name for p in folder.iterdir()} - {"COMMITTED"}
+    assert {".metadata", "meta.json", "values.json", "__0_0.distcp"} <= set(records)
+    assert all(len(r.blake2b) == 64 and r.size == (folder / n).stat().st_size for n, r in records.items())
+    assert not list(folder.glob("__*_values.json")) and not list(folder.glob("*hashes.json"))  # sidecars merged
+
+
+def test_flipped_bytes_are_caught_where_plain_dcp_loads_them_silently(tmp_path):
+    manager, weights = saved_run(tmp_path)
+    shard = flip_bytes_in_tensor(manager.step_dir(2), weights[2])
+    linear = torch.nn.Linear(4, 3)
+    dcp.load({"model": ModelState(linear)}, storage_reader=FileSystemReader(manager.step_dir(2)))
+    assert not torch.equal(linear.weight, weights[2])  # control: DCP alone hands back wrong weights, no word
+
+    assert f"'{shard.name}' does not match its BLAKE2b hash" in manager.find_problem(2)
+    with pytest.raises(CheckpointError, match=f"step-2 is damaged .*{shard.name}") as err:
+        manager.load(2, make_state()[3])
+    assert "\n" not in str(err.value)
+
+
+def test_resume_falls_back_to_the_newest_good_checkpoint_and_keeps_the_bad_one(tmp_path):
+    manager, weights = saved_run(tmp_path, steps=(1, 2, 3))
+    flip_bytes_in_tensor(manager.step_dir(3), weights[3])
+    shard = manager.step_dir(2) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated
+    bad3, bad2 = (sorted(p.read_bytes() for p in manager.step_dir(s).iterdir()) for s in (3, 2))
+
+    step, skipped = CheckpointManager(tmp_path, keep_last_k=3).newest_usable()
+    assert step == 1 and len(skipped) == 2
+    assert skipped[0].startswith("step-3 (file '__0_0.distcp' does not match") and "damaged-step-3" in skipped[0]
+    assert "step-2 (file '__0_0.distcp' is" in skipped[1] and "truncated" in skipped[1]
+    assert manager.committed_steps() == [1] and manager.latest() == 1
+    for s, before in ((3, bad3), (2, bad2)):  # moved aside byte for byte, not deleted
+        assert sorted(p.read_bytes() for p in (manager.dir / f"damaged-step-{s}").iterdir()) == before
+
+    # training goes on from step 1: pruning counts only good checkpoints, the damaged ones stay
+    model, _, progress, state = make_state()
+    again = CheckpointManager(tmp_path, keep_last_k=1)
+    again.load(1, state)
+    assert torch.equal(model.weight, weights[1])
+    progress.step = 2
+    again.save(2, state, {"model": {}})
+    assert again.committed_steps() == [2]
+    assert sorted(p.name for p in again.dir.iterdir()) == ["damaged-step-2", "damaged-step-3", "step-2"]
+    reports = {r.name: r for r in verify_run(tmp_path)}
+    assert reports["step-2"].ok and not reports["damaged-step-3"].ok
+    assert "moved aside" in reports["damaged-step-2"].problem and "truncated" in reports["damaged-step-2"].problem
+
+
+def test_no_good_checkpoint_is_one_line_and_moves_nothing(tmp_path):
+    manager, weights = saved_run(tmp_path, steps=(1,))
+    flip_bytes_in_tensor(manager.step_dir(1), weights[1])
+    with pytest.raises(CheckpointError, match="step-1 is damaged .* no earlier one is usable") as err:
+        manager.newest_usable()
+    assert "\n" not in str(err.value) and manager.committed_steps() == [1]
+
+
+def test_manifest_without_index_or_meta_is_damaged(tmp_path):
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    committed = manager.step_dir(1) / "COMMITTED"
+    data = json.loads(committed.read_text())
+    del data["files"][".metadata"]
+    committed.write_text(json.dumps(data))
+    assert manager.find_problem(1) == "COMMITTED does not list '.metadata'"
+    committed.write_text("[1, 2]")
+    assert "not a manifest" in manager.find_problem(1)
+
+
+def test_sizes_only_manifest_of_older_checkpoints_still_loads(tmp_path):
+    manager, weights = saved_run(tmp_path, steps=(1,))
+    folder = manager.step_dir(1)
+    (folder / "COMMITTED").write_text(json.dumps({n: r.size for n, r in read_manifest(folder).items()}))
+    model, _, _, state = make_state()
+    manager.load(1, state)
+    assert torch.equal(model.weight, weights[1])
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    manager, weights = saved_run(tmp_path, steps=(1,))
+    before = {p.name: p.read_bytes() for p in manager.step_dir(1).iterdir()}
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    _, _, _, state = make_state()
+    with pytest.raises(CheckpointError, match=r"step-2 could not be written \(.*No space left on device") as err:
+        manager.save(2, state, {"model": {}})
+    assert "\n" not in str(err.value)
+    assert manager.committed_steps() == [1] and manager.latest() == 1
+    assert not list(tmp_path.rglob("*step-2*"))
+    assert {p.name: p.read_bytes() for p in manager.step_dir(1).iterdir()} == before
+    assert manager.find_problem(1) is None
+
+
+def test_commit_failure_is_one_line(tmp_path):
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # the pointer cannot be replaced
+    with pytest.raises(CheckpointError, match="step-2 could not be written") as err:
+        manager.save(2, make_state()[3], {})
+    assert "\n" not in str(err.value)
