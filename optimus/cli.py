@@ -442,13 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args, extra)
+        code = args.func(args, extra)
     except _user_errors() as err:
         _report_user_error(f"optimus {args.verb}: error: {err}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"optimus {args.verb}: interrupted", file=sys.stderr)
         return 130
+    from optimus.parallel.launch import leave_distributed
+
+    return leave_distributed(code)
 
 
 if __name__ == "__main__":

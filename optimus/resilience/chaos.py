@@ -74,11 +74,15 @@ class ChaosReport:
 
 
 def plan_faults(count: int, kinds: list[str], max_steps: int, rng: random.Random) -> list[Fault]:
-    """`count` faults of the given kinds, at increasing random steps, leaving room after each to recover."""
-    if max_steps < 2 * count + 2:
-        raise ChaosError(f"{count} faults need at least {2 * count + 2} training steps: raise --train.max_steps")
-    steps = sorted(rng.sample(range(1, max_steps - 1), count))
-    return [Fault(kind=rng.choice(kinds), at_step=step) for step in steps]
+    """`count` faults at increasing random steps; each kind is used once before any is used twice."""
+    if max_steps < 2 * count + 4:
+        raise ChaosError(f"{count} faults need at least {2 * count + 4} training steps: raise --train.max_steps")
+    # the last fault strikes three steps before the end at the latest, so the run is still going when it does
+    steps = sorted(rng.sample(range(1, max_steps - 2), count))
+    order: list[str] = []
+    while len(order) < count:  # every kind once (in a random order) before any kind comes again
+        order += rng.sample(kinds, len(kinds))
+    return [Fault(kind=kind, at_step=step) for kind, step in zip(order, steps)]
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -207,7 +211,8 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
     _wait_for(lambda: run.last_step() >= fault.at_step or not run.running(), timeout, f"step {fault.at_step}",
               poll=0.01)
     if not run.running():
-        raise ChaosError(f"the job ended before step {fault.at_step}: see {run.log}")
+        fault.note = f"not injected: the run had ended (exit code {run.job.returncode}) before step {fault.at_step}"
+        return
     before = run.lines()
     fault.injected_at_step = run.last_step()
     struck = time.monotonic()
@@ -226,7 +231,8 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
         except ChaosError:
             fault.note = "no save caught in progress: killed at the next poll"
         os.killpg(run.job.pid, signal.SIGKILL)
-        struck = time.monotonic()
+        struck, before = time.monotonic(), run.lines()  # the run went on while the harness waited for a save
+        fault.injected_at_step = run.last_step()
     else:  # sigterm and the damage kinds: a preemption first, as Slurm or PBS would send it
         _signal(workers, signal.SIGTERM)
     if fault.kind in RELAUNCH_KINDS:
@@ -244,16 +250,28 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
         # old file's is a step trained after the fault (every line carries its own tokens/s)
         return lines if lines and lines != before[:len(lines)] else None
 
+    def trained_again_or_done() -> list[str] | None:
+        lines = trained_again()
+        if lines is None and not run.running() and run.job.returncode == 0:
+            return run.lines()  # the fault came after the last step: the restarted job found nothing to redo
+        return lines
+
     try:
-        lines = _wait_for(trained_again, timeout, f"training to resume after {fault.kind}")
+        lines = _wait_for(trained_again_or_done, timeout, f"training to resume after {fault.kind}")
     except ChaosError as err:
         fault.note = (fault.note + "; " if fault.note else "") + str(err)
         return
     fault.recovery_s = time.monotonic() - struck
-    first_new = next(i for i, line in enumerate(lines) if i >= len(before) or line != before[i])
-    resumed_from = json.loads(lines[first_new])["step"] - 1
+    first_new = next((i for i, line in enumerate(lines) if i >= len(before) or line != before[i]), None)
+    resumed_from = json.loads(lines[first_new])["step"] - 1 if first_new is not None else fault.injected_at_step
     fault.steps_redone = max(0, fault.injected_at_step - resumed_from)
     fault.recovered = True
+    _progress(f"fault {fault.kind} at step {fault.injected_at_step}: training again after {fault.recovery_s:.1f} s, "
+              f"{fault.steps_redone} step(s) redone")
+
+
+def _progress(line: str) -> None:
+    print(f"chaos: {line}", file=sys.stderr, flush=True)
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -316,6 +334,7 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
     reference = _Run(_train_command(config, overrides, ranks, 0, out_dir / "reference"), out_dir / "reference",
                      ranks, env, out_dir / "reference.log")
     started = time.monotonic()
+    _progress(f"reference run ({max_steps} steps, {ranks} rank(s)) in {reference.run_dir}")
     reference.launch()
     if reference.wait_exit(timeout) != 0:
         raise ChaosError(f"the undisturbed reference run failed: see {reference.log}")
@@ -324,6 +343,7 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
     chaos = _Run(_train_command(config, overrides, ranks, restarts, out_dir / "chaos"), out_dir / "chaos", ranks,
                  env, out_dir / "chaos.log")
     started = time.monotonic()
+    _progress(f"run under {len(plan)} faults in {chaos.run_dir}")
     chaos.launch()
     for fault in plan:
         if fault.kind == "nan_step":

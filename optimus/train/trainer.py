@@ -153,10 +153,10 @@ class Trainer:
         peak, source = device_peak_flops(self.device, precision.dtype, cpu)
         return precision, peak, source
 
-    def _say(self, line: str) -> None:
-        """One line on stderr from rank 0 (shown above the progress bar)."""
+    def _say(self, line: str, warning: bool = False) -> None:
+        """One line from rank 0: information on stdout, a warning on stderr (beside events and errors)."""
         if self.is_rank0:
-            print(line, file=sys.stderr, flush=True)
+            print(line, file=sys.stderr if warning else sys.stdout, flush=True)
 
     def _restore(self) -> None:
         if self.resume_step is None:
@@ -220,7 +220,7 @@ class Trainer:
             save_config(self.requested_config, self.run_dir / "config.yaml")
             self._say(self.precision.describe())
             if self.precision.warning:
-                self._say(self.precision.warning)
+                self._say(self.precision.warning, warning=True)
             self._say(f"peak for MFU: {self.peak_flops / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
         start = self.progress.step
         for callback in self.callbacks:
@@ -322,7 +322,7 @@ class Trainer:
         if throughput.impossible_mfu is not None and not self._warned_impossible_mfu:
             self._warned_impossible_mfu = True
             self._say(f"warning: MFU computed as {100 * throughput.impossible_mfu:.0f}%, above 100%: the peak of "
-                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({self.peak_source}) is too low, so MFU is not reported")
+                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({self.peak_source}) is too low, so MFU is not reported", warning=True)
         metrics = {
             "step": step,
             "loss": result.loss,

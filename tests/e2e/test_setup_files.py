@@ -42,7 +42,7 @@ def test_make_setup_is_quiet_with_one_line_per_stage(tmp_path):
 @needs_make
 def test_make_test_slow_runs_the_slow_tests(tmp_path):
     commands = _make_n("test-slow", tmp_path=tmp_path)
-    assert re.search(r"pytest .*-m slow", commands), commands
+    assert re.search(r'pytest .*-m "slow or soak"', commands), commands
 
 
 def test_slurm_script_creates_its_log_folder(tmp_path):
