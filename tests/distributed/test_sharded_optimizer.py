@@ -132,23 +132,79 @@ def test_ep_aware_state_is_sharded_over_dp_times_ep():
     assert max(r[True]["non_expert"] for r in ranks) * 2 <= max(r[False]["non_expert"] for r in ranks) + 64
 
 
+def _moments(model, optimizer) -> dict:
+    """Every AdamW moment, whole, by flattened key (collective), from the checkpointed state dict."""
+    import warnings
+
+    from optimus.train.state import OptimizerState
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for key, value in sorted(OptimizerState(model, optimizer).state_dict().items()):
+            if key.endswith(("exp_avg", "exp_avg_sq")):
+                out[key] = value.full_tensor() if hasattr(value, "full_tensor") else value.detach().clone()
+    return out
+
+
+def _save_or_resume(rank: int, world: int, config, run_dir: str, resume: bool):
+    """Train 2 steps and save (returns the moments), or load step 2 (returns the loaded moments) and train to 4."""
+    import functools
+
+    import torch
+
+    from optimus.checkpoint.manager import CheckpointManager
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from optimus.testing import parity
+    from optimus.train.state import ModelState, OptimizerState
+
+    p = config.parallel
+    mesh = ParallelDims(dp_shard=p.dp_shard, ep=p.ep, world_size=world).build_mesh("cpu")
+    model = build_parallel_model(config, ParallelDims(dp_shard=p.dp_shard, ep=p.ep, world_size=world), mesh,
+                                 torch.device("cpu"))
+    optimizer = build_optimizer(model, config.optim)
+    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, mesh.local_rank("dp"),
+                              mesh.size("dp"))
+    loaded = None
+    if resume:
+        state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
+        CheckpointManager(run_dir, keep_last_k=10).load(2, state)
+        loaded = _moments(model, optimizer)
+        plan = parity.CheckpointPlan(run_dir, load_step=2)
+        record = parity.train_model(model, optimizer, config, 4, micro, mesh["dp"], keep_grads=False, checkpoint=plan)
+    else:
+        plan = parity.CheckpointPlan(run_dir, save=True)
+        record = parity.train_model(model, optimizer, config, 2, micro, mesh["dp"], keep_grads=False, checkpoint=plan)
+        loaded = _moments(model, optimizer)
+    return record.losses, (loaded if rank == 0 else None)
+
+
 @pytest.mark.parametrize("resume_parallel", [
     dict(dp_shard=4, ep=2, shard_mode="zero1"),  # same mode and layout
     dict(dp_shard=4, shard_mode="fsdp"),  # zero1 ep 2 x dp 2 -> fsdp dp 4: DCP reshards the moments
 ], ids=["zero1", "fsdp-dp4"])
 def test_zero1_ep_2_checkpoint_resumes(tmp_path, resume_parallel):
+    """The moments come back exactly (whatever the layout) and the loss curve goes on as if never stopped."""
+    import torch
+
     from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import LOSS_RTOL_LATER_STEPS, CheckpointPlan, reference_run, run_parallel_rank
+    from optimus.testing.parity import LOSS_RTOL_LATER_STEPS, reference_run
 
     before = tiny_config(moe=True, parallel=dict(dp_shard=4, ep=2, shard_mode="zero1"))
     after = tiny_config(moe=True, parallel=resume_parallel)
     reference = reference_run(before, 4)
-    saved = run_distributed(run_parallel_rank, 4, before, 2, CheckpointPlan(str(tmp_path), save=True))
-    resumed = run_distributed(run_parallel_rank, 4, after, 4, CheckpointPlan(str(tmp_path), load_step=2))
-    curve = saved[0].losses + resumed[0].losses
+    saved = run_distributed(_save_or_resume, 4, before, str(tmp_path), False)
+    resumed = run_distributed(_save_or_resume, 4, after, str(tmp_path), True)
+    want, got = saved[0][1], resumed[0][1]
+    assert sorted(want) == sorted(got) and len(want) > 10
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    curve = saved[0][0] + resumed[0][0]
     assert len(curve) == 4
-    for want, got in zip(reference.losses, curve):
-        assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
+    for want_loss, got_loss in zip(reference.losses, curve):
+        assert abs(got_loss - want_loss) <= LOSS_RTOL_LATER_STEPS * abs(want_loss), (curve, reference.losses)
 
 
 @pytest.mark.slow  # the way back: fsdp dp 4 -> zero2 EP-unaware ep 2 x dp 2
