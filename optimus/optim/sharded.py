@@ -75,14 +75,15 @@ class _Slot:
 
     name: str
     param: nn.Parameter
-    rows: int  # dim 0 of the local (post TP/EP) tensor
-    chunk: int  # rows per rank, ceil(rows / group size)
-    row_numel: int
+    rows: int  # size of the sharded dim of the local (post TP/EP) tensor
+    chunk: int  # of those per rank, ceil(rows / group size)
+    row_numel: int  # elements per unit of the sharded dim
     offset: int  # start of this parameter's chunk inside a rank's segment of the bucket
     own_start: int
     own_rows: int
     master: torch.Tensor = None  # fp32 [own_rows, ...]
     aliased: bool = False  # master is a view of the parameter's own rows (fp32 parameters)
+    dim: int = 0  # the sharded dim: 0, or 1 for expert weights whose experts do not divide (as FSDP2)
 
     @property
     def padded(self) -> int:
@@ -106,6 +107,39 @@ class _Bucket:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_dim(local: torch.Tensor, ranks: int, expert: bool) -> int:
+    """Dim 0, except expert weights whose local experts do not divide over the ranks but whose dim 1 does:
+    FSDP2's choice (data_parallel._expert_shard_dim), so that 8 experts over 32 ranks are not 4x padded."""
+    if expert and local.ndim > 1 and local.shape[0] % ranks and local.shape[1] % ranks == 0:
+        return 1
+    return 0
+
+
+def _owned_block(slot: "_Slot", local: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a parameter-shaped tensor (a view; contiguous for dim 0)."""
+    if local.ndim == 0:
+        return local.view(1)
+    return local.narrow(slot.dim, slot.own_start, slot.own_rows)
+
+
+def _split_for_ranks(slot: "_Slot", tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, slot.padded] fp32: row r is rank r's block of `tensor`, flattened and zero-padded."""
+    if slot.dim == 0:
+        flat = F.pad(tensor.reshape(-1).float(), (0, size * slot.padded - tensor.numel()))
+        return flat.view(size, slot.padded)
+    # dim 1 (divides evenly): [d0, size, chunk, ...] -> [size, d0, chunk, ...]
+    shape = tensor.shape
+    return tensor.reshape(shape[0], size, -1).transpose(0, 1).reshape(size, slot.padded).float()
+
+
+def _join_from_ranks(slot: "_Slot", blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Inverse of _split_for_ranks: the whole parameter from every rank's block ([size, slot.padded])."""
+    if slot.dim == 0:
+        return blocks.reshape(-1)[:local.numel()].view_as(local)
+    size = blocks.shape[0]
+    return blocks.reshape(size, local.shape[0], -1).transpose(0, 1).reshape(local.shape)
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -181,11 +215,12 @@ class ShardedOptimizer:
         buckets, slots, segment = [], [], 0
         for name, param in named:
             local = _local(param)
-            rows = local.shape[0] if local.ndim else 1
+            dim = _shard_dim(local, size, expert=group.kind == "expert")
+            rows = local.shape[dim] if local.ndim else 1
             row_numel = local.numel() // rows if rows else 0
             chunk = math.ceil(rows / size)
             start = min(rank * chunk, rows)
-            slot = _Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start)
+            slot = _Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
             slots.append(slot)
             segment += slot.padded
             if segment * size >= bucket_numel:
@@ -199,12 +234,11 @@ class ShardedOptimizer:
     def _init_masters(self, compute_dtype: torch.dtype) -> None:
         for slot, _ in self._slots.values():
             local = _local(slot.param).detach()
-            rows = local.reshape(slot.rows, -1)[slot.own_start:slot.own_start + slot.own_rows]
-            block = rows.view((slot.own_rows,) + tuple(local.shape[1:])) if local.ndim else rows.view(-1)
-            if local.dtype == torch.float32 and compute_dtype == torch.float32:
+            block = _owned_block(slot, local)
+            if slot.dim == 0 and local.dtype == torch.float32 and compute_dtype == torch.float32:
                 slot.master, slot.aliased = block, True  # fp32 parameters: the owned rows are the masters
             else:
-                slot.master = block.float().clone()
+                slot.master = block.float().clone(memory_format=torch.contiguous_format)
             if local.dtype != compute_dtype:  # whole parameters are kept in the compute dtype
                 slot.param.data = slot.param.data.to(compute_dtype)
 
@@ -305,8 +339,7 @@ class ShardedOptimizer:
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            flat = F.pad(grad.reshape(-1).float(), (0, size * slot.padded - grad.numel()))
-            packed[:, slot.offset:slot.offset + slot.padded].copy_(flat.view(size, slot.padded))
+            packed[:, slot.offset:slot.offset + slot.padded].copy_(_split_for_ranks(slot, grad, size))
             # the whole gradient is no longer needed (zero2 frees it during backward: its memory saving)
             slot.param.grad = None
         shard = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
@@ -346,8 +379,7 @@ class ShardedOptimizer:
             dist.all_gather_into_tensor(gathered.view(-1), mine, group=bucket.group.mesh.get_group())
         for slot in bucket.slots:
             local = _local(slot.param)
-            whole = gathered[:, slot.offset:slot.offset + slot.padded].reshape(-1)[:local.numel()]
-            local.copy_(whole.view_as(local))
+            local.copy_(_join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
 
     # --- views for checkpoints and tests ------------------------------------------------------
     def _as_dtensor(self, slot: _Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
@@ -359,10 +391,12 @@ class ShardedOptimizer:
             # dim 0 already split by EP/TP: our split is inside theirs (strided), as FSDP2 writes it
             split = math.prod(mesh_size for mesh_size, p in zip(param.device_mesh.shape, param.placements)
                               if p.is_shard(0))
-            first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+            first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)  # (dim 1: replaced below)
             placements = (first, *param.placements)
         else:
             mesh, placements = group_mesh, (Shard(0),)
+        if slot.dim != 0:
+            placements = (Shard(slot.dim), *placements[1:])
         return DTensor.from_local(block, mesh, placements, shape=param.shape, stride=param.stride(), run_check=False)
 
     def _each_state(self):
@@ -373,7 +407,8 @@ class ShardedOptimizer:
     def state_dict(self) -> dict[str, object]:
         """Flattened, keyed by parameter name, moments as DTensors of the parameters' global shapes."""
         out: dict[str, object] = {}
-        separate_master = not all(slot.aliased for slot, *_ in self._each_state())
+        # bf16 parameters: the fp32 masters hold more than the parameters (fp32 copies do not)
+        separate_master = self.plan.compute_dtype != torch.float32
         for slot, bucket, state in self._each_state():
             out[f"state.{slot.name}.step"] = state["step"]
             for key in ("exp_avg", "exp_avg_sq"):
@@ -397,8 +432,7 @@ class ShardedOptimizer:
             if master is not None:
                 slot.master.copy_(_local(master))
             elif not slot.aliased:  # no saved masters: take them from the loaded (whole) parameters
-                local = _local(slot.param).reshape(slot.rows, -1)
-                slot.master.copy_(local[slot.own_start:slot.own_start + slot.own_rows].reshape(slot.master.shape))
+                slot.master.copy_(_owned_block(slot, _local(slot.param)))
             group = next(g for g in self.inner.param_groups if any(m is slot.master for m in g["params"]))
             for key in group:
                 if key != "params" and f"param_groups.{slot.name}.{key}" in state_dict:
@@ -419,7 +453,23 @@ class ShardedOptimizer:
         counts = {"non_expert": 0, "expert": 0}
         for slot, bucket, state in self._each_state():
             numel = state["exp_avg"].numel() + state["exp_avg_sq"].numel()
-            if not slot.aliased:
+            if not slot.aliased and slot.own_rows:
                 numel += slot.master.numel()
             counts[bucket.group.kind] += numel
         return counts
+
+
+def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, dp_mod_ep: int,
+                ep_aware: bool) -> int:
+    """Elements of optimizer state (per state tensor) the largest-holding rank owns for `params` (works on meta).
+
+    Non-expert rows are cut over dp (EP-aware) or dp_mod_ep; expert rows over dp_mod_ep; ceil-sized
+    blocks as ShardedOptimizer cuts them. For the dry run's memory table.
+    """
+    total = 0
+    for param in params:
+        local = _local(param)
+        ranks = dp_mod_ep if (param in experts or not ep_aware) else dp
+        rows = local.shape[_shard_dim(local, ranks, param in experts)] if local.ndim else 1
+        total += math.ceil(rows / ranks) * (local.numel() // max(rows, 1))
+    return total

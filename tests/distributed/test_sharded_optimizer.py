@@ -22,6 +22,13 @@ def test_moe_dp_2_ep_2_matches_one_process(mode, ep_aware):
     check_layout(config, world_size=4, steps=3)
 
 
+def test_zero2_experts_that_do_not_divide_are_sharded_along_dim_1():
+    # 6 experts: 3 per ep rank over dp_mod_ep 2 -> expert state split along d_model (FSDP2's choice);
+    # the router's 6 rows over dp 4 leave one rank an empty block
+    config = tiny_config(moe=True, model={"n_experts": 6}, parallel=dict(dp_shard=4, ep=2, shard_mode="zero2"))
+    check_layout(config, world_size=4, steps=3)
+
+
 def test_zero1_with_pipeline_2_matches_one_process():
     parallel = dict(pp=2, dp_shard=2, shard_mode="zero1", pp_schedule="1f1b")
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4, steps=3)
