@@ -69,7 +69,7 @@ class _ShardGroup:
     replicated_dims: tuple[str, ...]  # mesh dims holding copies of the same shard (counted once in the norm)
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class _Slot:
     """One parameter inside a bucket: its place in the per-rank segment and its owned rows."""
 
@@ -94,13 +94,14 @@ class _Slot:
         return self.own_rows * self.row_numel
 
 
-@dataclass
+@dataclass(repr=False, eq=False)
 class _Bucket:
     group: _ShardGroup
     slots: list[_Slot]
     segment: int  # elements per rank
     grad_shard: torch.Tensor | None = None  # reduced fp32 [segment], this rank's blocks
     work: object = None  # pending async reduce-scatter
+    packed: torch.Tensor | None = None  # its input, kept alive until it completes
     finished: bool = False  # grad_shard averaged and handed to the masters as .grad
     ready: int = 0  # zero2: parameters whose last micro-batch gradient has arrived
 
@@ -187,18 +188,18 @@ class ShardedOptimizer:
         self._slots = {slot.param: (slot, bucket) for bucket in self.buckets for slot in bucket.slots}
         self._init_masters(plan.compute_dtype)
         groups = [{"params": [], "weight_decay": config.weight_decay}, {"params": [], "weight_decay": 0.0}]
-        self._names: dict[torch.Tensor, str] = {}
         for slot, _ in self._slots.values():
             groups[0 if decay_of[slot.param] > 0 else 1]["params"].append(slot.master)
-            self._names[slot.master] = slot.name
         groups = [g for g in groups if g["params"]]
         # masters are plain tensors: the fused kernel (one pass over param, grad and moments) applies
         fused = all(g["params"][0].device.type in ("cpu", "cuda") for g in groups)
         self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                        **({"fused": True} if fused else {"foreach": True}))
         # state exists from the start so a checkpoint can be loaded into it before the first step
+        self._group_of: dict[int, dict] = {}  # id(master) -> its inner param group (per-name hyperparameters)
         for group in self.inner.param_groups:
             for master in group["params"]:
+                self._group_of[id(master)] = group
                 self.inner.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=master.device),
                     "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
@@ -344,6 +345,7 @@ class ShardedOptimizer:
             slot.param.grad = None
         shard = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
         if size > 1:
+            bucket.packed = packed
             bucket.work = dist.reduce_scatter_tensor(shard, packed.view(-1), group=group.mesh.get_group(),
                                                      async_op=async_op)
         else:
@@ -356,7 +358,7 @@ class ShardedOptimizer:
             return
         if bucket.work is not None:
             bucket.work.wait()
-            bucket.work = None
+            bucket.work, bucket.packed = None, None
         group, shard = bucket.group, bucket.grad_shard
         if group.extra_sum is not None and group.extra_sum.size() > 1:
             dist.all_reduce(shard, group=group.extra_sum.get_group())
@@ -415,8 +417,7 @@ class ShardedOptimizer:
                 out[f"state.{slot.name}.{key}"] = self._as_dtensor(slot, bucket, state[key])
             if separate_master:  # bf16 parameters: the fp32 master weights are state of their own
                 out[f"state.{slot.name}.master"] = self._as_dtensor(slot, bucket, slot.master)
-            group = next(g for g in self.inner.param_groups if any(m is slot.master for m in g["params"]))
-            for key, value in group.items():
+            for key, value in self._group_of[id(slot.master)].items():
                 if key != "params":
                     out[f"param_groups.{slot.name}.{key}"] = value
         return out
@@ -433,7 +434,7 @@ class ShardedOptimizer:
                 slot.master.copy_(_local(master))
             elif not slot.aliased:  # no saved masters: take them from the loaded (whole) parameters
                 slot.master.copy_(_owned_block(slot, _local(slot.param)))
-            group = next(g for g in self.inner.param_groups if any(m is slot.master for m in g["params"]))
+            group = self._group_of[id(slot.master)]
             for key in group:
                 if key != "params" and f"param_groups.{slot.name}.{key}" in state_dict:
                     group[key] = state_dict[f"param_groups.{slot.name}.{key}"]

