@@ -291,8 +291,15 @@ class ShardedOptimizer:
         """AdamW on the owned blocks, then all-gather them into the whole parameters."""
         self._reduce_all()
         self.inner.step()
+        # two buckets' all-gathers in flight: the next one travels while this one is copied out
+        # (more would hold more gathered copies of the parameters at once)
+        in_flight: list = []
         for bucket in self.buckets:
-            self._gather_bucket(bucket)
+            in_flight.append((bucket, *self._start_gather(bucket)))
+            if len(in_flight) > 1:
+                self._finish_gather(*in_flight.pop(0))
+        while in_flight:
+            self._finish_gather(*in_flight.pop(0))
 
     # --- gradient reduction -------------------------------------------------------------------
     @property
@@ -367,18 +374,23 @@ class ShardedOptimizer:
             slot.master.grad = shard[slot.offset:slot.offset + slot.owned].view_as(slot.master)
         bucket.finished = True
 
-    @torch.no_grad()
-    def _gather_bucket(self, bucket: _Bucket) -> None:
+    def _start_gather(self, bucket: _Bucket) -> tuple:
+        """Pack this rank's updated blocks (cast to the parameters' dtype) and start their all-gather."""
         size = bucket.group.mesh.size()
         dtype = _local(bucket.slots[0].param).dtype
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self._device)
         for slot in bucket.slots:
             mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
         if size == 1:
-            gathered = mine.view(1, -1)
-        else:
-            gathered = torch.empty(size, bucket.segment, dtype=dtype, device=self._device)
-            dist.all_gather_into_tensor(gathered.view(-1), mine, group=bucket.group.mesh.get_group())
+            return None, mine.view(1, -1), mine
+        gathered = torch.empty(size, bucket.segment, dtype=dtype, device=self._device)
+        work = dist.all_gather_into_tensor(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
+        return work, gathered, mine  # `mine` stays referenced until the gather completes
+
+    def _finish_gather(self, bucket: _Bucket, work, gathered: torch.Tensor, mine: torch.Tensor) -> None:
+        """Wait for a bucket's all-gather and copy every rank's blocks into the whole parameters."""
+        if work is not None:
+            work.wait()
         for slot in bucket.slots:
             local = _local(slot.param)
             local.copy_(_join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
