@@ -119,7 +119,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     # 4. activation checkpointing
     if train.activation_checkpointing != "none":
         if train.activation_checkpointing == "ops" and parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1 \
-                and dims.dp_replicate > 1 and config.parallel.shard_mode == "fsdp":
+                and dims.dp_replicate > 1:
             from optimus.parallel.mesh import LayoutError
 
             raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep = dp_shard under "

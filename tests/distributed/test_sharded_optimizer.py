@@ -41,11 +41,10 @@ def test_zero2_ep_unaware_with_pipeline_2_and_ep_2_matches_one_process():
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4, steps=3)
 
 
-def test_zero1_replicate_2_ep_2_with_op_level_checkpointing_matches_one_process():
-    # dp_replicate 2 x dp_shard 2 (= ep 2): state sharded over all 4 dp ranks, experts over dp_replicate;
-    # op-level checkpointing works here (no FSDP group to unshard, unlike fsdp mode at this layout)
+def test_zero1_replicate_2_ep_2_with_selective_checkpointing_matches_one_process():
+    # dp_replicate 2 x dp_shard 2 (= ep 2): state sharded over all 4 dp ranks, experts over dp_replicate
     config = tiny_config(moe=True, parallel=dict(dp_replicate=2, dp_shard=2, ep=2, shard_mode="zero1"),
-                         train=dict(activation_checkpointing="ops"))
+                         train=dict(activation_checkpointing="selective", recompute=["moe", "norms"]))
     check_layout(config, world_size=4, steps=3)
 
 
