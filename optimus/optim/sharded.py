@@ -21,6 +21,11 @@ gradients are reduce-scattered over dp_mod_ep and then all-reduced over ep.
 Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over dp_mod_ep
 (expert_parallel already scaled them by 1/ep in the forward).
 
+Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
+each rank's state is then a plain Shard(0) piece of each parameter, checkpointed per parameter name
+like FSDP's and resharded by DCP, at the price of FSDP2's copy-in/copy-out around the collectives
+(the parameters are not views into the bucket buffers).
+
 Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives for FSDP
 ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
 global shape, Shard(0) over the sharding group (combined with the parameter's own EP/TP
