@@ -25,7 +25,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the model's parameter groups; the learning rate is set every step by the trainer."""
+    """AdamW over the model's parameter groups; the learning rate is set every step by the trainer.
+
+    A model parallelized with parallel.shard_mode zero1/zero2 carries a `zero_plan`: it gets the
+    distributed optimizer (optim/sharded.py) instead, with the same param groups and hyperparameters.
+    """
+    plan = getattr(model, "zero_plan", None)
+    if plan is not None:
+        from optimus.optim.sharded import ShardedOptimizer
+
+        return ShardedOptimizer(model, config, plan)
     groups = param_groups(model, config.weight_decay)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **_adamw_impl(groups))
 

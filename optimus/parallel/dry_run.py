@@ -227,9 +227,35 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
+    if getattr(model, "zero_plan", None) is not None:
+        memory.bytes = {**_zero_bytes(model, config, dims, pp_applied), **{
+            k: v for k, v in memory.bytes.items() if k.startswith("activations")}}
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
+
+
+def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied: bool) -> dict[str, float]:
+    """zero1/zero2 (optim/sharded.py): whole parameters and gradients in the compute dtype, a reduced fp32
+    gradient shard, and fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
+    from optimus.optim.sharded import expert_parameters, owned_numel
+
+    width = 2 if config.train.dtype == "bf16" else 4
+    params, experts = list(model.parameters()), expert_parameters(model)
+    local = sum(_local_numel(p) for p in params)
+    owned = owned_numel(params, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep, config.parallel.ep_aware)
+    if not pp_applied:  # as _measure_rank: one stage's share of the blocks
+        blocks = list(model.layers.parameters())
+        local -= int(sum(_local_numel(p) for p in blocks) * (1 - 1 / dims.pp))
+        owned -= int(owned_numel(blocks, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep,
+                                 config.parallel.ep_aware) * (1 - 1 / dims.pp))
+    master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
+    mode = config.parallel.shard_mode
+    return {
+        f"parameters (whole, {config.train.dtype})": width * local,
+        f"gradients (whole + fp32 shard, {mode})": width * local + 4.0 * owned,
+        f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
+    }
 
 
 def _build_rank(config: Config, dims: ParallelDims, rank: int) -> nn.Module:

@@ -133,7 +133,14 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     # 6. FSDP (ZeRO-3 / HSDP). Applied whenever there is more than one rank, even with
     # dp_shard == 1: it makes every parameter a DTensor (optimizers and norms refuse a mix of
     # DTensor and plain tensors) and hands the model plain full weights during forward.
-    if parallel:
+    # zero1/zero2 instead keep parameters whole: the optimizer (optim/sharded.py) shards its state
+    # and reduces gradients itself; it works on local tensors, so a mix of DTensors is fine there.
+    if parallel and config.parallel.shard_mode != "fsdp":
+        from optimus.optim.sharded import ZeroPlan
+
+        compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32
+        model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute)
+    elif parallel:
         from optimus.parallel.data_parallel import apply_fsdp
 
         experts_mesh = None

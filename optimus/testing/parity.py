@@ -152,7 +152,8 @@ def _train(model: nn.Module, optimizer, config: Config, steps: int, micro_batche
         record.losses.append(result.loss)
         record.grad_norms.append(result.grad_norm)
         if step == 1:
-            grads = full_gradients(model)  # collective: every rank calls it
+            # collective: every rank calls it (the sharded optimizer holds the reduced gradients itself)
+            grads = optimizer.full_gradients() if hasattr(optimizer, "full_gradients") else full_gradients(model)
             if keep_grads:
                 record.grads = grads
     if checkpoint is not None and checkpoint.save:

@@ -43,10 +43,21 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        if _is_sharded(self.optimizer):  # zero1/zero2 write the same flattened, per-parameter form
+            return self.optimizer.state_dict()
         return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if _is_sharded(self.optimizer):
+            self.optimizer.load_state_dict(state_dict)
+            return
         set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
+
+
+def _is_sharded(optimizer: Any) -> bool:
+    from optimus.optim.sharded import ShardedOptimizer
+
+    return isinstance(optimizer, ShardedOptimizer)
 
 
 class ProgressState(Stateful):

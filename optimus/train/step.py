@@ -159,15 +159,21 @@ def train_step(
     for that global loss; it must decide the same on every rank (it sees the same numbers there).
     """
     optimizer.zero_grad(set_to_none=True)
+    begin_step = getattr(optimizer, "begin_step", None)  # zero2 reduces each bucket after its last backward
+    if begin_step is not None:
+        begin_step(len(micro_batches))
     # --- pipeline parallel path (optimus.parallel.pipeline): the schedule runs forward + backward ---
     pipeline = get_pipeline(model)
     if pipeline is not None:
         sums = pipeline.forward_backward(micro_batches, device, autocast_context(device, dtype))
     else:
         sums = forward_backward(model, micro_batches, device, dtype, defer_grad_sync)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # each pp rank holds other parameters: the norm sums over the stages
-    grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
+    if hasattr(optimizer, "clip_grad_norm_"):  # zero1/zero2: the norm of the reduced gradient shards
+        grad_norm = optimizer.clip_grad_norm_(grad_clip)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        # each pp rank holds other parameters: the norm sums over the stages
+        grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---
     # the pp path's sums are already equal on every stage; averaged over dp they are the global batch's
     if dp_mesh is not None and dp_mesh.size() > 1:
