@@ -69,6 +69,8 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
+    clip_after_warmup: bool = Field(
+        False, description="clip only once warm-up is over (the published Mula runs); the norm is logged throughout")
 
     @field_validator("betas")
     @classmethod

@@ -297,7 +297,7 @@ class Trainer:
                 self.data.loader.next_batch(),
                 device=self.device,
                 dtype=cfg.train.dtype,
-                grad_clip=cfg.optim.grad_clip,
+                grad_clip=self.grad_clip_at(step),
                 dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
                 skip_step=self.spike_guard,
                 defer_grad_sync=cfg.parallel.defer_grad_sync,
@@ -311,6 +311,11 @@ class Trainer:
             self._log_step(step, lr, result, stragglers)
         detail = self._describe_skip(result) if result.skipped else ""
         self.consecutive_skips.update(step, result.skip_reason, detail)  # raises after too many in a row
+
+    def grad_clip_at(self, step: int) -> float:
+        """The clipping threshold of `step` (0 = none): off during warm-up with optim.clip_after_warmup."""
+        optim = self.config.optim
+        return 0.0 if optim.clip_after_warmup and step <= optim.warmup_steps else optim.grad_clip
 
     def _describe_skip(self, result: StepResult) -> str:
         if result.skip_reason == "loss spike" and self.spike_guard is not None:
