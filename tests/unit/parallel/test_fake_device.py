@@ -1,0 +1,105 @@
+"""The device path, checked on CPU: one full training step of every layout with every tensor on a fake
+accelerator (fake_device.py: FakeTensorMode + the fake process group the dry run uses).
+
+A CPU tensor mixed into device math, or a collective carrying a host tensor (NCCL would refuse it),
+fails the step. The step is the Trainer's: build_parallel_model, build_optimizer, train_step (forward,
+backward, clip, optimizer step), then the checkpoint state_dicts of model and optimizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_device import CheckedFakeMode, register_fake_device
+from optimus.testing import in_forked_process
+from optimus.testing.parity import tiny_config
+
+
+def _fake_pg(world_size: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> list[tuple[str, tuple]]:
+    """One train_step of the layout on the fake device; returns the collectives it issued."""
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from optimus.train.state import ModelState, OptimizerState
+    from optimus.train.step import train_step
+
+    device = register_fake_device()
+    config = tiny_config(moe=moe, parallel=parallel, train=train)
+    p = config.parallel
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    _fake_pg(world_size)
+    mesh = dims.build_mesh(device.type)
+    mode = CheckedFakeMode()
+    with mode:
+        model = build_parallel_model(config, dims, mesh, device)
+        optimizer = build_optimizer(model, config.optim)
+        t = config.train
+        n_micro = t.global_batch_size // (dims.dp * t.micro_batch_size)
+        # the loader's batches are host tensors: train_step moves them to the device
+        batches = [(torch.randint(0, 100, (t.micro_batch_size, t.seq_len)),
+                    torch.randint(0, 100, (t.micro_batch_size, t.seq_len))) for _ in range(n_micro)]
+        result = train_step(model, optimizer, batches, device=device, dtype=t.dtype, grad_clip=1.0,
+                            dp_mesh=mesh["dp"])
+        assert not result.skipped
+        for name, param in model.named_parameters():
+            assert param.device == device, name
+            assert param.grad is None or param.grad.device == device, name
+            assert param.dtype == torch.float32, name  # fp32 master weights
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    assert value.device == device
+        model_sd, optim_sd = ModelState(model).state_dict(), OptimizerState(model, optimizer).state_dict()
+        assert model_sd and optim_sd
+        assert all(v.device == device for v in model_sd.values() if isinstance(v, torch.Tensor))
+    return mode.collectives
+
+
+LAYOUTS = {
+    "fsdp": (False, dict(dp_shard=2), 2),
+    "fsdp-moe": (True, dict(dp_shard=2), 2),
+    "hsdp": (False, dict(dp_replicate=2, dp_shard=2), 4),
+    "hsdp-moe": (True, dict(dp_replicate=2, dp_shard=2), 4),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@in_forked_process  # a fake process group and a registered fake backend: keep them out of this process
+def test_one_training_step_on_the_fake_device(name):
+    moe, parallel, world = LAYOUTS[name]
+    collectives = _one_step(moe, parallel, world)
+    ops = {op.replace("_", "") for op, _ in collectives}
+    # FSDP gathers and reduce-scatters, train_step reduces the loss terms over dp: all on the device
+    assert any("allgather" in op for op in ops) and any("reducescatter" in op for op in ops), ops
+    assert any("allreduce" in op for op in ops), ops
+
+
+@in_forked_process
+def test_a_host_tensor_in_a_collective_fails_the_check():
+    """The check has teeth: a CPU tensor reduced as the old pipeline gathering did is refused."""
+    import torch.distributed as dist
+
+    register_fake_device()
+    _fake_pg(2)
+    with CheckedFakeMode():
+        with pytest.raises(AssertionError, match="NCCL would refuse"):
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64))
+        dist.all_reduce(torch.zeros(2, dtype=torch.float64, device="fakecuda:0"))
+
+
+@in_forked_process
+def test_a_cpu_tensor_mixed_into_device_math_fails():
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    device = register_fake_device()
+    with CheckedFakeMode():
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            torch.ones(3, device=device) + torch.ones(3)
