@@ -9,6 +9,7 @@ computed; no memory is allocated). It catches what a GPU would refuse:
   * a collective on a host tensor (NCCL/XCCL take device tensors only): `CheckedFakeMode` fails it,
   * and it records every collective's op and tensor dtypes for the test to inspect.
 A host read (`.item()`, `.tolist()`) has no data to read: it returns 1 (1.0 for floats).
+bf16 autocast works on the fake device as on CUDA for the matmul-like ops (see _LOWER_PRECISION_OPS).
 Use it in a forked child (optimus.testing.in_forked_process): the backend is registered for the
 life of the process.
 """
@@ -18,8 +19,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import _disable_current_modes
 
 DEVICE_TYPE = "fakecuda"
 
@@ -112,12 +114,52 @@ class _FakeCudaModule:
         return [torch.bfloat16, torch.float16]
 
 
+# bf16/fp16 autocast on the fake device casts what CUDA's autocast casts to lower precision
+_LOWER_PRECISION_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm",
+                        "scaled_dot_product_attention")
+_ACTIVE_MODES: list[FakeTensorMode] = []  # the CheckedFakeMode in use (a few C++ paths bypass it)
+_LIBRARIES: list[torch.library.Library] = []  # kept alive: dropping a Library drops its kernels
+
+
+def _lower_precision(op):
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(DEVICE_TYPE)
+
+        def cast(t):
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == DEVICE_TYPE else t
+
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+    return kernel
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    with _ACTIVE_MODES[-1]:  # a factory reached the backend itself (tensor indexing does): make it fake
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    with _ACTIVE_MODES[-1]:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
 def register_fake_device() -> torch.device:
     """Register the "fakecuda" backend in this process (once) and return its device 0."""
     if torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         _setup_privateuseone_for_python_backend(rename=DEVICE_TYPE, backend_module=_FakeCudaModule())
+        factories = torch.library.Library("aten", "IMPL")
+        factories.impl("empty.memory_format", _empty, "PrivateUse1")
+        factories.impl("empty_strided", _empty_strided, "PrivateUse1")
+        autocast = torch.library.Library("_", "IMPL")
+        autocast.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+        autocast_ops = torch.library.Library("aten", "IMPL")
+        for name in _LOWER_PRECISION_OPS:
+            autocast_ops.impl(name, _lower_precision(getattr(torch.ops.aten, name).default), "AutocastPrivateUse1")
+        _LIBRARIES.extend([factories, autocast, autocast_ops])
     return torch.device(DEVICE_TYPE, 0)
 
 
@@ -128,6 +170,15 @@ class CheckedFakeMode(FakeTensorMode):
         # real CPU tensors met inside (DeviceMesh's rank table) become fake CPU tensors
         super().__init__(allow_non_fake_inputs=True, **kwargs)
         self.collectives: list[tuple[str, tuple[torch.dtype, ...]]] = []
+        self.matmul_dtypes: set[torch.dtype] = set()  # dtypes the matmuls ran in (autocast check)
+
+    def __enter__(self):
+        _ACTIVE_MODES.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _ACTIVE_MODES.remove(self)
+        return super().__exit__(*exc_info)
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,4 +190,11 @@ class CheckedFakeMode(FakeTensorMode):
                 if tensor.device.type != DEVICE_TYPE:
                     raise AssertionError(f"collective {func} on a {tensor.device} tensor: NCCL would refuse it")
             self.collectives.append((str(func), tuple(t.dtype for t in tensors)))
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            # only real host tensors held from outside (DeviceMesh's rank table): compute them for real
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.matmul_dtypes.add(tensors[-1].dtype)
         return super().dispatch(func, types, args, kwargs)

@@ -20,11 +20,12 @@ def _fake_pg(world_size: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # the fake backend for host and fake-device tensors alike (object collectives pick by device)
+    dist.init_process_group("cpu:fake,fakecuda:fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> list[tuple[str, tuple]]:
-    """One train_step of the layout on the fake device; returns the collectives it issued."""
+def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> CheckedFakeMode:
+    """One train_step of the layout on the fake device; returns the mode (collectives, matmul dtypes)."""
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
@@ -60,7 +61,7 @@ def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> list[tuple
         model_sd, optim_sd = ModelState(model).state_dict(), OptimizerState(model, optimizer).state_dict()
         assert model_sd and optim_sd
         assert all(v.device == device for v in model_sd.values() if isinstance(v, torch.Tensor))
-    return mode.collectives
+    return mode
 
 
 LAYOUTS = {
@@ -68,6 +69,8 @@ LAYOUTS = {
     "fsdp-moe": (True, dict(dp_shard=2), 2),
     "hsdp": (False, dict(dp_replicate=2, dp_shard=2), 4),
     "hsdp-moe": (True, dict(dp_replicate=2, dp_shard=2), 4),
+    "tp-sp": (False, dict(tp=2, dp_shard=2), 4),
+    "tp-sp-moe": (True, dict(tp=2, dp_shard=2), 4),
 }
 
 
@@ -75,11 +78,20 @@ LAYOUTS = {
 @in_forked_process  # a fake process group and a registered fake backend: keep them out of this process
 def test_one_training_step_on_the_fake_device(name):
     moe, parallel, world = LAYOUTS[name]
-    collectives = _one_step(moe, parallel, world)
-    ops = {op.replace("_", "") for op, _ in collectives}
+    mode = _one_step(moe, parallel, world)
+    assert mode.matmul_dtypes == {torch.float32}
+    ops = {op.replace("_", "") for op, _ in mode.collectives}
     # FSDP gathers and reduce-scatters, train_step reduces the loss terms over dp: all on the device
     assert any("allgather" in op for op in ops) and any("reducescatter" in op for op in ops), ops
     assert any("allreduce" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@in_forked_process
+def test_bf16_autocast_step_on_the_fake_device(moe):
+    """The bf16 path: matmuls in bf16 under autocast, fp32 master weights and optimizer state."""
+    mode = _one_step(moe, dict(dp_shard=2), 2, dtype="bf16")
+    assert torch.bfloat16 in mode.matmul_dtypes
 
 
 @in_forked_process
