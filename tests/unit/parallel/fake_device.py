@@ -8,7 +8,7 @@ computed; no memory is allocated). It catches what a GPU would refuse:
     0-dim CPU scalars are allowed, as on CUDA),
   * a collective on a host tensor (NCCL/XCCL take device tensors only): `CheckedFakeMode` fails it,
   * and it records every collective's op and tensor dtypes for the test to inspect.
-A host read (`.item()`, `.tolist()`) has no data to read: it returns 1 (1.0 for floats).
+A host read (`.item()`, `.tolist()`) has no data to read: it returns 1.0 for floats, 0 for integers.
 bf16 autocast works on the fake device as on CUDA for the matmul-like ops (see _LOWER_PRECISION_OPS).
 Use it in a forked child (optimus.testing.in_forked_process): the backend is registered for the
 life of the process.
@@ -183,7 +183,9 @@ class CheckedFakeMode(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
-            return 1.0 if args[0].is_floating_point() else 1
+            # no data: 1.0 for a float (a loss, a norm), 0 for an integer (a count; the pipeline's
+            # start-up vote then asks for shape inference, which fake_pipeline_peers answers)
+            return 1.0 if args[0].is_floating_point() else 0
         if func.namespace in ("c10d", "_c10d_functional"):
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             for tensor in tensors:
@@ -198,3 +200,37 @@ class CheckedFakeMode(FakeTensorMode):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
             self.matmul_dtypes.add(tensors[-1].dtype)
         return super().dispatch(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def fake_pipeline_peers():
+    """Answer the pipeline stages' start-up metadata exchange as the peer stages would.
+
+    torch.distributed.pipelining infers the activation shapes at the first step by sending metadata
+    objects between neighbouring stages; a fake process group delivers nothing. Here a stage's
+    backward metadata from the next stage is the gradient of its own outputs (same metas), and
+    forward metadata from the previous stage is what this rank's own earlier stage sent on (every
+    stage boundary carries the same hidden-state shape). So this process can play rank 0 (the first
+    stage; with interleaving, a middle one too).
+    """
+    from unittest import mock
+
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    sent_forward: list[_StageForwardMeta] = []
+
+    def send_meta(stage, meta, dst_stage):
+        if isinstance(meta, _StageForwardMeta):
+            sent_forward.append(meta)
+
+    def recv_meta(stage, src_stage):
+        if src_stage > stage.stage_index:
+            return _StageBackwardMeta(backward_metas=tuple(stage._stage_meta.outputs))
+        if not sent_forward:
+            raise AssertionError("fake_pipeline_peers can only play a rank holding the first stage")
+        return sent_forward[-1]
+
+    with mock.patch.object(PipelineStage, "_send_meta", send_meta), \
+            mock.patch.object(PipelineStage, "_recv_meta", recv_meta):
+        yield

@@ -8,10 +8,13 @@ backward, clip, optimizer step), then the checkpoint state_dicts of model and op
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from fake_device import CheckedFakeMode, register_fake_device
+from fake_device import CheckedFakeMode, fake_pipeline_peers, register_fake_device
 from optimus.testing import in_forked_process
 from optimus.testing.parity import tiny_config
 
@@ -24,7 +27,7 @@ def _fake_pg(world_size: int) -> None:
     dist.init_process_group("cpu:fake,fakecuda:fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> CheckedFakeMode:
+def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **train) -> CheckedFakeMode:
     """One train_step of the layout on the fake device; returns the mode (collectives, matmul dtypes)."""
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
@@ -33,13 +36,13 @@ def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> CheckedFak
     from optimus.train.step import train_step
 
     device = register_fake_device()
-    config = tiny_config(moe=moe, parallel=parallel, train=train)
+    config = tiny_config(moe=moe, parallel=parallel, train=train, model=dict(n_layers=n_layers))
     p = config.parallel
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
     _fake_pg(world_size)
     mesh = dims.build_mesh(device.type)
     mode = CheckedFakeMode()
-    with mode:
+    with mode, fake_pipeline_peers():
         model = build_parallel_model(config, dims, mesh, device)
         optimizer = build_optimizer(model, config.optim)
         t = config.train
@@ -58,6 +61,10 @@ def _one_step(moe: bool, parallel: dict, world_size: int, **train) -> CheckedFak
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     assert value.device == device
+        pipeline = getattr(model, "pipeline", None)
+        if pipeline is not None and len(pipeline.stages) == 1:  # evaluation sums its totals over pp too
+            loss = pipeline.evaluate_loss(batches[:1], device, contextlib.nullcontext())
+            assert isinstance(loss, float)
         model_sd, optim_sd = ModelState(model).state_dict(), OptimizerState(model, optimizer).state_dict()
         assert model_sd and optim_sd
         assert all(v.device == device for v in model_sd.values() if isinstance(v, torch.Tensor))
@@ -71,6 +78,9 @@ LAYOUTS = {
     "hsdp-moe": (True, dict(dp_replicate=2, dp_shard=2), 4),
     "tp-sp": (False, dict(tp=2, dp_shard=2), 4),
     "tp-sp-moe": (True, dict(tp=2, dp_shard=2), 4),
+    "pp-gpipe": (False, dict(pp=2, pp_schedule="gpipe"), 2),
+    "pp-1f1b": (False, dict(pp=2, pp_schedule="1f1b"), 2),
+    "pp-interleaved-1f1b": (False, dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), 2),
 }
 
 
@@ -78,11 +88,15 @@ LAYOUTS = {
 @in_forked_process  # a fake process group and a registered fake backend: keep them out of this process
 def test_one_training_step_on_the_fake_device(name):
     moe, parallel, world = LAYOUTS[name]
-    mode = _one_step(moe, parallel, world)
+    stages = parallel.get("pp", 1) * parallel.get("pp_virtual_stages", 1)
+    mode = _one_step(moe, parallel, world, n_layers=max(2, stages))
     assert mode.matmul_dtypes == {torch.float32}
     ops = {op.replace("_", "") for op, _ in mode.collectives}
-    # FSDP gathers and reduce-scatters, train_step reduces the loss terms over dp: all on the device
-    assert any("allgather" in op for op in ops) and any("reducescatter" in op for op in ops), ops
+    # FSDP gathers and reduce-scatters, train_step reduces the loss terms (over dp, or pp): all on the device
+    if parallel.get("dp_shard", 1) > 1:
+        assert any("allgather" in op for op in ops) and any("reducescatter" in op for op in ops), ops
+    if parallel.get("pp", 1) > 1:
+        assert {"c10d.send.default", "c10d.recv.default"} <= ops, ops  # activations and their gradients
     assert any("allreduce" in op for op in ops), ops
 
 
@@ -115,3 +129,26 @@ def test_a_cpu_tensor_mixed_into_device_math_fails():
     with CheckedFakeMode():
         with pytest.raises(FakeTensorDeviceMismatchError):
             torch.ones(3, device=device) + torch.ones(3)
+
+
+@in_forked_process
+def test_pipeline_loss_gathering_stays_on_the_device():
+    """The pp all-reduce of the step's loss terms and expert counts carries device tensors only (a CPU
+    accumulator there, as before, is what NCCL refuses)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optimus.parallel.pipeline import PipelineRuntime
+
+    device = register_fake_device()
+    _fake_pg(2)
+    config = tiny_config(moe=True).model
+    pp_mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("pp",))
+    with CheckedFakeMode() as mode:
+        aux, z = torch.zeros((), device=device), torch.zeros((), device=device)
+        counts = torch.zeros(1, config.n_experts, dtype=torch.int64, device=device)
+        stage = SimpleNamespace(layers={"1": None}, records=[(aux, z, counts)])  # this rank: layer 1 only
+        runtime = PipelineRuntime(SimpleNamespace(config=config), [stage], [0], 2, pp_mesh, "gpipe", device)
+        sums = runtime._gather_terms([torch.zeros((), device=device)], 1, device)
+        assert {key: value.device for key, value in sums.items()} == dict.fromkeys(sums, device)
+        assert sums["expert_counts"].shape == (config.n_layers, config.n_experts)
+        assert [op for op, _ in mode.collectives] == ["c10d.allreduce_.default"]
