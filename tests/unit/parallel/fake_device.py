@@ -8,7 +8,7 @@ computed; no memory is allocated). It catches what a GPU would refuse:
     0-dim CPU scalars are allowed, as on CUDA),
   * a collective on a host tensor (NCCL/XCCL take device tensors only): `CheckedFakeMode` fails it,
   * and it records every collective's op and tensor dtypes for the test to inspect.
-A host read (`.item()`, `.tolist()`) has no data to read: it returns 1.0 for floats, 0 for integers.
+A host read (`.item()`, `.tolist()`) has no data to read: see CheckedFakeMode._host_value.
 bf16 autocast works on the fake device as on CUDA for the matmul-like ops (see _LOWER_PRECISION_OPS).
 Use it in a forked child (optimus.testing.in_forked_process): the backend is registered for the
 life of the process.
@@ -166,11 +166,29 @@ def register_fake_device() -> torch.device:
 class CheckedFakeMode(FakeTensorMode):
     """FakeTensorMode that fails a collective on a non-device tensor and records every collective."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, count_value: int = 0, **kwargs):
         # real CPU tensors met inside (DeviceMesh's rank table) become fake CPU tensors
         super().__init__(allow_non_fake_inputs=True, **kwargs)
+        self.count_value = count_value
         self.collectives: list[tuple[str, tuple[torch.dtype, ...]]] = []
         self.matmul_dtypes: set[torch.dtype] = set()  # dtypes the matmuls ran in (autocast check)
+
+    def _host_value(self, tensor: torch.Tensor):
+        """What `.item()` / `.tolist()` read from a tensor that holds no data.
+
+        Floats (a loss, a norm): 1.0. int64 on the device (expert counts: MoE routing, EP splits):
+        count_value, i.e. every expert gets the same number of rows; it must be T*k/E (tokens x
+        top_k / experts) so that counts add up to the rows. Other integers (the pipeline's start-up
+        vote, int32; host-side index arithmetic on fake host tensors, which is rank 0's: 0): 0. A
+        vote of 0 asks for shape inference (answered by fake_pipeline_peers).
+        """
+        if tensor.is_floating_point():
+            return 1.0
+        if tensor.dtype == torch.bool:
+            return False
+        if tensor.dtype == torch.int64 and tensor.device.type == DEVICE_TYPE:
+            return self.count_value
+        return 0
 
     def __enter__(self):
         _ACTIVE_MODES.append(self)
@@ -183,9 +201,7 @@ class CheckedFakeMode(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
-            # no data: 1.0 for a float (a loss, a norm), 0 for an integer (a count; the pipeline's
-            # start-up vote then asks for shape inference, which fake_pipeline_peers answers)
-            return 1.0 if args[0].is_floating_point() else 0
+            return self._host_value(args[0])
         if func.namespace in ("c10d", "_c10d_functional"):
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             for tensor in tensors:
@@ -193,8 +209,11 @@ class CheckedFakeMode(FakeTensorMode):
                     raise AssertionError(f"collective {func} on a {tensor.device} tensor: NCCL would refuse it")
             self.collectives.append((str(func), tuple(t.dtype for t in tensors)))
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
-            # only real host tensors held from outside (DeviceMesh's rank table): compute them for real
+        on_host = torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        if (tensors and not any(isinstance(t, FakeTensor) for t in tensors)) or (not tensors and on_host):
+            # host-only work (DeviceMesh's rank tables, index arithmetic, the initial weights, a host
+            # buffer made here) is computed for real: its values stay exact. A real host tensor that
+            # meets a device tensor becomes a fake host tensor, so a CPU/device mix-up still fails.
             with _disable_current_modes():
                 return func(*args, **kwargs)
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):

@@ -41,11 +41,13 @@ def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **t
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
     _fake_pg(world_size)
     mesh = dims.build_mesh(device.type)
-    mode = CheckedFakeMode()
+    t = config.train
+    # expert counts read on the host: an even routing, so that they add up to the rows (T x top_k)
+    even = t.micro_batch_size * t.seq_len * config.model.top_k // max(config.model.n_experts, 1)
+    mode = CheckedFakeMode(count_value=even)
     with mode, fake_pipeline_peers():
         model = build_parallel_model(config, dims, mesh, device)
         optimizer = build_optimizer(model, config.optim)
-        t = config.train
         n_micro = t.global_batch_size // (dims.dp * t.micro_batch_size)
         # the loader's batches are host tensors: train_step moves them to the device
         batches = [(torch.randint(0, 100, (t.micro_batch_size, t.seq_len)),
@@ -78,9 +80,13 @@ LAYOUTS = {
     "hsdp-moe": (True, dict(dp_replicate=2, dp_shard=2), 4),
     "tp-sp": (False, dict(tp=2, dp_shard=2), 4),
     "tp-sp-moe": (True, dict(tp=2, dp_shard=2), 4),
+    "ep-all-to-all": (True, dict(dp_shard=2, ep=2, ep_dispatch="all_to_all"), 2),
+    "ep-allgather": (True, dict(dp_shard=4, ep=2, ep_dispatch="allgather"), 4),
     "pp-gpipe": (False, dict(pp=2, pp_schedule="gpipe"), 2),
     "pp-1f1b": (False, dict(pp=2, pp_schedule="1f1b"), 2),
     "pp-interleaved-1f1b": (False, dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), 2),
+    # everything at once: FSDP over dp_shard (with EP inside it), TP + SP, PP
+    "fsdp-tp-pp-ep": (True, dict(dp_shard=2, tp=2, pp=2, ep=2), 8),
 }
 
 
