@@ -49,7 +49,13 @@ def _chunk_losses(logits: torch.Tensor, probs: torch.Tensor, targets: torch.Tens
     return losses, p_target
 
 
-@torch.library.custom_op("optimus::chunked_linear_cross_entropy", mutates_args=())
+# torch.library.define + impl rather than the custom_op decorator: that one imports torch._dynamo (and
+# with it triton) at the first call, which CPU-only runs should not pay for.
+torch.library.define("optimus::chunked_linear_cross_entropy", "(Tensor h, Tensor weight, Tensor labels, int chunk_rows, "
+                     "bool needs_grad) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("optimus::chunked_linear_cross_entropy", "CompositeExplicitAutograd")
 def _chunked_linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int, needs_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +63,8 @@ def _chunked_linear_cross_entropy(
     *sum* of the per-row losses (empty when not needs_grad); backward only scales them.
 
     Matmuls follow the ambient autocast (bf16 under mixed precision); the softmax and loss are fp32.
-    A torch.library op: torch.compile and FakeTensor see one op (its host syncs stay inside).
+    A torch.library op (optimus::chunked_linear_cross_entropy): torch.compile and FakeTensor see one
+    op, its host syncs stay inside.
     """
     dtype = _compute_dtype(h)
     n, d_model, vocab = h.shape[0], h.shape[1], weight.shape[0]
@@ -113,7 +120,7 @@ def _chunked_linear_cross_entropy(
     return (losses * valid).sum() / n_valid, grad_h, grad_w, n_valid
 
 
-@_chunked_linear_cross_entropy.register_fake
+@torch.library.register_fake("optimus::chunked_linear_cross_entropy")
 def _(h, weight, labels, chunk_rows, needs_grad):
     dtype = _compute_dtype(h)
     grad_h_shape, grad_w_shape = ((h.shape[0], h.shape[1]), (weight.shape[0], h.shape[1])) if needs_grad else ((0,), (0,))
@@ -136,7 +143,8 @@ def _scale_gradients(ctx, grad_loss, *unused_grads):
     return grad_h.mul_(scale).to(h_dtype), grad_w.mul_(scale).to(w_dtype), None, None, None
 
 
-_chunked_linear_cross_entropy.register_autograd(_scale_gradients, setup_context=_save_gradients)
+torch.library.register_autograd("optimus::chunked_linear_cross_entropy", _scale_gradients,
+                                setup_context=_save_gradients)
 
 
 def linear_cross_entropy(
@@ -150,4 +158,4 @@ def linear_cross_entropy(
         # On accelerators the plain path is fast and torch.compile fuses it.
         return linear_cross_entropy_reference(h, weight, labels)
     needs_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _chunked_linear_cross_entropy(h, weight, labels, chunk_rows, needs_grad)[0]
+    return torch.ops.optimus.chunked_linear_cross_entropy(h, weight, labels, chunk_rows, needs_grad)[0]

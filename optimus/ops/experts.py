@@ -26,7 +26,7 @@ from optimus.ops._device import (
     torch_grouped_mm_fast_on,
     triton_runs_on,
 )
-from optimus.ops.cpu_experts import CpuExpertMLP
+from optimus.ops.cpu_experts import CpuExpertMLP, chunk_rows
 from optimus.ops.grouped_mm import BACKENDS, GemmBackend, grouped_mm_reference, pick_gemm_backend
 from optimus.ops.permute import (
     combine_rows,
@@ -162,8 +162,98 @@ def moe_experts_forward(
     x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     if impl == "reference":
         return moe_experts_reference(x, expert_ids, weights, w_gate_up, w_down)
-    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    return torch.ops.optimus.moe_experts(x, expert_ids, weights, w_gate_up, w_down, impl)[0]
+
+
+# --- the routed experts as one torch.library op: FakeTensor, the dry run and torch.compile see a single op
+# (routing, host group sizes and the per-expert loop stay inside). Its backward is a second op. The
+# implementations are the autograd Functions above, driven through a stand-in for autograd's ctx.
+
+
+class _Ctx:
+    """What the Functions' forward/backward use of autograd's ctx: saved tensors and attributes."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _implementation(impl: str, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
     plan = _plan(impl, x, w_gate_up, w_down)
-    if plan is None:
-        return CpuExpertMLP.apply(x, w_gate_up, w_down, weights, routing)
-    return _FusedExperts.apply(x, w_gate_up, w_down, weights, routing, routing.groups, *plan)
+    return (CpuExpertMLP, ()) if plan is None else (_FusedExperts, plan)
+
+
+# torch.library.define + impl rather than the custom_op decorator: that one imports torch._dynamo (and
+# with it triton) at the first call, which CPU-only runs should not pay for.
+torch.library.define("optimus::moe_experts", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor w_gate_up, "
+                     "Tensor w_down, str impl) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("optimus::moe_experts_backward", "(Tensor grad_out, Tensor x, Tensor weights, Tensor w_gate_up, "
+                     "Tensor w_down, Tensor(a!) gate_up, Tensor order, Tensor counts, str impl) "
+                     "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("optimus::moe_experts", "CompositeExplicitAutograd")
+def _moe_experts_impl(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, D], gate_up output [T*k, 2F] for backward, sort order [T*k], rows per expert [E])."""
+    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    function, plan = _implementation(impl, x, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        out = CpuExpertMLP.forward(ctx, x, w_gate_up, w_down, weights, routing)
+    else:
+        out = _FusedExperts.forward(ctx, x, w_gate_up, w_down, weights, routing, routing.groups, *plan)
+    return out, ctx.saved_tensors[-1], routing.order, routing.groups.counts
+
+
+@torch.library.register_fake("optimus::moe_experts")
+def _(x, expert_ids, weights, w_gate_up, w_down, impl):
+    rows = expert_ids.numel()
+    return (x.new_empty(x.shape), x.new_empty(rows, w_gate_up.shape[2]),
+            expert_ids.new_empty(rows, dtype=torch.int64), expert_ids.new_empty(w_gate_up.shape[0], dtype=torch.int64))
+
+
+@torch.library.impl("optimus::moe_experts_backward", "CompositeExplicitAutograd")
+def _moe_experts_backward_impl(
+    grad_out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    gate_up: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad w_gate_up, grad w_down, grad weights); overwrites gate_up with its gradient."""
+    routing = Routing(order, counts, weights.shape[1])
+    function, plan = _implementation(impl, x, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        ctx.save_for_backward(x, w_gate_up, w_down, weights, gate_up)
+        ctx.routing, ctx.step = routing, chunk_rows(gate_up.shape[1], x.dtype)
+        grads = CpuExpertMLP.backward(ctx, grad_out)
+    else:
+        row_weights = weights.reshape(-1)[order]
+        ctx.save_for_backward(x, w_gate_up, w_down, row_weights, gate_up)
+        ctx.routing, ctx.groups, (ctx.gemm, ctx.row_backend) = routing, routing.groups, plan
+        grads = _FusedExperts.backward(ctx, grad_out)
+    grad_x, grad_w_gate_up, grad_w_down, grad_weights = grads[:4]
+    return grad_x, grad_w_gate_up, grad_w_down, grad_weights
+
+
+@torch.library.register_fake("optimus::moe_experts_backward")
+def _(grad_out, x, weights, w_gate_up, w_down, gate_up, order, counts, impl):
+    return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape), \
+        weights.new_empty(weights.shape)
+
+
+def _save_for_experts_backward(ctx, inputs, output):
+    x, _, weights, w_gate_up, w_down, impl = inputs
+    _, gate_up, order, counts = output
+    ctx.save_for_backward(x, weights, w_gate_up, w_down, gate_up, order, counts)
+    ctx.impl = impl
+
+
+def _experts_backward(ctx, grad_out, *unused_grads):
+    x, weights, w_gate_up, w_down, gate_up, order, counts = ctx.saved_tensors
+    grad_x, grad_w_gate_up, grad_w_down, grad_weights = torch.ops.optimus.moe_experts_backward(
+        grad_out.contiguous(), x, weights, w_gate_up, w_down, gate_up, order, counts, ctx.impl)
+    return grad_x, None, grad_weights, grad_w_gate_up, grad_w_down, None
+
+
+torch.library.register_autograd("optimus::moe_experts", _experts_backward, setup_context=_save_for_experts_backward)
