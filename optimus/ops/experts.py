@@ -13,6 +13,10 @@ with Triton kernels for the row work and the device's best grouped GEMM.
 
 Backward may run once per forward (it reuses saved memory): a second backward through the same
 graph raises PyTorch's "modified by an inplace operation" error instead of giving wrong grads.
+
+Both entry points are torch.library ops (optimus::moe_experts, optimus::expert_mlp, each with a
+backward op, fake implementations and registered autograd): FakeTensor (the fake-device check, the
+dry run) and torch.compile see one op each, and the routing's host reads stay inside it.
 """
 
 from __future__ import annotations
@@ -130,12 +134,7 @@ def expert_mlp(
     rows, w_gate_up, w_down = rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     if impl == "reference":
         return expert_mlp_reference(rows, w_gate_up, w_down, counts)
-    plan = _plan(impl, rows, w_gate_up, w_down)
-    if plan is None:
-        # the CPU path in its general form: row j is "token" j with one slot and no weight
-        identity = Routing(torch.arange(rows.shape[0], device=rows.device), counts, top_k=1)
-        return CpuExpertMLP.apply(rows, w_gate_up, w_down, None, identity)
-    return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, Groups(counts), *plan)
+    return torch.ops.optimus.expert_mlp(rows, w_gate_up, w_down, counts, impl)[0]
 
 
 def moe_experts_forward(
@@ -257,3 +256,68 @@ def _experts_backward(ctx, grad_out, *unused_grads):
 
 
 torch.library.register_autograd("optimus::moe_experts", _experts_backward, setup_context=_save_for_experts_backward)
+
+
+# expert_mlp over already sorted rows (expert parallelism's local experts), the same way
+torch.library.define("optimus::expert_mlp", "(Tensor rows, Tensor w_gate_up, Tensor w_down, Tensor counts, str impl) "
+                     "-> (Tensor, Tensor)")
+torch.library.define("optimus::expert_mlp_backward", "(Tensor grad_out, Tensor rows, Tensor w_gate_up, Tensor w_down, "
+                     "Tensor(a!) gate_up, Tensor counts, str impl) -> (Tensor, Tensor, Tensor)")
+
+
+def _identity_routing(rows: torch.Tensor, counts: torch.Tensor) -> Routing:
+    # the CPU path in its general form: row j is "token" j with one slot and no weight
+    return Routing(torch.arange(rows.shape[0], device=rows.device), counts, top_k=1)
+
+
+@torch.library.impl("optimus::expert_mlp", "CompositeExplicitAutograd")
+def _expert_mlp_impl(rows, w_gate_up, w_down, counts, impl):
+    """(out [M, D], gate_up output [M, 2F] for backward)."""
+    function, plan = _implementation(impl, rows, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        out = CpuExpertMLP.forward(ctx, rows, w_gate_up, w_down, None, _identity_routing(rows, counts))
+    else:
+        out = _FusedExperts.forward(ctx, rows, w_gate_up, w_down, None, None, Groups(counts), *plan)
+    return out, ctx.saved_tensors[-1]
+
+
+@torch.library.register_fake("optimus::expert_mlp")
+def _(rows, w_gate_up, w_down, counts, impl):
+    return rows.new_empty(rows.shape[0], w_down.shape[2]), rows.new_empty(rows.shape[0], w_gate_up.shape[2])
+
+
+@torch.library.impl("optimus::expert_mlp_backward", "CompositeExplicitAutograd")
+def _expert_mlp_backward_impl(grad_out, rows, w_gate_up, w_down, gate_up, counts, impl):
+    """(grad rows, grad w_gate_up, grad w_down); overwrites gate_up with its gradient."""
+    function, plan = _implementation(impl, rows, w_gate_up, w_down)
+    ctx = _Ctx()
+    ctx.save_for_backward(rows, w_gate_up, w_down, None, gate_up)
+    if function is CpuExpertMLP:
+        ctx.routing, ctx.step = _identity_routing(rows, counts), chunk_rows(gate_up.shape[1], rows.dtype)
+        grads = CpuExpertMLP.backward(ctx, grad_out)
+    else:
+        ctx.routing, ctx.groups, (ctx.gemm, ctx.row_backend) = None, Groups(counts), plan
+        grads = _FusedExperts.backward(ctx, grad_out)
+    return grads[0], grads[1], grads[2]
+
+
+@torch.library.register_fake("optimus::expert_mlp_backward")
+def _(grad_out, rows, w_gate_up, w_down, gate_up, counts, impl):
+    return rows.new_empty(rows.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape)
+
+
+def _save_for_expert_mlp_backward(ctx, inputs, output):
+    rows, w_gate_up, w_down, counts, impl = inputs
+    ctx.save_for_backward(rows, w_gate_up, w_down, output[1], counts)
+    ctx.impl = impl
+
+
+def _expert_mlp_backward(ctx, grad_out, *unused_grads):
+    rows, w_gate_up, w_down, gate_up, counts = ctx.saved_tensors
+    grad_rows, grad_w_gate_up, grad_w_down = torch.ops.optimus.expert_mlp_backward(
+        grad_out.contiguous(), rows, w_gate_up, w_down, gate_up, counts, ctx.impl)
+    return grad_rows, grad_w_gate_up, grad_w_down, None, None
+
+
+torch.library.register_autograd("optimus::expert_mlp", _expert_mlp_backward, setup_context=_save_for_expert_mlp_backward)

@@ -30,10 +30,15 @@ def _moe_block():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_fused_experts_and_loss_head(dtype):
+    """Schema, fake implementation and autograd registration agree with the real kernels."""
     inputs = moe_inputs(16, 8, 6, 4, 2, dtype=dtype)
     args = (inputs["x"], inputs["expert_ids"], inputs["weights"], inputs["w_gate_up"], inputs["w_down"], "auto")
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.optimus.moe_experts, args, test_utils=checks)
+    rows = inputs["x"].detach().repeat(2, 1).requires_grad_()  # 32 sorted rows, 4 experts
+    counts = torch.tensor([10, 0, 15, 7])
+    torch.library.opcheck(torch.ops.optimus.expert_mlp, (rows, inputs["w_gate_up"], inputs["w_down"], counts, "auto"),
+                          test_utils=checks)
     h = torch.randn(12, 8, dtype=dtype, requires_grad=True)
     weight = torch.randn(50, 8, dtype=dtype, requires_grad=True)
     labels = torch.tensor([1, 2, -100, 4, 5, 6, 7, 8, 9, 10, 11, 12])
