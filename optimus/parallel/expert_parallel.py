@@ -183,13 +183,11 @@ class ExpertParallelExperts(nn.Module):
         all_counts = counts.new_empty(P * counts.numel())
         dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)
         # the one host read of this dispatch (a device sync on GPUs): it sizes the gathered buffer
-        host = all_counts.tolist()
         all_counts = all_counts.view(P, -1)
-        per_rank = _row_sums(host, counts.numel())
-        mine_total = sum(sum(host[q * counts.numel() + rank * El : q * counts.numel() + (rank + 1) * El])
-                         for q in range(P))
+        host = all_counts.tolist()  # [P][E]
+        mine_total = sum(sum(row[rank * El : (rank + 1) * El]) for row in host)  # rows my experts get
         # pad every rank's rows to the longest (at least 1 row: no empty collectives)
-        width = max(max(per_rank), 1)
+        width = max(max(sum(row) for row in host), 1)
         padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]) if rows.shape[0] < width else rows
         gathered = _AllGatherRows.apply(padded, group)  # [P * width, D]
         # rows of my experts from every rank, ordered (expert, source rank)

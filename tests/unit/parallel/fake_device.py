@@ -10,14 +10,15 @@ computed; no memory is allocated). It catches what a GPU would refuse:
   * and it records every collective's op and tensor dtypes for the test to inspect.
 A host read (`.item()`, `.tolist()`) has no data to read: see CheckedFakeMode._host_value.
 bf16 autocast works on the fake device as on CUDA for the matmul-like ops (see _LOWER_PRECISION_OPS).
-Use it in a forked child (optimus.testing.in_forked_process): the backend is registered for the
-life of the process.
+Run each test body through `in_fresh_process`: the backend stays registered for the life of the
+process, and it must be registered before autograd first runs a backward there.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -253,3 +254,44 @@ def fake_pipeline_peers():
     with mock.patch.object(PipelineStage, "_send_meta", send_meta), \
             mock.patch.object(PipelineStage, "_recv_meta", recv_meta):
         yield
+
+
+def _run_test_body(connection, module_name: str, test_name: str, args, kwargs) -> None:
+    import importlib
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        test_fn = getattr(importlib.import_module(module_name), test_name).__wrapped__
+        test_fn(*args, **kwargs)
+        connection.send(("ok", None))
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+
+
+def in_fresh_process(test_fn):
+    """Run a test's body in a child forked from a fresh interpreter (multiprocessing's forkserver).
+
+    Not a fork of the pytest process: once autograd has run a backward there, its engine has fixed
+    its per-device queues, and a child that registers the fake device then fails in backward. The
+    forkserver never runs a backward, so its children start clean (and fast: torch is preloaded).
+    """
+    import functools
+    import multiprocessing
+
+    @functools.wraps(test_fn)
+    def wrapper(*args, **kwargs):
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "torch.distributed", "optimus.parallel.parallelize"])
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=_run_test_body, args=(sender, test_fn.__module__, test_fn.__name__, args, kwargs))
+        child.start()
+        sender.close()
+        outcome = receiver.recv() if receiver.poll(300) else ("error", "the fake-device test process hung or died")
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+        if outcome[0] != "ok":
+            pytest.fail(f"fake-device test failed:\n{outcome[1]}", pytrace=False)
+
+    return wrapper

@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fake_device import CheckedFakeMode, fake_pipeline_peers, register_fake_device
-from optimus.testing import in_forked_process
+from fake_device import CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device
 from optimus.testing.parity import tiny_config
 
 
@@ -92,7 +91,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-@in_forked_process  # a fake process group and a registered fake backend: keep them out of this process
+@in_fresh_process  # a fake process group and a registered fake backend: keep them out of this process
 def test_one_training_step_on_the_fake_device(name):
     moe, parallel, world = LAYOUTS[name]
     stages = parallel.get("pp", 1) * parallel.get("pp_virtual_stages", 1)
@@ -108,14 +107,14 @@ def test_one_training_step_on_the_fake_device(name):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@in_forked_process
+@in_fresh_process
 def test_bf16_autocast_step_on_the_fake_device(moe):
     """The bf16 path: matmuls in bf16 under autocast, fp32 master weights and optimizer state."""
     mode = _one_step(moe, dict(dp_shard=2), 2, dtype="bf16")
     assert torch.bfloat16 in mode.matmul_dtypes
 
 
-@in_forked_process
+@in_fresh_process
 def test_a_host_tensor_in_a_collective_fails_the_check():
     """The check has teeth: a CPU tensor reduced as the old pipeline gathering did is refused."""
     import torch.distributed as dist
@@ -128,7 +127,7 @@ def test_a_host_tensor_in_a_collective_fails_the_check():
         dist.all_reduce(torch.zeros(2, dtype=torch.float64, device="fakecuda:0"))
 
 
-@in_forked_process
+@in_fresh_process
 def test_a_cpu_tensor_mixed_into_device_math_fails():
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
@@ -138,7 +137,7 @@ def test_a_cpu_tensor_mixed_into_device_math_fails():
             torch.ones(3, device=device) + torch.ones(3)
 
 
-@in_forked_process
+@in_fresh_process
 def test_pipeline_loss_gathering_stays_on_the_device():
     """The pp all-reduce of the step's loss terms and expert counts carries device tensors only (a CPU
     accumulator there, as before, is what NCCL refuses)."""
