@@ -91,24 +91,24 @@ class CpuExpertMLP(torch.autograd.Function):
         n_rows, token_of_row = routing.order.numel(), routing.token_of_row
         out_rows = source.new_empty(n_rows, w_down.shape[2])
         step = chunk_rows(2 * width, source.dtype)
-        gate_up_chunks = []
+        # one [M, 2F] buffer, written chunk by chunk (each chunk's slice stays in cache)
+        gate_up = source.new_empty(n_rows, 2 * width)
         for first, stop, pieces in plan_chunks(routing.groups, n_rows, step):
             rows = source.index_select(0, token_of_row[first:stop])
-            h = rows.new_empty(stop - first, 2 * width)
+            h = gate_up[first:stop]
             for expert, lo, hi, _ in pieces:
                 torch.mm(rows[lo:hi], w_gate_up[expert], out=h[lo:hi])
-            gate_up_chunks.append(h)
             act = F.silu(h[:, :width]).mul_(h[:, width:])
             for expert, lo, hi, _ in pieces:
                 torch.mm(act[lo:hi], w_down[expert], out=out_rows[first + lo : first + hi])
-        ctx.save_for_backward(source, w_gate_up, w_down, weights, *gate_up_chunks)
+        ctx.save_for_backward(source, w_gate_up, w_down, weights, gate_up)
         ctx.routing, ctx.step = routing, step
         psw = weights.to(out_rows.dtype) if weights is not None else None
         return _sum_per_token(out_rows, routing.row_of_slot, psw)
 
     @staticmethod
     def backward(ctx, grad_out):
-        source, w_gate_up, w_down, weights, *gate_up_chunks = ctx.saved_tensors
+        source, w_gate_up, w_down, weights, gate_up = ctx.saved_tensors
         routing = ctx.routing
         n_rows, token_of_row = routing.order.numel(), routing.token_of_row
         grad_out = grad_out.contiguous()
@@ -120,7 +120,8 @@ class CpuExpertMLP(torch.autograd.Function):
             grad_row_weights = source.new_empty(n_rows)
 
         chunks = plan_chunks(routing.groups, n_rows, ctx.step)
-        for (first, stop, pieces), h in zip(chunks, gate_up_chunks):
+        for first, stop, pieces in chunks:
+            h = gate_up[first:stop]
             index = token_of_row[first:stop]
             rows, grad_y = source.index_select(0, index), grad_out.index_select(0, index)
             gate, up = h[:, :width], h[:, width:]

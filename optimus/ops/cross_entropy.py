@@ -49,78 +49,102 @@ def _chunk_losses(logits: torch.Tensor, probs: torch.Tensor, targets: torch.Tens
     return losses, p_target
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Forward computes the loss and, chunk by chunk, both gradients; backward only scales them.
+# torch.library.define + impl rather than the custom_op decorator: that one imports torch._dynamo (and
+# with it triton) at the first call, which CPU-only runs should not pay for.
+torch.library.define("optimus::chunked_linear_cross_entropy", "(Tensor h, Tensor weight, Tensor labels, int chunk_rows, "
+                     "bool needs_grad) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("optimus::chunked_linear_cross_entropy", "CompositeExplicitAutograd")
+def _chunked_linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int, needs_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, grad_h, grad_w, n_valid): the loss and, chunk by chunk, both gradients of the
+    *sum* of the per-row losses (empty when not needs_grad); backward only scales them.
 
     Matmuls follow the ambient autocast (bf16 under mixed precision); the softmax and loss are fp32.
-    The stored gradients are those of the *sum* of the per-row losses; backward divides by n_valid.
+    A torch.library op (optimus::chunked_linear_cross_entropy): torch.compile and FakeTensor see one
+    op, its host syncs stay inside.
     """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int):
-        needs_grad = any(ctx.needs_input_grad[:2])
-        dtype = _compute_dtype(h)
-        n, d_model, vocab = h.shape[0], h.shape[1], weight.shape[0]
-        valid = labels != IGNORE_INDEX
-        n_valid = valid.sum().clamp(min=1)
-        safe_labels = torch.where(valid, labels, 0)
-        buffer_rows = max(1, min(chunk_rows, n))
-        new = dict(device=h.device)
-        with torch.autocast(h.device.type, enabled=False):
-            h_c, w_c = h.to(dtype), weight.to(dtype)  # cast once for all chunks
-            logits_buf = torch.empty(buffer_rows, vocab, dtype=dtype, **new)
-            probs_buf = torch.empty(buffer_rows, vocab, dtype=dtype, **new)
-            losses = torch.empty(n, dtype=torch.float32, **new)
-            if needs_grad:
-                grad_h = torch.empty(n, d_model, dtype=dtype, **new)
-                # The first chunk writes it (no zero fill of a [V, D] buffer); zeros when there are no rows
-                grad_w = (torch.empty if n else torch.zeros)(vocab, d_model, dtype=torch.float32, **new)
-                # bf16 partial products go through reused buffers into the fp32 accumulator: a
-                # mixed-dtype add_ would allocate (and page-fault) a fresh fp32 copy every chunk
-                low_precision = dtype != torch.float32
-                grad_w_part = torch.empty(vocab, d_model, dtype=dtype, **new) if low_precision else None
-                grad_w_part32 = torch.empty(vocab, d_model, dtype=torch.float32, **new) if low_precision else None
-            for start in range(0, n, buffer_rows):
-                stop = min(start + buffer_rows, n)
-                h_chunk, targets = h_c[start:stop], safe_labels[start:stop]
-                rows = torch.arange(stop - start, device=h.device)
-                logits = torch.mm(h_chunk, w_c.t(), out=logits_buf[: stop - start])
-                probs = torch.softmax(logits, dim=1, out=probs_buf[: stop - start])
-                chunk_losses, p_target = _chunk_losses(logits, probs, targets, rows)
-                losses[start:stop] = chunk_losses
-                if not needs_grad:
-                    continue
-                # d(sum of losses)/d logits = softmax - onehot, zero on ignored rows; built in place
-                grad_logits = probs
-                grad_logits[rows, targets] = p_target - 1
-                ok = valid[start:stop]
-                if not bool(ok.all()):
-                    grad_logits[~ok] = 0
-                torch.mm(grad_logits, w_c, out=grad_h[start:stop])
-                if grad_w_part is None:  # fp32: accumulate inside the matmul
-                    if start == 0:
-                        torch.mm(grad_logits.t(), h_chunk, out=grad_w)
-                    else:
-                        grad_w.addmm_(grad_logits.t(), h_chunk)
-                else:
-                    torch.mm(grad_logits.t(), h_chunk, out=grad_w_part)
-                    if start == 0:
-                        grad_w.copy_(grad_w_part)
-                    else:
-                        grad_w.add_(grad_w_part32.copy_(grad_w_part))
+    dtype = _compute_dtype(h)
+    n, d_model, vocab = h.shape[0], h.shape[1], weight.shape[0]
+    valid = labels != IGNORE_INDEX
+    n_valid = valid.sum().clamp(min=1)
+    safe_labels = torch.where(valid, labels, 0)
+    buffer_rows = max(1, min(chunk_rows, n))
+    new = dict(device=h.device)
+    grad_h = torch.empty(0, dtype=dtype, **new)
+    grad_w = torch.empty(0, dtype=torch.float32, **new)
+    with torch.autocast(h.device.type, enabled=False):
+        h_c, w_c = h.to(dtype), weight.to(dtype)  # cast once for all chunks
+        logits_buf = torch.empty(buffer_rows, vocab, dtype=dtype, **new)
+        probs_buf = torch.empty(buffer_rows, vocab, dtype=dtype, **new)
+        losses = torch.empty(n, dtype=torch.float32, **new)
         if needs_grad:
-            ctx.input_dtypes = (h.dtype, weight.dtype)
-            ctx.save_for_backward(grad_h, grad_w, n_valid)
-        return (losses * valid).sum() / n_valid
+            grad_h = torch.empty(n, d_model, dtype=dtype, **new)
+            # The first chunk writes it (no zero fill of a [V, D] buffer); zeros when there are no rows
+            grad_w = (torch.empty if n else torch.zeros)(vocab, d_model, dtype=torch.float32, **new)
+            # bf16 partial products go through reused buffers into the fp32 accumulator: a
+            # mixed-dtype add_ would allocate (and page-fault) a fresh fp32 copy every chunk
+            low_precision = dtype != torch.float32
+            grad_w_part = torch.empty(vocab, d_model, dtype=dtype, **new) if low_precision else None
+            grad_w_part32 = torch.empty(vocab, d_model, dtype=torch.float32, **new) if low_precision else None
+        for start in range(0, n, buffer_rows):
+            stop = min(start + buffer_rows, n)
+            h_chunk, targets = h_c[start:stop], safe_labels[start:stop]
+            rows = torch.arange(stop - start, device=h.device)
+            logits = torch.mm(h_chunk, w_c.t(), out=logits_buf[: stop - start])
+            probs = torch.softmax(logits, dim=1, out=probs_buf[: stop - start])
+            chunk_losses, p_target = _chunk_losses(logits, probs, targets, rows)
+            losses[start:stop] = chunk_losses
+            if not needs_grad:
+                continue
+            # d(sum of losses)/d logits = softmax - onehot, zero on ignored rows; built in place
+            grad_logits = probs
+            grad_logits[rows, targets] = p_target - 1
+            ok = valid[start:stop]
+            if not bool(ok.all()):
+                grad_logits[~ok] = 0
+            torch.mm(grad_logits, w_c, out=grad_h[start:stop])
+            if grad_w_part is None:  # fp32: accumulate inside the matmul
+                if start == 0:
+                    torch.mm(grad_logits.t(), h_chunk, out=grad_w)
+                else:
+                    grad_w.addmm_(grad_logits.t(), h_chunk)
+            else:
+                torch.mm(grad_logits.t(), h_chunk, out=grad_w_part)
+                if start == 0:
+                    grad_w.copy_(grad_w_part)
+                else:
+                    grad_w.add_(grad_w_part32.copy_(grad_w_part))
+    return (losses * valid).sum() / n_valid, grad_h, grad_w, n_valid
 
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_w, n_valid = ctx.saved_tensors
-        scale = grad_loss / n_valid
-        h_dtype, w_dtype = ctx.input_dtypes
-        # In place: these are our own buffers and the [V, D] one is large. A second backward through
-        # the same graph (retain_graph) fails loudly on the version check instead of scaling twice.
-        return grad_h.mul_(scale).to(h_dtype), grad_w.mul_(scale).to(w_dtype), None, None
+
+@torch.library.register_fake("optimus::chunked_linear_cross_entropy")
+def _(h, weight, labels, chunk_rows, needs_grad):
+    dtype = _compute_dtype(h)
+    grad_h_shape, grad_w_shape = ((h.shape[0], h.shape[1]), (weight.shape[0], h.shape[1])) if needs_grad else ((0,), (0,))
+    return (h.new_empty((), dtype=torch.float32), h.new_empty(grad_h_shape, dtype=dtype),
+            h.new_empty(grad_w_shape, dtype=torch.float32), labels.new_empty((), dtype=torch.int64))
+
+
+def _save_gradients(ctx, inputs, output):
+    h, weight = inputs[0], inputs[1]
+    _, grad_h, grad_w, n_valid = output
+    ctx.input_dtypes = (h.dtype, weight.dtype)
+    ctx.save_for_backward(grad_h, grad_w, n_valid)
+
+
+def _scale_gradients(ctx, grad_loss, *unused_grads):
+    grad_h, grad_w, n_valid = ctx.saved_tensors
+    scale = grad_loss / n_valid
+    h_dtype, w_dtype = ctx.input_dtypes
+    # In place: these are our own buffers and the [V, D] one is large.
+    return grad_h.mul_(scale).to(h_dtype), grad_w.mul_(scale).to(w_dtype), None, None, None
+
+
+torch.library.register_autograd("optimus::chunked_linear_cross_entropy", _scale_gradients,
+                                setup_context=_save_gradients)
 
 
 def linear_cross_entropy(
@@ -133,4 +157,5 @@ def linear_cross_entropy(
     if h.device.type != "cpu":
         # On accelerators the plain path is fast and torch.compile fuses it.
         return linear_cross_entropy_reference(h, weight, labels)
-    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, chunk_rows)
+    needs_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return torch.ops.optimus.chunked_linear_cross_entropy(h, weight, labels, chunk_rows, needs_grad)[0]

@@ -13,6 +13,10 @@ with Triton kernels for the row work and the device's best grouped GEMM.
 
 Backward may run once per forward (it reuses saved memory): a second backward through the same
 graph raises PyTorch's "modified by an inplace operation" error instead of giving wrong grads.
+
+Both entry points are torch.library ops (optimus::moe_experts, optimus::expert_mlp, each with a
+backward op, fake implementations and registered autograd): FakeTensor (the fake-device check, the
+dry run) and torch.compile see one op each, and the routing's host reads stay inside it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from optimus.ops._device import (
     torch_grouped_mm_fast_on,
     triton_runs_on,
 )
-from optimus.ops.cpu_experts import CpuExpertMLP
+from optimus.ops.cpu_experts import CpuExpertMLP, chunk_rows
 from optimus.ops.grouped_mm import BACKENDS, GemmBackend, grouped_mm_reference, pick_gemm_backend
 from optimus.ops.permute import (
     combine_rows,
@@ -130,12 +134,7 @@ def expert_mlp(
     rows, w_gate_up, w_down = rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     if impl == "reference":
         return expert_mlp_reference(rows, w_gate_up, w_down, counts)
-    plan = _plan(impl, rows, w_gate_up, w_down)
-    if plan is None:
-        # the CPU path in its general form: row j is "token" j with one slot and no weight
-        identity = Routing(torch.arange(rows.shape[0], device=rows.device), counts, top_k=1)
-        return CpuExpertMLP.apply(rows, w_gate_up, w_down, None, identity)
-    return _FusedExperts.apply(rows, w_gate_up, w_down, None, None, Groups(counts), *plan)
+    return torch.ops.optimus.expert_mlp(rows, w_gate_up, w_down, counts, impl)[0]
 
 
 def moe_experts_forward(
@@ -162,8 +161,163 @@ def moe_experts_forward(
     x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     if impl == "reference":
         return moe_experts_reference(x, expert_ids, weights, w_gate_up, w_down)
-    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    return torch.ops.optimus.moe_experts(x, expert_ids, weights, w_gate_up, w_down, impl)[0]
+
+
+# --- the routed experts as one torch.library op: FakeTensor, the dry run and torch.compile see a single op
+# (routing, host group sizes and the per-expert loop stay inside). Its backward is a second op. The
+# implementations are the autograd Functions above, driven through a stand-in for autograd's ctx.
+
+
+class _Ctx:
+    """What the Functions' forward/backward use of autograd's ctx: saved tensors and attributes."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _implementation(impl: str, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
     plan = _plan(impl, x, w_gate_up, w_down)
-    if plan is None:
-        return CpuExpertMLP.apply(x, w_gate_up, w_down, weights, routing)
-    return _FusedExperts.apply(x, w_gate_up, w_down, weights, routing, routing.groups, *plan)
+    return (CpuExpertMLP, ()) if plan is None else (_FusedExperts, plan)
+
+
+# torch.library.define + impl rather than the custom_op decorator: that one imports torch._dynamo (and
+# with it triton) at the first call, which CPU-only runs should not pay for.
+torch.library.define("optimus::moe_experts", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor w_gate_up, "
+                     "Tensor w_down, str impl) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("optimus::moe_experts_backward", "(Tensor grad_out, Tensor x, Tensor weights, Tensor w_gate_up, "
+                     "Tensor w_down, Tensor(a!) gate_up, Tensor order, Tensor counts, str impl) "
+                     "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl("optimus::moe_experts", "CompositeExplicitAutograd")
+def _moe_experts_impl(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, D], gate_up output [T*k, 2F] for backward, sort order [T*k], rows per expert [E])."""
+    routing = Routing.from_expert_ids(expert_ids, w_gate_up.shape[0])
+    function, plan = _implementation(impl, x, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        out = CpuExpertMLP.forward(ctx, x, w_gate_up, w_down, weights, routing)
+    else:
+        out = _FusedExperts.forward(ctx, x, w_gate_up, w_down, weights, routing, routing.groups, *plan)
+    return out, ctx.saved_tensors[-1], routing.order, routing.groups.counts
+
+
+@torch.library.register_fake("optimus::moe_experts")
+def _(x, expert_ids, weights, w_gate_up, w_down, impl):
+    rows = expert_ids.numel()
+    return (x.new_empty(x.shape), x.new_empty(rows, w_gate_up.shape[2]),
+            expert_ids.new_empty(rows, dtype=torch.int64), expert_ids.new_empty(w_gate_up.shape[0], dtype=torch.int64))
+
+
+@torch.library.impl("optimus::moe_experts_backward", "CompositeExplicitAutograd")
+def _moe_experts_backward_impl(
+    grad_out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    gate_up: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad w_gate_up, grad w_down, grad weights); overwrites gate_up with its gradient."""
+    routing = Routing(order, counts, weights.shape[1])
+    function, plan = _implementation(impl, x, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        ctx.save_for_backward(x, w_gate_up, w_down, weights, gate_up)
+        ctx.routing, ctx.step = routing, chunk_rows(gate_up.shape[1], x.dtype)
+        grads = CpuExpertMLP.backward(ctx, grad_out)
+    else:
+        row_weights = weights.reshape(-1)[order]
+        ctx.save_for_backward(x, w_gate_up, w_down, row_weights, gate_up)
+        ctx.routing, ctx.groups, (ctx.gemm, ctx.row_backend) = routing, routing.groups, plan
+        grads = _FusedExperts.backward(ctx, grad_out)
+    grad_x, grad_w_gate_up, grad_w_down, grad_weights = grads[:4]
+    return grad_x, grad_w_gate_up, grad_w_down, grad_weights
+
+
+@torch.library.register_fake("optimus::moe_experts_backward")
+def _(grad_out, x, weights, w_gate_up, w_down, gate_up, order, counts, impl):
+    return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape), \
+        weights.new_empty(weights.shape)
+
+
+def _save_for_experts_backward(ctx, inputs, output):
+    x, _, weights, w_gate_up, w_down, impl = inputs
+    _, gate_up, order, counts = output
+    ctx.save_for_backward(x, weights, w_gate_up, w_down, gate_up, order, counts)
+    ctx.impl = impl
+
+
+def _experts_backward(ctx, grad_out, *unused_grads):
+    x, weights, w_gate_up, w_down, gate_up, order, counts = ctx.saved_tensors
+    grad_x, grad_w_gate_up, grad_w_down, grad_weights = torch.ops.optimus.moe_experts_backward(
+        grad_out.contiguous(), x, weights, w_gate_up, w_down, gate_up, order, counts, ctx.impl)
+    return grad_x, None, grad_weights, grad_w_gate_up, grad_w_down, None
+
+
+torch.library.register_autograd("optimus::moe_experts", _experts_backward, setup_context=_save_for_experts_backward)
+
+
+# expert_mlp over already sorted rows (expert parallelism's local experts), the same way
+torch.library.define("optimus::expert_mlp", "(Tensor rows, Tensor w_gate_up, Tensor w_down, Tensor counts, str impl) "
+                     "-> (Tensor, Tensor)")
+torch.library.define("optimus::expert_mlp_backward", "(Tensor grad_out, Tensor rows, Tensor w_gate_up, Tensor w_down, "
+                     "Tensor(a!) gate_up, Tensor counts, str impl) -> (Tensor, Tensor, Tensor)")
+
+
+def _identity_routing(rows: torch.Tensor, counts: torch.Tensor) -> Routing:
+    # the CPU path in its general form: row j is "token" j with one slot and no weight
+    return Routing(torch.arange(rows.shape[0], device=rows.device), counts, top_k=1)
+
+
+@torch.library.impl("optimus::expert_mlp", "CompositeExplicitAutograd")
+def _expert_mlp_impl(rows, w_gate_up, w_down, counts, impl):
+    """(out [M, D], gate_up output [M, 2F] for backward)."""
+    function, plan = _implementation(impl, rows, w_gate_up, w_down)
+    ctx = _Ctx()
+    if function is CpuExpertMLP:
+        out = CpuExpertMLP.forward(ctx, rows, w_gate_up, w_down, None, _identity_routing(rows, counts))
+    else:
+        out = _FusedExperts.forward(ctx, rows, w_gate_up, w_down, None, None, Groups(counts), *plan)
+    return out, ctx.saved_tensors[-1]
+
+
+@torch.library.register_fake("optimus::expert_mlp")
+def _(rows, w_gate_up, w_down, counts, impl):
+    return rows.new_empty(rows.shape[0], w_down.shape[2]), rows.new_empty(rows.shape[0], w_gate_up.shape[2])
+
+
+@torch.library.impl("optimus::expert_mlp_backward", "CompositeExplicitAutograd")
+def _expert_mlp_backward_impl(grad_out, rows, w_gate_up, w_down, gate_up, counts, impl):
+    """(grad rows, grad w_gate_up, grad w_down); overwrites gate_up with its gradient."""
+    function, plan = _implementation(impl, rows, w_gate_up, w_down)
+    ctx = _Ctx()
+    ctx.save_for_backward(rows, w_gate_up, w_down, None, gate_up)
+    if function is CpuExpertMLP:
+        ctx.routing, ctx.step = _identity_routing(rows, counts), chunk_rows(gate_up.shape[1], rows.dtype)
+        grads = CpuExpertMLP.backward(ctx, grad_out)
+    else:
+        ctx.routing, ctx.groups, (ctx.gemm, ctx.row_backend) = None, Groups(counts), plan
+        grads = _FusedExperts.backward(ctx, grad_out)
+    return grads[0], grads[1], grads[2]
+
+
+@torch.library.register_fake("optimus::expert_mlp_backward")
+def _(grad_out, rows, w_gate_up, w_down, gate_up, counts, impl):
+    return rows.new_empty(rows.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape)
+
+
+def _save_for_expert_mlp_backward(ctx, inputs, output):
+    rows, w_gate_up, w_down, counts, impl = inputs
+    ctx.save_for_backward(rows, w_gate_up, w_down, output[1], counts)
+    ctx.impl = impl
+
+
+def _expert_mlp_backward(ctx, grad_out, *unused_grads):
+    rows, w_gate_up, w_down, gate_up, counts = ctx.saved_tensors
+    grad_rows, grad_w_gate_up, grad_w_down = torch.ops.optimus.expert_mlp_backward(
+        grad_out.contiguous(), rows, w_gate_up, w_down, gate_up, counts, ctx.impl)
+    return grad_rows, grad_w_gate_up, grad_w_down, None, None
+
+
+torch.library.register_autograd("optimus::expert_mlp", _expert_mlp_backward, setup_context=_save_for_expert_mlp_backward)

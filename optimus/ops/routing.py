@@ -46,8 +46,9 @@ class Groups:
 
 
 def count_per_expert(flat_expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """int64 number of entries per expert, without a host sync on accelerators."""
-    if flat_expert_ids.device.type == "cpu":
+    """int64 number of entries per expert, without a host sync on accelerators (nor a graph break
+    under torch.compile: bincount's output size depends on the data)."""
+    if flat_expert_ids.device.type == "cpu" and not torch.compiler.is_compiling():
         return torch.bincount(flat_expert_ids, minlength=n_experts)
     # bincount reads max() back to the host; a scatter-add into a fixed-size buffer does not
     counts = torch.zeros(n_experts, dtype=torch.int64, device=flat_expert_ids.device)

@@ -106,14 +106,20 @@ def segment_starts(counts: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(flat, 0) - flat).view_as(counts)
 
 
-def gather_index(counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+def gather_index(counts: torch.Tensor, starts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Row indices that visit the segments in row-major order of `counts` (any shape), each segment
-    `counts[i]` rows long starting at `starts[i]`."""
+    `counts[i]` rows long starting at `starts[i]`. `total` (= counts.sum(), when the caller knows it
+    on the host already) saves a device sync."""
     flat_counts, flat_starts = counts.reshape(-1), starts.reshape(-1)
-    total = int(flat_counts.sum())
+    total = int(flat_counts.sum()) if total is None else total
     seg = torch.repeat_interleave(torch.arange(flat_counts.numel(), device=counts.device), flat_counts, output_size=total)
     offset_in_seg = torch.arange(total, device=counts.device) - (torch.cumsum(flat_counts, 0) - flat_counts)[seg]
     return flat_starts[seg] + offset_in_seg
+
+
+def _row_sums(host_counts: list[int], width: int) -> list[int]:
+    """Sums of consecutive runs of `width` counts: rows per rank from rows per (rank, expert)."""
+    return [sum(host_counts[i : i + width]) for i in range(0, len(host_counts), width)]
 
 
 class ExpertParallelExperts(nn.Module):
@@ -160,12 +166,13 @@ class ExpertParallelExperts(nn.Module):
         # recv_counts[q, e]: rows rank q sends to my local expert e
         recv_counts = torch.empty(P * El, dtype=counts.dtype, device=counts.device)
         dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+        # the one host read of this dispatch (a device sync on GPUs): the splits size the exchange
+        host = torch.cat([counts, recv_counts]).tolist()
+        in_splits, out_splits = _row_sums(host[: P * El], El), _row_sums(host[P * El :], El)
         recv_counts = recv_counts.view(P, El)
-        in_splits = counts.view(P, El).sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
         received = _AllToAllRows.apply(rows, out_splits, in_splits, group)  # (source rank, expert) order
         # reorder to (expert, source rank) for the grouped GEMM, and back afterwards
-        order = gather_index(recv_counts.t(), segment_starts(recv_counts).t())
+        order = gather_index(recv_counts.t(), segment_starts(recv_counts).t(), total=sum(out_splits))
         computed = self._compute(received.index_select(0, order), recv_counts.sum(0))
         restored = torch.empty_like(computed).index_copy(0, order, computed)
         return _AllToAllRows.apply(restored, in_splits, out_splits, group)
@@ -175,16 +182,19 @@ class ExpertParallelExperts(nn.Module):
         rank = self.ep_mesh.get_local_rank()
         all_counts = counts.new_empty(P * counts.numel())
         dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)
+        # the one host read of this dispatch (a device sync on GPUs): it sizes the gathered buffer
         all_counts = all_counts.view(P, -1)
+        host = all_counts.tolist()  # [P][E]
+        mine_total = sum(sum(row[rank * El : (rank + 1) * El]) for row in host)  # rows my experts get
         # pad every rank's rows to the longest (at least 1 row: no empty collectives)
-        width = max(int(all_counts.sum(1).max()), 1)
+        width = max(max(sum(row) for row in host), 1)
         padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]) if rows.shape[0] < width else rows
         gathered = _AllGatherRows.apply(padded, group)  # [P * width, D]
         # rows of my experts from every rank, ordered (expert, source rank)
         mine = all_counts[:, rank * El : (rank + 1) * El]
         row_starts = torch.cumsum(all_counts, 1) - all_counts  # within each rank's own rows
         starts = row_starts[:, rank * El : (rank + 1) * El] + width * torch.arange(P, device=counts.device).unsqueeze(1)
-        index = gather_index(mine.t(), starts.t())
+        index = gather_index(mine.t(), starts.t(), total=mine_total)
         computed = self._compute(gathered.index_select(0, index), mine.sum(0))
         # each row is computed by exactly one rank, so the reduce-scatter's sum is a placement
         placed = torch.zeros_like(gathered).index_copy(0, index, computed)

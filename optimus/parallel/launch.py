@@ -132,8 +132,16 @@ def device_for(local_rank: int, device_type: str | None = None) -> torch.device:
 
 
 def backend_for(device: torch.device) -> str:
-    """Collective backend per device: nccl (CUDA; RCCL behind the same name on ROCm), xccl, gloo."""
-    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+    """The default process group's backend per device: the device's own library beside gloo for the host.
+
+    Decided here only. Every group (DeviceMesh dims included) inherits it. Per-step numbers (losses,
+    gradient norms, expert counts) are reduced as tensors on the device, by the device's library: no
+    host round trip. The `cpu:gloo` half carries what must stay on the host (Python objects in
+    `all_gather_object`, a host tensor a helper may reduce): NCCL/XCCL alone would refuse a CPU tensor.
+    CUDA uses NCCL (RCCL behind the same name on ROCm), XPU uses XCCL, the CPU gloo alone.
+    """
+    library = {"cuda": "nccl", "xpu": "xccl"}.get(device.type)
+    return f"cpu:gloo,{device.type}:{library}" if library else "gloo"
 
 
 def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:

@@ -159,7 +159,7 @@ class PipelineRuntime:
         kwargs = {"labels": labels} if self.has_last else {}
         with autocast:
             self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        return self._gather_terms(losses, n)
+        return self._gather_terms(losses, n, device)
 
     @torch.no_grad()
     def evaluate_loss(self, batches, device: torch.device, autocast) -> float:
@@ -171,7 +171,8 @@ class PipelineRuntime:
         group, pp = self.pp_mesh.get_group(), self.pp_mesh.size()
         owner = {sid: sid % pp for sid in range(self.n_stages)}  # the loop order of apply_pipeline
         modules = dict(zip(self.stage_ids, self.stages))
-        total = torch.zeros(2, dtype=torch.float64)  # nats, tokens
+        # on the device: the pp group's backend (NCCL on GPUs) reduces device tensors only
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # nats, tokens
         for inputs, labels in batches:
             inputs, labels = inputs.to(device), labels.to(device)
             h = None
@@ -187,22 +188,25 @@ class PipelineRuntime:
                 if sid < self.n_stages - 1 and owner[sid + 1] != owner[sid]:
                     _send_tensor(h, dist.get_global_rank(group, owner[sid + 1]), group)
             if self.has_last:  # h is the last stage's mean cross-entropy
-                total += torch.tensor([h.item() * labels.numel(), labels.numel()], dtype=torch.float64)
+                total[0] += h.detach().double() * labels.numel()
+                total[1] += labels.numel()
         dist.all_reduce(total, group=group)
         return (total[0] / total[1].clamp(min=1)).item()
 
-    def _gather_terms(self, losses: list[torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    def _gather_terms(self, losses: list[torch.Tensor], n: int, device: torch.device) -> dict[str, torch.Tensor]:
         cfg = self.config
-        # packed: [ce, aux, z, counts of every layer (zeros for layers on other stages)]
-        counts = torch.zeros(cfg.n_layers, max(cfg.n_experts, 1), dtype=torch.float64)
-        aux = z = torch.zeros((), dtype=torch.float64)
+        # packed: [ce, aux, z, counts of every layer (zeros for layers on other stages)], all on the device:
+        # one all-reduce on the pp group (NCCL on GPUs takes device tensors only), no host sync
+        counts = torch.zeros(cfg.n_layers, max(cfg.n_experts, 1), dtype=torch.float64, device=device)
+        aux = z = torch.zeros((), dtype=torch.float64, device=device)
         for stage in self.stages:
             keys = [int(k) for k in stage.layers]
             # the last n: on its first step the schedule runs one extra forward to infer shapes
             for rec_aux, rec_z, rec_counts in stage.records[-n:]:
                 aux, z = aux + rec_aux.double() / n, z + rec_z.double() / n
                 counts[keys] += rec_counts.double()
-        ce = torch.stack([loss.detach().double() for loss in losses]).sum() if losses else torch.zeros((), dtype=torch.float64)
+        ce = (torch.stack([loss.detach().double() for loss in losses]).sum() if losses
+              else torch.zeros((), dtype=torch.float64, device=device))
         packed = torch.cat([torch.stack([ce, aux, z]), counts.flatten()])
         dist.all_reduce(packed, group=self.pp_mesh.get_group())
         ce, aux, z = packed[0].float(), packed[1].float(), packed[2].float()

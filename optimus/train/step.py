@@ -83,7 +83,9 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_mesh=None) ->
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float().pow(2))
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    # on the parameters' device: the pp group's backend (NCCL on GPUs) reduces device tensors only
+    device = params[0].device if params else torch.device("cpu")
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_mesh is not None:
         total_sq = funcol.all_reduce(total_sq, "sum", pp_mesh)
     total = total_sq.sqrt()

@@ -109,9 +109,11 @@ def test_saves_only_input_and_gate_up_output(chunked, monkeypatch):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         moe_experts_forward(**inputs)
     parameters = [inputs[name] for name in ("x", "weights", "w_gate_up", "w_down")]
-    activations = [t for t in saved if not any(t is p for p in parameters)]
-    # besides the inputs, the gate_up output [T*k, 2F] (in chunks) and nothing else:
-    # no gathered rows, no activation, no down output
+    activations = [t for t in saved if not any(t is p for p in parameters) and t.is_floating_point()]
+    # besides the inputs and the routing (sort order [T*k] and counts [E], int64), the gate_up output
+    # [T*k, 2F] and nothing else: no gathered rows, no activation, no down output
+    routing = [t for t in saved if not t.is_floating_point()]
+    assert sorted(t.numel() for t in routing) == [4, 32]
     assert any(t is inputs["x"] for t in saved)
     assert {t.shape[1] for t in activations} == {12} and sum(t.shape[0] for t in activations) == 32
 

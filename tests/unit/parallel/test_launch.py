@@ -115,8 +115,9 @@ def test_device_and_backend_choice():
     assert device_for(3, "cpu") == torch.device("cpu")
     assert device_for(3, "cuda") == torch.device("cuda", 3)
     assert device_for(0, "xpu") == torch.device("xpu", 0)
-    assert backend_for(torch.device("cuda", 0)) == "nccl"
-    assert backend_for(torch.device("xpu", 0)) == "xccl"
+    # host tensors and objects still have gloo beside the device library
+    assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("xpu", 0)) == "cpu:gloo,xpu:xccl"
     assert backend_for(torch.device("cpu")) == "gloo"
 
 
