@@ -104,6 +104,13 @@ def _workers(job: subprocess.Popen, ranks: int) -> list[int]:
     return _children(job.pid) if ranks > 1 else [job.pid]
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _signal(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
@@ -213,14 +220,20 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
     if not run.running():
         fault.note = f"not injected: the run had ended (exit code {run.job.returncode}) before step {fault.at_step}"
         return
-    before = run.lines()
+    # every worker of the current attempt must be up (an in-job restart may still be starting them)
+    def all_workers_up() -> list[int] | None:
+        found = [pid for pid in _workers(run.job, run.ranks) if not _is_zombie(pid)]
+        return found if len(found) >= run.ranks else None
+
+    workers = _wait_for(all_workers_up, timeout, "the job's workers")
     fault.injected_at_step = run.last_step()
     struck = time.monotonic()
-    workers = _workers(run.job, run.ranks)
     if fault.kind == "kill_rank":
-        _signal([rng.choice(workers)], signal.SIGKILL)
+        victims = [rng.choice(workers)]
+        _signal(victims, signal.SIGKILL)
     elif fault.kind == "hang_rank":
-        _signal([rng.choice(workers)], signal.SIGSTOP)
+        victims = [rng.choice(workers)]
+        _signal(victims, signal.SIGSTOP)
     elif fault.kind == "kill_group":
         os.killpg(run.job.pid, signal.SIGKILL)
     elif fault.kind == "kill_mid_save":
@@ -231,18 +244,25 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
         except ChaosError:
             fault.note = "no save caught in progress: killed at the next poll"
         os.killpg(run.job.pid, signal.SIGKILL)
-        struck, before = time.monotonic(), run.lines()  # the run went on while the harness waited for a save
-        fault.injected_at_step = run.last_step()
+        struck = time.monotonic()
     else:  # sigterm and the damage kinds: a preemption first, as Slurm or PBS would send it
         _signal(workers, signal.SIGTERM)
     if fault.kind in RELAUNCH_KINDS:
         run.wait_exit(timeout)
+        before = run.lines()  # the old job is gone: what it wrote last is final
+        fault.injected_at_step = json.loads(before[-1])["step"] if before else 0
         if fault.kind in ("truncate_newest", "bitflip_newest", "delete_newest"):
             newest = _newest_checkpoint(run.run_dir)
             if newest is None:
                 raise ChaosError("no committed checkpoint to damage: lower --train.ckpt_every")
             fault.note = f"{newest.name}: {_damage(newest, fault.kind, rng)}"
         run.launch()
+    else:
+        # torchrun restarts the group: every worker of the struck attempt is ended before the new one starts
+        _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in workers)
+                  or not run.running(), timeout, "the struck attempt's workers to end")
+        before = run.lines()
+        fault.injected_at_step = json.loads(before[-1])["step"] if before else 0
 
     def trained_again() -> list[str] | None:
         lines = run.lines()
