@@ -340,6 +340,9 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
         overrides = [*overrides, f"--parallel.dp_shard={ranks}"]  # plain data parallelism over the ranks asked
     elif layout_ranks != ranks:
         raise ChaosError(f"the config's layout needs {layout_ranks} ranks but --ranks is {ranks}: make them agree")
+    from optimus.parallel.validate import validate_layout
+
+    validate_layout(load_config(config, overrides), ranks)  # what the trainer would refuse, refused here in one line
     rng = random.Random(seed)
     plan = plan_faults(faults, kinds, max_steps, rng)
     nan_steps = ",".join(str(f.at_step + 1) for f in plan if f.kind == "nan_step")

@@ -16,8 +16,8 @@ QUICK_KINDS = "kill_rank,kill_group,bitflip_newest,nan_step"
 
 def _chaos(tmp_path, token_dir, faults: int, ranks: int, kinds: str | None, max_steps: int, timeout: float):
     config = tmp_path / "chaos.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(token_dir, train=dict(max_steps=max_steps, ckpt_every=2,
-                                                                        eval_every=0, keep_last_k=3))))
+    train = dict(max_steps=max_steps, ckpt_every=2, eval_every=0, keep_last_k=3, global_batch_size=4 * ranks)
+    config.write_text(yaml.safe_dump(tiny_config(token_dir, train=train)))
     args = ["chaos", str(config), f"--faults={faults}", f"--ranks={ranks}", f"--out={tmp_path / 'out'}",
             "--timeout=300"] + ([f"--kinds={kinds}"] if kinds else [])
     done = run_cli(*args, timeout=timeout)
