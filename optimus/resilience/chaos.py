@@ -111,6 +111,16 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def _kill_job(job: subprocess.Popen, ranks: int) -> None:
+    """SIGKILL the whole job: torchrun starts each worker in a session of its own, so killing torchrun's
+    process group alone would leave the workers training on as orphans."""
+    workers = _workers(job, ranks) if ranks > 1 else []
+    _signal([job.pid, *workers], signal.SIGKILL)
+    job.wait()
+    _wait_for(lambda: all(_is_zombie(pid) or not Path(f"/proc/{pid}").exists() for pid in workers), 60.0,
+              "the killed workers to end")
+
+
 def _signal(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
@@ -161,8 +171,7 @@ class _Run:
         try:
             return self.job.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.job.pid, signal.SIGKILL)
-            self.job.wait()
+            _kill_job(self.job, self.ranks)
             raise ChaosError(f"the job did not end within {timeout:.0f} s: see {self.log}") from None
 
 
@@ -235,7 +244,7 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
         victims = [rng.choice(workers)]
         _signal(victims, signal.SIGSTOP)
     elif fault.kind == "kill_group":
-        os.killpg(run.job.pid, signal.SIGKILL)
+        _kill_job(run.job, run.ranks)
     elif fault.kind == "kill_mid_save":
         saving = lambda: any((run.run_dir / "checkpoints").glob(".tmp-step-*"))  # noqa: E731
         try:
@@ -243,7 +252,7 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
             fault.note = "killed while a checkpoint was being written"
         except ChaosError:
             fault.note = "no save caught in progress: killed at the next poll"
-        os.killpg(run.job.pid, signal.SIGKILL)
+        _kill_job(run.job, run.ranks)
         struck = time.monotonic()
     else:  # sigterm and the damage kinds: a preemption first, as Slurm or PBS would send it
         _signal(workers, signal.SIGTERM)
