@@ -12,6 +12,7 @@ import glob as globbing
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from optimus.config import DataConfig, DataSource
 from optimus.data.errors import DataError
@@ -41,6 +42,11 @@ def load_recipe(spec: str) -> dict:
     for name, entry in sources.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
             raise DataError(f"recipe {path}: source {name!r} needs a 'path' (a glob relative to data.root)")
+        # PyYAML reads "3.86e12" (no sign in the exponent) as a string, so token counts are converted here.
+        try:
+            entry["tokens"] = None if entry.get("tokens") is None else float(entry["tokens"])
+        except (TypeError, ValueError):
+            raise DataError(f"recipe {path}: source {name!r} has tokens {entry['tokens']!r}: write a number like 3.86e12") from None
     return recipe
 
 
@@ -81,14 +87,15 @@ def recipe_sources(data: DataConfig) -> list[DataSource]:
             raise DataError(f"data.weights.{name} is {weight}: use a non-negative weight (0 leaves the source out)")
         if float(weight) == 0:
             continue
-        sources.append(
-            DataSource(
-                glob=_source_glob(name, entry, data),
-                weight=float(weight),
-                dtype=entry.get("dtype", recipe.get("dtype")),
-                eos_id=entry.get("eos_id", recipe.get("eos_id")),
-            )
-        )
+        dtype, eos_id = entry.get("dtype", recipe.get("dtype")), entry.get("eos_id", recipe.get("eos_id"))
+        try:
+            source = DataSource(glob=_source_glob(name, entry, data), weight=float(weight), dtype=dtype, eos_id=eos_id)
+        except ValidationError:
+            raise DataError(
+                f"recipe {data.recipe}: source {name} has dtype {dtype!r} / eos_id {eos_id!r}: "
+                "use dtype uint16 or uint32 (or null) and a non-negative eos_id (or null)"
+            ) from None
+        sources.append(source)
     if not sources:
         raise DataError(f"every source of recipe {data.recipe} has weight 0: give at least one a positive weight")
     return sources
