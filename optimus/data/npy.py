@@ -1,9 +1,11 @@
 """Pre-tokenized OLMo/Dolma token files, as AI2 distributes OLMoE-mix-0924, read where they lie.
 
 Despite the `.npy` suffix these files have no NumPy header and no sidecar: each is a flat array of
-token ids (uint16 or uint32) with EOS between documents, which OLMo's MemMapDataset maps with
-`np.memmap(path, dtype=..., mode="r")` and cuts into fixed-length instances per file. We do the
-same, and also accept real `.npy` files (their magic bytes say so; the header then gives the dtype).
+token ids (uint16 or uint32) with EOS between documents. OLMo's MemMapDataset (olmo/data/
+memmap_dataset.py) reads instance i of a file as the bytes from i * itemsize * chunk_size, counted
+from byte 0, with the dtype from its config, and never lets an instance cross into the next file.
+We memory-map them the same way, and also accept real `.npy` files (their magic bytes say so; the
+header then gives the dtype). Our instances are seq_len + 1 tokens, as for our own token files.
 
 Instances never span two files (as in OLMo), so a file shorter than seq_len + 1 tokens adds none.
 """
