@@ -4,7 +4,7 @@ Despite the `.npy` suffix these files have no NumPy header and no sidecar: each 
 token ids (uint16 or uint32) with EOS between documents. OLMo's MemMapDataset (olmo/data/
 memmap_dataset.py) reads instance i of a file as the bytes from i * itemsize * chunk_size, counted
 from byte 0, with the dtype from its config, and never lets an instance cross into the next file.
-We memory-map them the same way, and also accept real `.npy` files (their magic bytes say so; the
+We read them the same way (a seek and a read per instance, no map kept open), and also accept real `.npy` files (their magic bytes say so; the
 header then gives the dtype). Our instances are seq_len + 1 tokens, as for our own token files.
 
 Instances never span two files (as in OLMo), so a file shorter than seq_len + 1 tokens adds none.
@@ -13,6 +13,7 @@ Instances never span two files (as in OLMo), so a file shorter than seq_len + 1 
 from __future__ import annotations
 
 import glob as globbing
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,23 @@ def expand_glob(pattern: str) -> list[Path]:
     return matches
 
 
-def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
-    """Memory-map one file: a real .npy through its header, anything else as raw ids of `dtype`."""
+@dataclass(frozen=True)
+class _TokenFile:
+    """Where one file's ids are: `path`, from byte `offset` (0, or past a .npy header), `count` ids of `dtype`."""
+
+    path: Path
+    offset: int
+    count: int
+    dtype: np.dtype
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Ids start .. start+count-1, read with one open/seek/read (no map is kept: a mix has thousands of files)."""
+        count = max(0, min(count, self.count - start))
+        return np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset + start * self.dtype.itemsize)
+
+
+def _describe(path: Path, dtype: np.dtype) -> _TokenFile:
+    """Find one file's ids: a real .npy through its header, anything else as raw ids of `dtype`."""
     with open(path, "rb") as f:
         has_header = f.read(len(NPY_MAGIC)) == NPY_MAGIC
     if has_header:
@@ -54,23 +70,23 @@ def _open_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
             raise DataError(
                 f"{path} holds a {tokens.dtype} array of shape {tokens.shape}: token files must be flat unsigned ids"
             )
-        return tokens
+        described = _TokenFile(path, int(tokens.offset), len(tokens), tokens.dtype)
+        del tokens  # releases the map and its file descriptor
+        return described
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise DataError(
             f"{path} holds {size} bytes, not a whole number of {dtype.name} tokens "
             "(truncated, or another dtype): re-copy the file or set the source's dtype"
         )
-    if size == 0:
-        return np.zeros(0, dtype=dtype)  # np.memmap refuses empty files; an empty file adds no instances
-    return np.memmap(path, dtype=dtype, mode="r")
+    return _TokenFile(path, 0, size // dtype.itemsize, dtype)
 
 
-def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int, dtype_was_given: bool) -> None:
+def _check_ids(file: _TokenFile, vocab_size: int, dtype_was_given: bool) -> None:
     """Look at a few thousand ids from three places; refuse ids outside the vocabulary or a wrong dtype."""
-    n = len(tokens)
+    n, path = file.count, file.path
     places = sorted({0, max(0, n // 2 - CHECK_TOKENS_PER_PLACE // 2), max(0, n - CHECK_TOKENS_PER_PLACE)})
-    sample = np.concatenate([np.asarray(tokens[p : p + CHECK_TOKENS_PER_PLACE]) for p in places])
+    sample = np.concatenate([file.read(p, CHECK_TOKENS_PER_PLACE) for p in places])
     if not len(sample):
         return
     if sample.max() >= vocab_size:
@@ -79,7 +95,7 @@ def _check_ids(path: Path, tokens: np.ndarray, vocab_size: int, dtype_was_given:
             "set the source's dtype (uint16 or uint32) to match the files, or use the tokenizer they were made with"
         )
     # uint32 ids read as uint16 come out as (id, 0) pairs: every odd position is zero. Real text never does that.
-    if tokens.dtype == np.uint16 and not dtype_was_given and len(sample) >= 64 and not sample[1::2].any():
+    if file.dtype == np.uint16 and not dtype_was_given and len(sample) >= 64 and not sample[1::2].any():
         raise DataError(f"{path} looks like uint32 token ids (every second uint16 is zero): set the source's dtype: uint32")
 
 
@@ -92,16 +108,16 @@ class TokenFiles:
         self.dtype = np.dtype(dtype) if dtype else dtype_for_vocab(vocab_size)
         self.files = expand_glob(pattern)
         self._eos_id = eos_id
-        self._tokens = [_open_tokens(path, self.dtype) for path in self.files]
-        for path, tokens in zip(self.files, self._tokens):
-            _check_ids(path, tokens, vocab_size, dtype_was_given=dtype is not None)
+        self._files = [_describe(path, self.dtype) for path in self.files]
+        for file in self._files:
+            _check_ids(file, vocab_size, dtype_was_given=dtype is not None)
         self._init_args = (pattern, vocab_size, eos_id, dtype)
         self._offsets: dict[int, np.ndarray] = {}
 
     @property
     def num_tokens(self) -> int:
         """Tokens in all files together."""
-        return sum(len(tokens) for tokens in self._tokens)
+        return sum(file.count for file in self._files)
 
     @property
     def eos_id(self) -> int:
@@ -116,7 +132,7 @@ class TokenFiles:
     def _instance_offsets(self, seq_len: int) -> np.ndarray:
         """Cumulative instance counts per file: file k holds instances offsets[k] .. offsets[k+1]-1."""
         if seq_len not in self._offsets:
-            counts = [len(tokens) // (seq_len + 1) for tokens in self._tokens]
+            counts = [file.count // (seq_len + 1) for file in self._files]
             self._offsets[seq_len] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return self._offsets[seq_len]
 
@@ -139,18 +155,18 @@ class TokenFiles:
             raise IndexError(f"instance {index} out of range: {self.path} has {offsets[-1]} of length {seq_len}")
         k = int(np.searchsorted(offsets, index, side="right")) - 1
         start = (index - int(offsets[k])) * (seq_len + 1)
-        return np.asarray(self._tokens[k][start : start + seq_len + 1], dtype=np.int64)
+        return self._files[k].read(start, seq_len + 1).astype(np.int64)
 
     def document_ends(self) -> np.ndarray:
         """Positions of the EOS tokens across the concatenated files (scans every file once)."""
         ends, base = [], 0
-        for tokens in self._tokens:
-            ends.append(np.flatnonzero(np.asarray(tokens) == self._eos_id) + base)
-            base += len(tokens)
+        for file in self._files:
+            ends.append(np.flatnonzero(file.read(0, file.count) == self._eos_id) + base)
+            base += file.count
         return np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
 
     def __getstate__(self) -> dict:
-        # Pickling the memmaps would copy every file; send the arguments and re-map on the other side.
+        # Send the arguments, not the per-file table: the other side re-checks the files it will read.
         return {"args": self._init_args}
 
     def __setstate__(self, state: dict) -> None:

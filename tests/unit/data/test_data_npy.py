@@ -55,6 +55,9 @@ def test_dtype_follows_the_vocabulary_and_real_npy_headers_are_read(sotu_tokeniz
     files = TokenFiles(str(tmp_path / "real.npy"), VOCAB, EOS)
     assert files.num_tokens == len(ids)
     assert np.array_equal(files.instance(0, SEQ_LEN), ids[: SEQ_LEN + 1].astype(np.int64))
+    np.save(tmp_path / "big-endian.npy", ids.astype(">u2"))
+    big = TokenFiles(str(tmp_path / "big-endian.npy"), VOCAB, EOS)
+    assert np.array_equal(big.instance(2, SEQ_LEN), files.instance(2, SEQ_LEN))
 
 
 def test_bad_files_are_one_clear_error(sotu_tokenized, tmp_path):
