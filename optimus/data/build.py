@@ -28,10 +28,10 @@ def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> T
     """
     check_tokenizer_fits(config.data.tokenizer, config.model.vocab_size)
     sources = recipe_sources(config.data) if config.data.recipe is not None else config.data.sources
+    tokenizer = tokenizer_info(config.data.tokenizer) if any(s.glob is not None for s in sources) else {}
     train_sets, heldout_sets, weights = [], [], []
     for source in sources:
         if source.glob is not None:
-            tokenizer = tokenizer_info(config.data.tokenizer)
             eos_id = tokenizer["eos_id"] if source.eos_id is None else source.eos_id
             train_sets.append(TokenFiles(source.glob, tokenizer["vocab_size"], eos_id, source.dtype))
         elif source.name is not None:
