@@ -81,16 +81,22 @@ class OptimConfig(_Section):
 
 
 class DataSource(_Section):
-    """One corpus of the mixture: a packaged corpus by `name` or tokenized memmaps at `path`."""
+    """One corpus of the mixture: a packaged corpus by `name`, tokenized memmaps at `path`, or a `glob`
+    of OLMo/Dolma token files (flat .npy arrays; `dtype` and `eos_id` default from the tokenizer)."""
 
     name: str | None = None
     path: str | None = None
+    glob: str | None = None
     weight: float = Field(1.0, gt=0)
+    dtype: Literal["uint16", "uint32"] | None = None
+    eos_id: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _exactly_one_location(self) -> "DataSource":
-        if (self.name is None) == (self.path is None):
-            raise ValueError("give exactly one of 'name' (a packaged corpus) or 'path' (tokenized data)")
+        if sum(x is not None for x in (self.name, self.path, self.glob)) != 1:
+            raise ValueError(
+                "give exactly one of 'name' (a packaged corpus), 'path' (tokenized data) or 'glob' (OLMo .npy files)"
+            )
         return self
 
 
@@ -102,6 +108,12 @@ class DataConfig(_Section):
             DataSource(name="stdlib", weight=0.5),
         ]
     )
+    # A mixture recipe (e.g. configs/data/olmoe-mix-0924.yaml) replaces `sources`: its sources are found
+    # under `root` or at `paths[source]`; `weights[source]` overrides its token-count weight.
+    recipe: str | None = None
+    root: str | None = None
+    paths: dict[str, str] = Field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict)
     tokenizer: str = "olmoe"
     heldout_fraction: float = Field(0.02, gt=0, lt=1)
     cache_dir: str = "data"
@@ -112,6 +124,12 @@ class DataConfig(_Section):
         if not sources:
             raise ValueError("at least one source is needed")
         return sources
+
+    @model_validator(mode="after")
+    def _recipe_or_sources(self) -> "DataConfig":
+        if self.recipe is not None and "sources" in self.model_fields_set:
+            raise ValueError("give either 'recipe' or 'sources', not both")
+        return self
 
 
 class RunConfig(_Section):

@@ -5,6 +5,8 @@
     encode.py    parallel, order-preserving tokenization
     tokenize.py  token memmaps + sidecars on disk; `optimus tokenize`
     dataset.py   one memmap as fixed-length instances
+    npy.py       a glob of OLMo/Dolma token files (headerless .npy) as one dataset
+    recipe.py    mixture recipes (configs/data/*.yaml) -> data sources
     mixture.py   weighted blend of datasets, a pure function of (seed, index)
     loader.py    per-rank micro-batches with exact resume; held-out evaluation batches
 

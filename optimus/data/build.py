@@ -9,7 +9,9 @@ from optimus.data.dataset import TokenDataset, open_token_dataset
 from optimus.data.errors import DataError
 from optimus.data.loader import BatchLoader
 from optimus.data.mixture import Mixture
-from optimus.data.sources import check_tokenizer_fits
+from optimus.data.npy import TokenFiles
+from optimus.data.recipe import recipe_sources
+from optimus.data.sources import check_tokenizer_fits, tokenizer_info
 from optimus.data.tokenize import prepare_packaged
 
 
@@ -20,11 +22,19 @@ class TrainingData:
 
 
 def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> TrainingData:
-    """Tokenize packaged corpora if needed (cached), open every source, blend them, and shard by DP rank."""
+    """Tokenize packaged corpora if needed (cached), open every source, blend them, and shard by DP rank.
+
+    OLMo .npy globs (directly or through data.recipe) have no held-out split: they train only.
+    """
     check_tokenizer_fits(config.data.tokenizer, config.model.vocab_size)
+    sources = recipe_sources(config.data) if config.data.recipe is not None else config.data.sources
+    tokenizer = tokenizer_info(config.data.tokenizer) if any(s.glob is not None for s in sources) else {}
     train_sets, heldout_sets, weights = [], [], []
-    for source in config.data.sources:
-        if source.name is not None:
+    for source in sources:
+        if source.glob is not None:
+            eos_id = tokenizer["eos_id"] if source.eos_id is None else source.eos_id
+            train_sets.append(TokenFiles(source.glob, tokenizer["vocab_size"], eos_id, source.dtype))
+        elif source.name is not None:
             train_path, heldout_path = prepare_packaged(
                 source.name, config.data.tokenizer, config.data.cache_dir, config.data.heldout_fraction
             )

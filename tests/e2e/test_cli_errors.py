@@ -155,6 +155,31 @@ def _import(folder: Path, tmp: Path) -> list[str]:
     return ["import", str(folder), "--out", str(tmp / "imported")]
 
 
+def _npy_config(t: Path, tr, files: dict[str, bytes], **source) -> list[str]:
+    """Train on OLMo token files written to t/npy (name -> raw bytes), with the trained run's model."""
+    (t / "npy").mkdir()
+    for name, data in files.items():
+        (t / "npy" / name).write_bytes(data)
+    config = yaml.safe_load(Path(tr[0]).read_text())
+    config["data"] = {"sources": [{"glob": str(t / "npy" / "*.npy"), **source}]}
+    (t / "npy.yaml").write_text(yaml.safe_dump(config))
+    return _train(t / "npy.yaml", t / "r")
+
+
+def _recipe_config(t: Path, tr, make_arxiv: bool) -> list[str]:
+    """The OLMoE-mix recipe with every source's files present under t/mix except (maybe) arXiv's."""
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs/data/olmoe-mix-0924.yaml").read_text())
+    for name, entry in recipe["sources"].items():
+        if name != "arxiv" or make_arxiv:
+            folder = t / "mix" / Path(entry["path"]).parent
+            folder.mkdir(parents=True)
+            np.arange(200, dtype=np.uint16).tofile(folder / "part-0.npy")
+    config = yaml.safe_load(Path(tr[0]).read_text())
+    config["data"] = {"recipe": "configs/data/olmoe-mix-0924.yaml", "root": str(t / "mix"), "weights": {"wikipedia": 1e9}}
+    (t / "mix.yaml").write_text(yaml.safe_dump(config))
+    return _train(t / "mix.yaml", t / "r")
+
+
 BAD_INPUT_CASES = {
     # run directories, checked at start-up before any step
     "run.dir is a file": (lambda t, tr: (t / "f").write_text("x") and _train(tr[0], t / "f"),
@@ -183,6 +208,15 @@ BAD_INPUT_CASES = {
                                    "malformed (AttributeError)"),
     "HF index shard outside": (lambda t, tr: _import(_hf_folder(t, index='{"weight_map": {"x": "../x"}}'), t),
                                "not a file name"),
+    # OLMo/Dolma token files and mixture recipes
+    "npy glob matches nothing": (lambda t, tr: _npy_config(t, tr, {}), "no files match"),
+    "npy file mis-sized": (lambda t, tr: _npy_config(t, tr, {"a.npy": b"\x01\x00" * 500 + b"\x01"}),
+                           "not a whole number of uint16 tokens"),
+    "npy id beyond vocab": (lambda t, tr: _npy_config(t, tr, {"a.npy": np.full(500, 60000, np.uint16).tobytes()}),
+                            "beyond the vocabulary of 50280"),
+    "npy uint32 read as uint16": (lambda t, tr: _npy_config(t, tr, {"a.npy": np.arange(500, dtype=np.uint32).tobytes()}),
+                                  "set the source's dtype: uint32"),
+    "recipe source missing": (lambda t, tr: _recipe_config(t, tr, make_arxiv=False), "source arxiv: no files at"),
 }
 
 
