@@ -269,7 +269,8 @@ def mula_computed(names: list[str]) -> list[dict]:
         comm_aware = 4 * params + 2 * params  # fp32 gradient reduce-scatter input + bf16 all-gather output
         comm_unaware = comm_aware + 4 * non_expert_unaware  # + all-reduce over ep of the non-expert shard
         # AdamW touches master, both moments and the fp32 gradient shard: 16 bytes per owned element
-        rows.append({"model": Path(path).stem, "layout": f"ep {ep}" + (f" x pp {report.dims.pp}" if report.dims.pp > 1 else ""),
+        layout = f"ep {ep}" + (f" x pp {report.dims.pp}" if report.dims.pp > 1 else "")
+        rows.append({"model": Path(path).stem, "layout": layout,
                      "world": 3072, "state_bytes_aware": state[True], "state_bytes_unaware": state[False],
                      "opt_touched_bytes_aware": 16 * owned[True], "opt_touched_bytes_unaware": 16 * owned[False],
                      "opt_speedup_computed": owned[False] / owned[True],
@@ -309,11 +310,11 @@ def main(argv: list[str] | None = None) -> dict:
         payload["layouts"][name] = merged
         print(f"\n{name} (4 gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
               "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware)")
-        print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} {'step x':>6} {'state/rank':>11} "
-              f"{'state r':>7} {'bytes/step':>11} {'bytes r':>7}")
+        print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
+              f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'bytes/step':>11} {'bytes r':>7}")
         for variant, row in merged.items():
-            print(f"{variant:<17} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} {row['opt_cpu_s'] * 1e3:>10.1f} "
-                  f"{row['opt_cpu_speedup']:>6.2f} {row['step_s'] * 1e3:>8.1f} "
+            print(f"{variant:<17} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} "
+                  f"{row['opt_cpu_s'] * 1e3:>10.1f} {row['opt_cpu_speedup']:>6.2f} {row['step_s'] * 1e3:>8.1f} "
                   f"{row['step_speedup']:>6.2f} {row['state_bytes'] / 1e6:>8.2f} MB {row['state_ratio']:>7.2f} "
                   f"{row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
         print("  bytes per step and rank by collective: measured / analytic (where exact)")
@@ -331,8 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{_gib(row['state_bytes_unaware']):>14} {row['opt_speedup_computed']:>15.2f} "
                   f"{row['opt_speedup_published']:>17.2f} {_gib(row['comm_bytes_aware']):>15} "
                   f"{_gib(row['comm_bytes_unaware']):>12}")
-        print("  computed = state bytes the AdamW update touches, EP-unaware / EP-aware; leaves out latency, group-size "
-              "bandwidth, overlap (published: /work/shared/REFERENCE.md)")
+        print("  computed = state bytes the AdamW update touches, EP-unaware / EP-aware; leaves out latency, "
+              "group-size bandwidth, overlap (published: /work/shared/REFERENCE.md)")
     if not args.no_defer:
         print(f"\ndefer_grad_sync under HSDP (dp_replicate 2 x dp_shard 2, dense tiny, {MICRO} micro-batches): "
               "bytes per step and rank, measured / analytic")
