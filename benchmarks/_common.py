@@ -19,10 +19,13 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from optimus.parallel.launch import cpu_speed_cache
 from optimus.train.hardware import best_matmul_rate, cpu_speed
@@ -189,3 +192,51 @@ def write_json(path: str | Path, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# collective -> (position, keyword) of the tensor whose bytes it moves (all_gather_into_tensor and
+# reduce_scatter_tensor call the *_single ones inside c10d, so they are counted too)
+WRAPPED = {
+    "all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input"),
+    "all_to_all_single": (1, "input"), "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
+    "send": (0, "tensor"), "recv": (0, "tensor"),
+}
+
+
+class CollectiveCounter:
+    """Counts calls and bytes per collective, by wrapping torch.distributed's functions in place."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.active = False
+
+    def install(self) -> None:
+        for name, where in WRAPPED.items():
+            original = getattr(c10d, name)
+            wrapper = self._wrap(name, where, original)
+            setattr(c10d, name, wrapper)  # the callers inside c10d (all_gather_into_tensor, ...)
+            setattr(dist, name, wrapper)  # and those that call dist.<name>
+
+    def _wrap(self, name, where, original):
+        position, keyword = where
+
+        def counted(*args, **kwargs):
+            if self.active:
+                group = kwargs.get("group")
+                if group is None:
+                    group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+                if dist.get_world_size(group) > 1:
+                    tensor = args[position] if len(args) > position else kwargs[keyword]
+                    self.bytes[name] += tensor.numel() * tensor.element_size()
+                    self.calls[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def ep_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, d_model: int, n_experts: int) -> int:
+    """EP's all_to_all bytes per rank for one micro-batch of `tokens` tokens (fp32): per MoE layer the
+    [tokens * top_k, d_model] token copies go out and back in forward, their gradients in backward (4
+    exchanges), plus the [n_experts] int64 counts."""
+    return moe_layers * (4 * tokens * top_k * d_model * 4 + n_experts * 8)

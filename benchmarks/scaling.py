@@ -32,15 +32,14 @@ import math
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
+from benchmarks._common import CollectiveCounter, ep_all_to_all_bytes  # noqa: E402
 from optimus.testing.distributed import run_distributed  # noqa: E402
 from optimus.testing.parity import tiny_config  # noqa: E402
 
@@ -48,45 +47,6 @@ MODEL = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, to
 BATCH, SEQ = 4, 64
 DTYPE = "fp32"  # resolved, never "auto": build_parallel_model and train_step take fp32 or bf16
 DTYPE_REASON = "fixed: the analytic byte counts are of fp32 weights and gradients"
-WRAPPED = {  # collective -> (position, keyword) of the tensor whose bytes it moves
-    "all_gather_single": (0, "output_tensor"), "reduce_scatter_single": (1, "input"),
-    "all_to_all_single": (1, "input"), "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
-    "send": (0, "tensor"), "recv": (0, "tensor"),
-}
-
-
-class CollectiveCounter:
-    """Counts calls and bytes per collective, by wrapping torch.distributed's functions in place."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.active = False
-
-    def install(self) -> None:
-        for name, where in WRAPPED.items():
-            original = getattr(c10d, name)
-            wrapper = self._wrap(name, where, original)
-            setattr(c10d, name, wrapper)  # the callers inside c10d (all_gather_into_tensor, ...)
-            setattr(dist, name, wrapper)  # and those that call dist.<name>
-
-    def _wrap(self, name, where, original):
-        position, keyword = where
-
-        def counted(*args, **kwargs):
-            if self.active:
-                group = kwargs.get("group")
-                if group is None:
-                    group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-                if dist.get_world_size(group) > 1:
-                    tensor = args[position] if len(args) > position else kwargs[keyword]
-                    self.bytes[name] += tensor.numel() * tensor.element_size()
-                    self.calls[name] += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-
 def analytic_bytes(model, world: int, dispatch: str) -> dict[str, int]:
     """The bytes per step and rank that FSDP and EP should move (see the module docstring)."""
     from optimus.models.moe import MoE
@@ -111,7 +71,7 @@ def analytic_bytes(model, world: int, dispatch: str) -> dict[str, int]:
     rows_bytes = BATCH * SEQ * cfg.top_k * cfg.d_model * 4
     out = {"fsdp_all_gather": gather, "fsdp_reduce_scatter": scatter}
     if dispatch == "all_to_all":
-        out["ep_all_to_all"] = moe_layers * (4 * rows_bytes + cfg.n_experts * 8)
+        out["ep_all_to_all"] = ep_all_to_all_bytes(moe_layers, BATCH * SEQ, cfg.top_k, cfg.d_model, cfg.n_experts)
     else:
         out["ep_all_gather"] = moe_layers * (2 * world * rows_bytes + world * cfg.n_experts * 8)
         out["ep_reduce_scatter"] = moe_layers * 2 * world * rows_bytes

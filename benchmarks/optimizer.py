@@ -1,0 +1,354 @@
+"""The EP-aware distributed optimizer, measured: fsdp vs zero1/zero2, EP-aware vs EP-unaware.
+
+    python benchmarks/optimizer.py [--json out.json] [--steps N] [--rounds R] [--mula 20b,100b,220b]
+
+1. Measured, on 4 gloo ranks (optimus.testing.distributed.run_distributed), a tiny MoE scaled so
+   that the optimizer matters (d_model 128, 8 experts of ffn 256, vocab 4096, 2 micro-batches of
+   2 x 32 tokens per rank), in two layouts: dp 2 x ep 2 (dp_shard 4, ep 2) and pp 2 x ep 2
+   (pp 2, dp_shard 2 = ep 2, 1F1B). For every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2
+   EP-unaware), all built in the same processes and timed in interleaved rounds
+   (_common.time_interleaved): the full step, the optimizer step (gradient clipping + step():
+   for zero1 that includes the gradient reduce-scatter, for zero2 and fsdp it ran in backward),
+   in wall time and in process CPU time (steadier when 4 ranks share 2 cores: a rank waiting
+   for a descheduled peer costs wall time but no CPU time; gloo's threads are included),
+   bytes per step and rank by collective (_common.CollectiveCounter, averaged over ranks), and
+   the optimizer state per rank (fp32 moments, plus fp32 masters where they are copies).
+   Ratios are against the EP-unaware variant of the same zero mode (fsdp: against zero1 EP-unaware).
+   Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each parameter's
+   local rows padded to a multiple of its sharding group) and parameter all-gather, and EP's
+   all_to_all (per MoE layer and micro-batch: the [T*k, D] token rows out and back, forward and
+   backward, plus the [E] counts). EP-unaware also all-reduces the reduced non-expert gradient shard
+   over ep: counted too, but the measured all_reduce adds a few scalars (gradient norm, losses).
+   fsdp's own collectives are measured only (benchmarks/scaling.py checks FSDP's count).
+2. Computed for Mula-20B-A2B / 100B-A7B / 220B-A10B at their published layouts on 3,072 tiles
+   (configs/mula-*.yaml: EP 12; EP 12 x PP 4; EP 12 x PP 8; zero1, bf16): optimizer-state bytes
+   per rank from the dry run (optimus.parallel.dry_run, EP-aware and EP-unaware), the optimizer
+   step's cost taken as the bytes of state it touches (proportional to the state held: the AdamW
+   update is memory bound), and the bytes the optimizer moves per rank (reduce-scatter of fp32
+   gradients, all-gather of bf16 parameters; EP-unaware adds the all-reduce over ep of the
+   non-expert gradient shard). What this model leaves out: collective latency and bandwidth per
+   group size (the EP-unaware groups are 12x smaller), overlap with compute, kernel launch
+   overheads, the gradient-norm all-reduce. Printed next to the published optimizer-step gains
+   of the EP-aware scheme, 1.36x / 1.23x / 1.07x (/work/shared/REFERENCE.md, arXiv 2604.00785).
+3. Gradient sync once per step (parallel.defer_grad_sync none | replicate | all): bytes per step
+   under HSDP (dp_replicate 2 x dp_shard 2, dense tiny model, 2 micro-batches per rank) against
+   the analytic count: per FSDP unit (a block; the root's embedding, norm and head) padded to a
+   multiple of dp_shard rows, a fp32 gradient reduce-scatter per micro-batch (once per step
+   under "all") and an all-reduce of the shard over dp_replicate per micro-batch (once per step
+   under "replicate" and "all").
+On a shared 2-core machine 4 ranks oversubscribe the cores: timings are informational.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import (  # noqa: E402
+    CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json)
+from optimus.testing.distributed import run_distributed  # noqa: E402
+from optimus.testing.parity import tiny_config  # noqa: E402
+
+MODEL = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=256)
+BATCH, SEQ, MICRO = 2, 32, 2
+LAYOUTS = {"dp2 x ep2": dict(dp_shard=4, ep=2), "pp2 x ep2": dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")}
+VARIANTS = {  # name -> (shard_mode, ep_aware)
+    "zero1 ep-unaware": ("zero1", False), "zero1 ep-aware": ("zero1", True),
+    "zero2 ep-unaware": ("zero2", False), "zero2 ep-aware": ("zero2", True), "fsdp": ("fsdp", True),
+}
+BASELINE = {"zero1 ep-aware": "zero1 ep-unaware", "zero2 ep-aware": "zero2 ep-unaware", "fsdp": "zero1 ep-unaware",
+            "zero1 ep-unaware": "zero1 ep-unaware", "zero2 ep-unaware": "zero2 ep-unaware"}
+MULA = {"20b": ("configs/mula-20b-a2b.yaml", 1.36), "100b": ("configs/mula-100b-a7b.yaml", 1.23),
+        "220b": ("configs/mula-220b-a10b.yaml", 1.07)}
+HSDP = dict(dp_replicate=2, dp_shard=2)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def zero_analytic_bytes(model, mesh, ep_aware: bool) -> dict[str, int]:
+    """The zero modes' optimizer collectives per step and rank: fp32 gradient reduce-scatter input and
+    parameter all-gather output, each parameter's local rows padded to a multiple of its group's size."""
+    from optimus.optim.sharded import expert_parameters
+
+    experts = expert_parameters(model)
+    total = ep_shard = 0
+    for param in model.parameters():
+        local = _local(param)
+        group = "dp_mod_ep" if (param in experts or not ep_aware) else "dp"
+        size = mesh.size(group)
+        rows = local.shape[0] if local.ndim else 1
+        padded = math.ceil(rows / size) * size * (local.numel() // max(rows, 1)) * 4
+        if size > 1:
+            total += padded
+        if param not in experts and not ep_aware:
+            ep_shard += padded // size  # EP-unaware: the reduced non-expert shard is all-reduced over ep
+    out = {"reduce_scatter_single": total, "all_gather_single": total}
+    if ep_shard and mesh.size("ep") > 1:
+        out["all_reduce"] = ep_shard  # measured all_reduce adds a few scalars (gradient norm, losses)
+    return out
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    if hasattr(optimizer, "state_numel"):
+        return 4 * sum(optimizer.state_numel().values())
+    return sum(_local(v).numel() * _local(v).element_size() for s in optimizer.state.values()
+               for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
+
+
+def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    import optimus.train.step as step_module
+    from optimus.models.moe import MoE
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    dims = ParallelDims(parallel.get("dp_replicate", 1), parallel["dp_shard"], 1, parallel.get("pp", 1),
+                        parallel["ep"], world_size=world)
+    mesh = dims.build_mesh("cpu")
+    counter = CollectiveCounter()
+    counter.install()
+    opt_time = [0.0, 0.0]  # wall, process CPU time of this step's clipping + optimizer step
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                opt_time[0] += time.perf_counter() - start
+                opt_time[1] += time.process_time() - start_cpu
+        return call
+
+    step_module.clip_gradients = timed(step_module.clip_gradients)  # fsdp's clipping (this process only)
+    gen = torch.Generator().manual_seed(100 + mesh.local_rank("dp"))
+    tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, BATCH, SEQ + 1), generator=gen)
+    micro = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)]
+    runs, out = {}, {}
+    for name, (mode, aware) in VARIANTS.items():
+        config = tiny_config(moe=True, model=MODEL, parallel=dict(parallel, shard_mode=mode, ep_aware=aware),
+                             train=dict(seq_len=SEQ, micro_batch_size=BATCH, dtype="fp32",
+                                        global_batch_size=BATCH * MICRO * mesh.size("dp")))
+        torch.manual_seed(0)
+        model = build_parallel_model(config, dims, mesh, "cpu")
+        optimizer = build_optimizer(model, config.optim)
+        optimizer.step = timed(optimizer.step)
+        if hasattr(optimizer, "clip_grad_norm_"):
+            optimizer.clip_grad_norm_ = timed(optimizer.clip_grad_norm_)
+        opt_samples: list[tuple[float, float]] = []
+
+        def one_step(model=model, optimizer=optimizer, samples=opt_samples):
+            opt_time[:] = [0.0, 0.0]
+            step_module.train_step(model, optimizer, micro, device=torch.device("cpu"), dtype="fp32", grad_clip=1.0,
+                                   dp_mesh=mesh["dp"])
+            samples.append(tuple(opt_time))
+
+        one_step()  # lazy initialisation
+        counter.bytes.clear()
+        counter.calls.clear()
+        dist.barrier()
+        counter.active = True
+        one_step()  # the counted step
+        counter.active = False
+        analytic = {}
+        if mode != "fsdp":
+            analytic = zero_analytic_bytes(model, mesh, aware)
+        if parallel["ep"] > 1 and config.parallel.ep_dispatch == "all_to_all":
+            moe_layers = sum(isinstance(block.mlp, MoE) for block in model.layers.values())
+            analytic["all_to_all_single"] = MICRO * ep_all_to_all_bytes(
+                moe_layers, BATCH * SEQ, MODEL["top_k"], MODEL["d_model"], MODEL["n_experts"])
+        out[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "analytic": analytic,
+                     "state_bytes": _optimizer_state_bytes(optimizer)}
+        opt_samples.clear()
+        runs[name] = (one_step, opt_samples)
+    full = time_interleaved({name: fn for name, (fn, _) in runs.items()}, rounds, steps, warmup=0)
+    for name, (_, samples) in runs.items():
+        out[name]["step_s"] = full[name]["median"]
+        out[name]["opt_s"] = statistics.median(wall for wall, _ in samples)
+        out[name]["opt_cpu_s"] = statistics.median(cpu for _, cpu in samples)
+    return out
+
+
+def _merge(ranks: list[dict]) -> dict:
+    """Per variant: the slowest rank's medians, bytes and analytic bytes averaged over ranks, the largest state."""
+    merged = {}
+    for name in ranks[0]:
+        per = [r[name] for r in ranks]
+        kinds = {k for r in per for k in r["bytes"]}
+        merged[name] = {"step_s": max(r["step_s"] for r in per), "opt_s": max(r["opt_s"] for r in per),
+                        "opt_cpu_s": max(r["opt_cpu_s"] for r in per),
+                        "state_bytes": max(r["state_bytes"] for r in per),
+                        "bytes": {k: sum(r["bytes"].get(k, 0) for r in per) / len(per) for k in sorted(kinds)},
+                        # pipeline stages hold different parameters: the analytic count averaged as the bytes are
+                        "analytic": {k: sum(r["analytic"][k] for r in per) / len(per) for k in per[0]["analytic"]}}
+        merged[name]["bytes_total"] = sum(merged[name]["bytes"].values())
+    for name, row in merged.items():
+        base = merged[BASELINE[name]]
+        row["vs"] = BASELINE[name]
+        row["opt_speedup"] = base["opt_s"] / row["opt_s"]
+        row["opt_cpu_speedup"] = base["opt_cpu_s"] / row["opt_cpu_s"]
+        row["step_speedup"] = base["step_s"] / row["step_s"]
+        row["state_ratio"] = row["state_bytes"] / base["state_bytes"]
+        row["bytes_ratio"] = row["bytes_total"] / base["bytes_total"]
+    return merged
+
+
+def _hsdp_rank(rank: int, world: int, defer: str) -> dict:
+    import optimus.train.step as step_module
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    config = tiny_config(model=dict(vocab_size=4096), parallel=dict(HSDP, defer_grad_sync=defer),
+                         train=dict(seq_len=SEQ, micro_batch_size=BATCH, dtype="fp32", global_batch_size=BATCH * 2 * 2))
+    dims = ParallelDims(world_size=world, **HSDP)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, "cpu")
+    optimizer = build_optimizer(model, config.optim)
+    counter = CollectiveCounter()
+    counter.install()
+    tokens = torch.randint(0, config.model.vocab_size, (MICRO, BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(rank))
+    micro = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)]
+    for counted in (False, True):
+        counter.active = counted
+        step_module.train_step(model, optimizer, micro, device=torch.device("cpu"), dtype="fp32",
+                               dp_mesh=mesh["dp"], defer_grad_sync=defer)
+    return {"bytes": dict(counter.bytes), "analytic": hsdp_analytic_bytes(config, defer)}
+
+
+def hsdp_analytic_bytes(config, defer: str) -> dict[str, int]:
+    """Gradient reduce-scatter and replicate all-reduce bytes per step and rank under HSDP (module docstring)."""
+    from optimus.models.transformer import build_model
+
+    model = build_model(config.model, device="meta")
+    shard = HSDP["dp_shard"]
+
+    def padded(params) -> int:
+        return sum(math.ceil(p.shape[0] / shard) * shard * (p.numel() // max(p.shape[0], 1)) * 4 for p in params)
+
+    units = [padded(block.parameters()) for block in model.layers.values()]
+    units.append(padded([model.embed.weight, model.norm.weight, model.lm_head.weight]))
+    scatters = 1 if defer == "all" else MICRO
+    all_reduces = MICRO if defer == "none" else 1
+    return {"reduce_scatter_single": scatters * sum(units), "all_reduce": all_reduces * sum(units) // shard}
+
+
+def mula_computed(names: list[str]) -> list[dict]:
+    """Section 2 of the module docstring: the analytic figures for the Mula recipes at 3,072 tiles."""
+    from optimus.config import load_config
+    from optimus.parallel.dry_run import dry_run
+
+    root = Path(__file__).resolve().parents[1]
+    rows = []
+    for name in names:
+        path, published = MULA[name]
+        state, params, ep = {}, 0, 0
+        for aware in (True, False):
+            config = load_config(root / path, [f"--parallel.ep_aware={str(aware).lower()}"])
+            report = dry_run(config, 3072)
+            ep = report.dims.ep
+            keys = [k for k in report.ranks[0].bytes if k.startswith("optimizer")]
+            state[aware] = max(r.bytes[keys[0]] for r in report.ranks)
+            params = max(r.parameters for r in report.ranks)
+        # bf16 parameters: fp32 master + 2 fp32 moments = 12 bytes per owned element
+        owned = {aware: state[aware] / 12 for aware in state}
+        non_expert_unaware = (owned[False] - owned[True]) * ep / (ep - 1)
+        comm_aware = 4 * params + 2 * params  # fp32 gradient reduce-scatter input + bf16 all-gather output
+        comm_unaware = comm_aware + 4 * non_expert_unaware  # + all-reduce over ep of the non-expert shard
+        # AdamW touches master, both moments and the fp32 gradient shard: 16 bytes per owned element
+        layout = f"ep {ep}" + (f" x pp {report.dims.pp}" if report.dims.pp > 1 else "")
+        rows.append({"model": Path(path).stem, "layout": layout,
+                     "world": 3072, "state_bytes_aware": state[True], "state_bytes_unaware": state[False],
+                     "opt_touched_bytes_aware": 16 * owned[True], "opt_touched_bytes_unaware": 16 * owned[False],
+                     "opt_speedup_computed": owned[False] / owned[True],
+                     "comm_bytes_aware": comm_aware, "comm_bytes_unaware": comm_unaware,
+                     "opt_speedup_published": published})
+    return rows
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.3f} GiB"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="benchmarks/results/optimizer.json", help="where to write the figures")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--mula", default="20b,100b,220b", help="Mula recipes to compute ('' for none)")
+    parser.add_argument("--no-defer", action="store_true", help="skip the defer_grad_sync measurement")
+    args = parser.parse_args(argv)
+    layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    mula = [n for n in args.mula.split(",") if n]
+    for name in layouts:
+        if name not in LAYOUTS:
+            parser.error(f"--layouts: unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
+    for name in mula:
+        if name not in MULA:
+            parser.error(f"--mula: unknown model {name!r}; choose from {', '.join(MULA)}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    payload = {"benchmark": "optimizer", **machine_info(), "model": MODEL, "micro_batches": MICRO,
+               "micro_batch": [BATCH, SEQ], "dtype": "fp32", "steps": args.steps, "rounds": args.rounds,
+               "layouts": {}, "mula": [], "defer_grad_sync": {}}
+    for name in layouts:
+        merged = _merge(run_distributed(_layout_rank, 4, LAYOUTS[name], args.steps, args.rounds, timeout=900))
+        payload["layouts"][name] = merged
+        print(f"\n{name} (4 gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
+              "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware)")
+        print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
+              f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'bytes/step':>11} {'bytes r':>7}")
+        for variant, row in merged.items():
+            print(f"{variant:<17} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} "
+                  f"{row['opt_cpu_s'] * 1e3:>10.1f} {row['opt_cpu_speedup']:>6.2f} {row['step_s'] * 1e3:>8.1f} "
+                  f"{row['step_speedup']:>6.2f} {row['state_bytes'] / 1e6:>8.2f} MB {row['state_ratio']:>7.2f} "
+                  f"{row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
+        print("  bytes per step and rank by collective: measured / analytic (where exact)")
+        for variant, row in merged.items():
+            cells = [f"{kind} {got:,.0f}" + (f" / {row['analytic'][kind]:,.0f}" if kind in row["analytic"] else "")
+                     for kind, got in row["bytes"].items()]
+            print(f"  {variant:<17} " + "; ".join(cells))
+    if mula:
+        payload["mula"] = mula_computed(mula)
+        print("\nMula at the published layouts on 3,072 tiles (zero1, bf16): COMPUTED, per rank (largest stage)")
+        print(f"{'model':<16} {'layout':<12} {'state aware':>13} {'state unaware':>14} {'opt x computed':>15} "
+              f"{'opt x published':>17} {'opt comm aware':>15} {'unaware':>12}")
+        for row in payload["mula"]:
+            print(f"{row['model']:<16} {row['layout']:<12} {_gib(row['state_bytes_aware']):>13} "
+                  f"{_gib(row['state_bytes_unaware']):>14} {row['opt_speedup_computed']:>15.2f} "
+                  f"{row['opt_speedup_published']:>17.2f} {_gib(row['comm_bytes_aware']):>15} "
+                  f"{_gib(row['comm_bytes_unaware']):>12}")
+        print("  computed = state bytes the AdamW update touches, EP-unaware / EP-aware; leaves out latency, "
+              "group-size bandwidth, overlap (published: /work/shared/REFERENCE.md)")
+    if not args.no_defer:
+        print(f"\ndefer_grad_sync under HSDP (dp_replicate 2 x dp_shard 2, dense tiny, {MICRO} micro-batches): "
+              "bytes per step and rank, measured / analytic")
+        for defer in ("none", "replicate", "all"):
+            ranks = run_distributed(_hsdp_rank, 4, defer, timeout=300)
+            kinds = {k for r in ranks for k in r["bytes"]}
+            measured = {k: sum(r["bytes"].get(k, 0) for r in ranks) / len(ranks) for k in sorted(kinds)}
+            payload["defer_grad_sync"][defer] = {"bytes": measured, "analytic": ranks[0]["analytic"]}
+            cells = [f"{k} {v:,.0f}" + (f" / {ranks[0]['analytic'][k]:,}" if k in ranks[0]["analytic"] else "")
+                     for k, v in measured.items()]
+            print(f"  {defer:<10} " + "; ".join(cells))
+    write_json(args.json, payload)
+    print(f"\nwrote {args.json}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
