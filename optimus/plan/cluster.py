@@ -44,8 +44,9 @@ class Cluster:
 
     @property
     def memory_bytes(self) -> float:
-        """Device memory in bytes (GB as the vendors count it, 1e9)."""
-        return self.memory_gb * 1e9
+        """Device memory in bytes. HBM comes in binary sizes (an "80 GB" H100 holds 80 GiB), and the dry run
+        compares against GiB too."""
+        return self.memory_gb * 1024**3
 
 
 def cluster_names() -> list[str]:

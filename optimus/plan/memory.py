@@ -32,6 +32,7 @@ class ModelShape:
     n_layers: int
     block_tp_split: int  # per block: attention / dense-MLP matrices (split over tp)
     block_replicated: int  # per block: norms and router (whole on every tp rank)
+    block_attention: int  # per block: the attention matrices (part of block_tp_split; for the FLOP split)
     block_experts: int  # per block: expert weights (split over ep, replicated over tp)
     embedding: int
     head: int  # LM head and final norm (whole on every tp rank)
@@ -42,7 +43,7 @@ class ModelShape:
         from optimus.models.transformer import build_model
 
         model = build_model(config.model, device="meta")
-        split = replicated = experts = embedding = head = 0
+        split = replicated = experts = embedding = head = attention = 0
         for name, param in model.named_parameters():
             n = param.numel()
             if name.startswith("embed."):
@@ -53,10 +54,11 @@ class ModelShape:
                 experts += n
             elif param.ndim >= 2 and ".router." not in name:
                 split += n
+                attention += n if ".attn." in name else 0
             else:
                 replicated += n
         layers = config.model.n_layers
-        return cls(layers, split // layers, replicated // layers, experts // layers, embedding, head)
+        return cls(layers, split // layers, replicated // layers, attention // layers, experts // layers, embedding, head)
 
     @property
     def total(self) -> int:
