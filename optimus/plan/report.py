@@ -29,7 +29,7 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
                 f"{c.step_s:>8.3f} {c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}")
         if tokens:
             cost = c.entry(cluster, tokens)
-            line += f" {cost['days']:>7.1f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
+            line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
         lines.append(line)
     if tokens:
         lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time x PUE {cluster.pue:g}; "

@@ -3,7 +3,8 @@
 Candidates: every tp (dividing the heads, at most one node), pp (dividing the layers' count into stages),
 ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or as HSDP groups of a node's
 size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
-none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2, and pp_schedule 1f1b / gpipe /
+none / selective (the config's mask) / full, shard_mode fsdp / zero1 (zero2 is not enumerated: the dry run and
+this model count it as zero1, so it would only duplicate rows; HSDP groups only under fsdp), and pp_schedule 1f1b / gpipe /
 interleaved_1f1b (2 virtual stages) when pp > 1. Every candidate goes through the ONE validation function the
 trainer uses, so the planner never proposes a layout the trainer rejects.
 """
@@ -82,12 +83,13 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                 node_group = max(ep, cluster.devices_per_node // tp)
                 shards = {dp} | ({node_group} if dp % node_group == 0 and node_group % ep == 0 else set())
                 for dp_shard in sorted(shards):
+                    modes = ("fsdp", "zero1") if dp_shard == dp else ("fsdp",)  # zero shards over all dp either way
                     if train.global_batch_size % dp:
                         continue
                     per_rank = train.global_batch_size // dp
                     for mbs in [b for b in (1, 2, 4, 8, 16) if per_rank % b == 0]:
                         for ac in ("none", "selective", "full"):
-                            for mode in ("fsdp", "zero1", "zero2"):
+                            for mode in modes:
                                 for sched, virtual in ((("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
                                                        if pp > 1 else (("1f1b", 1),)):
                                     yield dict(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,

@@ -2,7 +2,10 @@
 
     compute      FLOPs per token by op class (dense GEMM, grouped expert GEMM, attention scores), plus the
                  forward FLOPs activation checkpointing recomputes, over peak x efficiency of that class,
-                 split evenly over tp x pp (ep moves tokens to experts, it does not change FLOPs per rank)
+                 split evenly over tp x pp (ep moves tokens to experts, it does not change FLOPs per rank);
+                 a GEMM class takes at least the time its weights need to stream from HBM (roofline: 3
+                 passes per micro-batch, 4 when recomputed), which is what makes experts that see few
+                 tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
                  activations before/after attention and MLP, forward and backward, again when recomputed),
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter), pp sends of
@@ -105,10 +108,21 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     recomputed = _recomputed_flops(config, by_class)
     rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.dense_gemm,
             "experts": efficiency.grouped_gemm, "attention": efficiency.attention}
-    seconds_per_token = sum((by_class[c] + recomputed.get(c, 0.0)) / (peak * rate[c]) for c in by_class)
-    compute_mb = tokens_mb * seconds_per_token / (dims.tp * dims.pp)
-
+    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) / (dims.tp * dims.pp) / (peak * rate[c])
+              for c in by_class}
     layers = -(-shape.n_layers // dims.pp)
+    # roofline: a GEMM cannot run faster than its weights stream from HBM, read in the forward, read for the
+    # input gradient and written as the weight gradient (3 passes), once more when recomputed; this is what
+    # makes experts that see few tokens each (small ep, small micro-batches) memory bound
+    hbm = cluster.hbm_gb_s * 1e9
+    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.pp
+    expert_weights = layers * shape.block_experts / dims.ep
+    dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
+    expert_passes = 3 + (1 if recomputed.get("experts") else 0)
+    dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
+    expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
+    compute_mb = dense_s + expert_s + flop_s["attention"]
+
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
     mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts")) else 0
