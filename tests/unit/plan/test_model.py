@@ -47,6 +47,8 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
 
 @pytest.mark.parametrize("config,overrides", [
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=4"]),  # FSDP + EP
+    ("mula-tiny-moe.yaml", ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.pp=2",
+                            "--parallel.pp_schedule=gpipe", "--train.micro_batch_size=1"]),  # HSDP + EP + GPipe
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=4", "--parallel.tp=2", "--train.activation_checkpointing=full"]),
     ("mula-tiny-dense.yaml", ["--parallel.dp_shard=2", "--parallel.pp=4", "--parallel.shard_mode=zero1",
                               "--train.activation_checkpointing=selective"]),
@@ -54,7 +56,8 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
 def test_memory_model_agrees_with_the_dry_run(config, overrides):
     measured, predicted = run_forked(_memory_pair, str(CONFIGS / config), 8,
                                      ["--train.global_batch_size=16", *overrides], timeout=240)
-    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+    # the issue asks for 10%; the model counts the dry run's own terms, so it agrees far closer (0.1% seen)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
 def test_bubble_is_the_textbook_fraction():
