@@ -66,6 +66,16 @@ def aurora() -> None:
             break
 
 
+def aurora_scaling() -> None:
+    """Strong scaling of 220B-A10B, global batch 3,072 fixed: the best layout at 384 and at 12,288 tiles."""
+    cluster = load_cluster("aurora")
+    config = load_config("configs/mula-220b-a10b.yaml")
+    best = {n: next(c for c in plan(config, cluster, n) if c.fits) for n in (384, 12288)}
+    eff = best[384].step_s * 384 / (best[12288].step_s * 12288)
+    print(f"aurora 220B-A10B strong scaling 384 -> 12,288 tiles: {best[384].step_s:.3f} s -> {best[12288].step_s:.3f} s, "
+          f"efficiency {eff:.1%} (published ~90%); layouts {best[384].layout()} / {best[12288].layout()}", flush=True)
+
+
 if __name__ == "__main__":
     for which in sys.argv[1:] or ["lumi", "frontier", "aurora"]:
         name, _, value = which.partition("=")  # frontier=0.40: one cluster-wide GEMM efficiency

@@ -91,3 +91,35 @@ def test_alpha_beta_on_a_hand_computed_case():
     send = 8e8
     expected = 7 * 10e-6 + max(send * 3 / 8 / 100e9, send * 4 / 8 / (40e9 / 4))
     assert all_to_all_time(ep, send, cluster) == pytest.approx(expected)
+
+
+def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
+    from optimus.models.flops import count_parameters, flops_per_token
+    from optimus.models.transformer import build_model
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import Efficiency, step_time
+
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=8",
+                                                              "--train.seq_len=4096"])
+    layout = validate_layout(config, 1)
+    cluster = _toy()
+    time = step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, Efficiency(0.5, 0.5, 0.5), 1)
+    assert time.parts["tp"] == time.parts["ep"] == time.parts["pp_p2p"] == time.parts["dp_sync"] == time.bubble_fraction == 0
+    tokens = 8 * 4096
+    model = build_model(layout.config.model, device="meta")
+    flops = flops_per_token(count_parameters(model, layout.config.model), layout.config.model, 4096)
+    # compute bound at 32k tokens per micro-batch: exactly the FLOPs at half the datasheet peak
+    assert time.parts["compute"] == pytest.approx(tokens * flops / (0.5 * cluster.peak_flops("bf16")), rel=1e-3)
+    assert time.step_s == pytest.approx(time.parts["compute"] + time.parts["optimizer"])
+    assert time.mfu == pytest.approx(0.5 * time.parts["compute"] / time.step_s, rel=1e-3)
+
+
+def test_energy_is_nodes_times_power_times_time_times_pue():
+    from optimus.plan.search import run_cost
+
+    aurora = load_cluster("aurora")
+    cost = run_cost(aurora, devices=24, tokens_per_s=1e6, tokens=3.6e9)  # one hour on 2 nodes
+    assert cost["days"] == pytest.approx(1 / 24)
+    assert cost["energy_mwh"] == pytest.approx(2 * aurora.node_power_kw * 1.0 * aurora.pue / 1000)
+    assert cost["co2_t"] == pytest.approx(cost["energy_mwh"] * aurora.grid_kgco2_per_kwh)
