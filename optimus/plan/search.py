@@ -58,6 +58,7 @@ class Candidate:
         return out
 
     def config_world(self) -> int:
+        """Devices of the layout (the product of its degrees)."""
         p = self.config.parallel
         return p.dp_replicate * p.dp_shard * p.tp * p.pp
 
