@@ -304,6 +304,39 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- plan
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.config import load_config
+    from optimus.plan.cluster import load_cluster
+    from optimus.plan.report import format_table, write_best_config, write_json
+    from optimus.plan.search import plan
+    from optimus.plan.step_time import DEFAULT_EFFICIENCY, Efficiency
+
+    cluster = load_cluster(args.cluster)  # an unknown cluster fails before the config is read
+    if args.tokens is not None and args.tokens <= 0:
+        raise UsageError(f"--tokens must be positive (got {args.tokens:g})")
+    if args.top < 1:
+        raise UsageError(f"--top must be at least 1 (got {args.top})")
+    eff = args.efficiency if args.efficiency is not None else DEFAULT_EFFICIENCY
+    if not 0 < eff <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1] (got {eff:g})")
+    config = load_config(args.config, overrides)
+    candidates = plan(config, cluster, args.devices, Efficiency(eff, eff, eff))
+    if not candidates:
+        raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
+                         f"check train.global_batch_size (it must divide over the data-parallel ranks)")
+    print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
+    if args.json:
+        write_json(args.json, candidates, cluster, args.tokens)
+    best = candidates[0]
+    if not best.fits:
+        print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")
+    elif args.write_config:
+        write_best_config(args.write_config, best, config)
+        print(f"best layout written to {args.write_config}")
+    return 0
+
+
 def _human(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -381,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("target", nargs="?", help="a preset name or a config file")
     info.add_argument("--seq-len", type=int, default=4096)
     info.set_defaults(func=cmd_info, takes_overrides=True)
+
+    plan = verbs.add_parser("plan", help="predict memory, step time, MFU and energy of every valid layout on a cluster; "
+                                         "rank them")
+    plan.add_argument("config", help="YAML config (any model: a preset via --model.preset=NAME, or a config file)")
+    plan.add_argument("--cluster", required=True, help="cluster preset: aurora, frontier, lumi, h100, h200, a100")
+    plan.add_argument("--devices", type=int, required=True, help="devices (GPU tiles / GCDs) of the job: whole nodes")
+    plan.add_argument("--tokens", type=float, default=None, help="token budget: also print days, MWh and tCO2e")
+    plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
+    plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")
+    plan.add_argument("--efficiency", type=float, default=None,
+                      help="fraction of peak FLOP/s the GEMMs reach (default 0.80: measured H100 dense matmul)")
+    plan.set_defaults(func=cmd_plan, takes_overrides=True)
 
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
                                     "and ends a bad-input error with one line and exit code 2",

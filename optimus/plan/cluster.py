@@ -1,0 +1,66 @@
+"""Cluster presets: the YAML files next to this module, one per machine, every number with its source.
+
+Peak FLOP/s are not repeated here: a preset names its device and the peak comes from
+optimus/train/hardware.py DEVICE_PEAKS_TFLOPS, the table MFU is read against during training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from optimus.config import ConfigError
+from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
+
+PRESETS_DIR = Path(__file__).resolve().parent / "clusters"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One machine: its devices, links, and what running it costs in energy and carbon."""
+
+    name: str
+    device: str
+    devices_per_node: int
+    memory_gb: float
+    hbm_gb_s: float
+    intra_node_gb_s: float  # per device, per direction
+    intra_node_latency_us: float
+    inter_node_gb_s: float  # per node, per direction: shared by the node's devices
+    inter_node_latency_us: float
+    node_power_kw: float
+    pue: float
+    grid_kgco2_per_kwh: float
+
+    def peak_flops(self, dtype: str) -> float:
+        """Datasheet peak FLOP/s of one device in "bf16" or "fp32" (dense, no sparsity)."""
+        for fragment, bf16, fp32, _source in DEVICE_PEAKS_TFLOPS:
+            if fragment == self.device:
+                return (fp32 if dtype == "fp32" else bf16) * 1e12
+        raise ConfigError(f"cluster '{self.name}' names device '{self.device}', which has no entry in "
+                          f"optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: add its datasheet peaks there")
+
+    @property
+    def memory_bytes(self) -> float:
+        """Device memory in bytes. HBM comes in binary sizes (an "80 GB" H100 holds 80 GiB), and the dry run
+        compares against GiB too."""
+        return self.memory_gb * 1024**3
+
+
+def cluster_names() -> list[str]:
+    """The presets shipped with the package."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_cluster(name: str) -> Cluster:
+    """The preset called `name`; ConfigError (one line) when there is none."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown cluster '{name}': choose one of {', '.join(cluster_names())}")
+    raw = yaml.safe_load(path.read_text())
+    try:
+        return Cluster(**raw)
+    except TypeError as err:
+        raise ConfigError(f"cluster preset {path} is malformed ({err}): fix its keys") from None

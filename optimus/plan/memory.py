@@ -1,0 +1,104 @@
+"""Per-rank memory of any layout, by arithmetic: the dry run's accounting without building the model per layout.
+
+The dry run (optimus/parallel/dry_run.py) applies a layout for real on the meta device; a search over
+thousands of layouts cannot afford that, so this module counts the same terms from one meta build of
+the unsplit model (ModelShape) and the layout's degrees:
+
+    fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
+                  weights split over tp (matrices only) then dp_shard, experts over ep then dp_shard_mod_ep;
+                  plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit)
+    zero1/zero2   whole parameters and gradients in the compute dtype, an fp32 gradient shard, fp32 master
+                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or dp_mod_ep,
+                  experts over dp_mod_ep
+    activations   dry_run.activation_bytes (the same formula) times the micro-batches the schedule keeps in flight
+
+Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
+saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus.config import Config
+from optimus.parallel.dry_run import activation_bytes, micro_batches_in_flight
+from optimus.parallel.mesh import ParallelDims
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts of the unsplit model, grouped by how a layout splits them."""
+
+    n_layers: int
+    block_tp_split: int  # per block: attention / dense-MLP matrices (split over tp)
+    block_replicated: int  # per block: norms and router (whole on every tp rank)
+    block_attention: int  # per block: the attention matrices (part of block_tp_split; for the FLOP split)
+    block_experts: int  # per block: expert weights (split over ep, replicated over tp)
+    embedding: int
+    head: int  # LM head and final norm (whole on every tp rank)
+
+    @classmethod
+    def of(cls, config: Config) -> "ModelShape":
+        """Count from a meta build (no memory is allocated)."""
+        from optimus.models.transformer import build_model
+
+        model = build_model(config.model, device="meta")
+        split = replicated = experts = embedding = head = attention = 0
+        for name, param in model.named_parameters():
+            n = param.numel()
+            if name.startswith("embed."):
+                embedding += n
+            elif not name.startswith("layers."):
+                head += n
+            elif ".experts." in name:
+                experts += n
+            elif param.ndim >= 2 and ".router." not in name:
+                split += n
+                attention += n if ".attn." in name else 0
+            else:
+                replicated += n
+        layers = config.model.n_layers
+        return cls(layers, split // layers, replicated // layers, attention // layers, experts // layers, embedding, head)
+
+    @property
+    def total(self) -> int:
+        """All parameters."""
+        return self.n_layers * (self.block_tp_split + self.block_replicated + self.block_experts) + self.embedding + self.head
+
+
+def _ceil_div(a: float, b: int) -> float:
+    return -(-int(a) // b)
+
+
+def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: int) -> dict[str, float]:
+    """Bytes one rank of pipeline stage `stage` holds, by term (config: validated, micro-batch resolved)."""
+    width = 2 if config.train.dtype in ("bf16", "auto") else 4
+    layers = _ceil_div(shape.n_layers, dims.pp)
+    first, last = stage == 0, stage == dims.pp - 1
+    # the embedding is split over tp; the LM head is not (the fused loss head works on whole vocabulary rows)
+    root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head if last else 0)
+    dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
+    experts = layers * shape.block_experts / dims.ep
+    gathered_block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / dims.ep
+    if config.parallel.shard_mode == "fsdp":
+        local = dense / dims.dp_shard + experts / dims.dp_shard_mod_ep
+        transient = (2 * gathered_block + root_dense) * width + 4 * gathered_block if dims.is_parallel else 0.0
+        held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
+    else:
+        dp_mod_ep = dims.dp_replicate * dims.dp_shard_mod_ep
+        owned = dense / (dims.dp if config.parallel.ep_aware else dp_mod_ep) + experts / dp_mod_ep
+        local = dense + experts
+        master = 4 * owned if width == 2 else 0.0
+        held = {"parameters": width * local, "gradients": width * local + 4 * owned, "optimizer": master + 8 * owned}
+    act_config = config
+    if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
+        act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+    in_flight = micro_batches_in_flight(act_config, dims, stage)
+    held["activations"] = in_flight * activation_bytes(act_config, dims, layers, has_loss_head=last)
+    return held
+
+
+def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape) -> float:
+    """The largest per-rank total over the first and last pipeline stage, in bytes."""
+    stages = {0, dims.pp - 1}
+    return max(sum(stage_memory(config, dims, shape, s).values()) for s in stages)

@@ -1,0 +1,56 @@
+"""The planner's outputs: the ranked table, the JSON list, and the best layout as a config file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from optimus.config import Config, save_config
+from optimus.plan.cluster import Cluster
+from optimus.plan.search import Candidate
+
+
+def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, top: int,
+                 tokens: float | None) -> str:
+    """The `top` best layouts as plain text, one per line, with the energy columns when a token budget is given."""
+    head = (f"{'#':>3} {'dp_r':>5} {'dp_s':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'mbs':>4} {'acc':>4} "
+            f"{'ckpt':<26} {'shard':<6} {'sched':<17} {'GiB':>6} {'fits':>4} {'step s':>8} {'tok/s':>11} {'MFU':>6}")
+    if tokens:
+        head += f" {'days':>7} {'MWh':>8} {'tCO2e':>7}"
+    lines = [f"{len(candidates)} valid layouts of {devices} {cluster.name} devices "
+             f"({sum(c.fits for c in candidates)} fit {cluster.memory_gb:g} GiB at 90%); best {min(top, len(candidates))}:",
+             head]
+    for rank, c in enumerate(candidates[:top], 1):
+        lay = c.layout()
+        sched = lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else "")
+        line = (f"{rank:>3} {lay['dp_replicate']:>5} {lay['dp_shard']:>5} {lay['tp']:>3} {lay['pp']:>3} {lay['ep']:>3} "
+                f"{lay['micro_batch_size']:>4} {lay['grad_accum']:>4} {lay['activation_checkpointing']:<26.26} "
+                f"{lay['shard_mode']:<6} {sched:<17} {c.memory_bytes / 1024**3:>6.1f} {'yes' if c.fits else 'NO':>4} "
+                f"{c.step_s:>8.3f} {c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}")
+        if tokens:
+            cost = c.entry(cluster, tokens)
+            line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
+        lines.append(line)
+    if tokens:
+        lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time x PUE {cluster.pue:g}; "
+                     f"carbon at {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, candidates: list[Candidate], cluster: Cluster, tokens: float | None) -> None:
+    """The ranked list, one entry per layout (see Candidate.entry)."""
+    entries = [c.entry(cluster, tokens) for c in candidates]
+    Path(path).write_text(json.dumps(entries, indent=1))
+
+
+def write_best_config(path: str | Path, best: Candidate, original: Config) -> None:
+    """The best layout as a config file: the user's config with the planned parallel and train keys."""
+    p, t = best.config.parallel, best.config.train
+    config = original.model_copy(update={
+        "parallel": original.parallel.model_copy(update={
+            k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode", "pp_schedule",
+                                       "pp_virtual_stages")}),
+        "train": original.train.model_copy(update={
+            "micro_batch_size": t.micro_batch_size, "activation_checkpointing": t.activation_checkpointing}),
+    })
+    save_config(config, path)

@@ -1,0 +1,123 @@
+"""Enumerate the layouts of a job, keep those the trainer accepts (validate_layout), predict and rank them.
+
+Candidates: every tp (dividing the heads, at most one node), pp (dividing the layers' count into stages),
+ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or as HSDP groups of a node's
+size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
+none / selective (the config's mask) / full, shard_mode fsdp / zero1 (zero2 is not enumerated: the dry run and
+this model count it as zero1, so it would only duplicate rows; HSDP groups only under fsdp), and pp_schedule 1f1b / gpipe /
+interleaved_1f1b (2 virtual stages) when pp > 1. Every candidate goes through the ONE validation function the
+trainer uses, so the planner never proposes a layout the trainer rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from optimus.config import Config, ConfigError
+from optimus.parallel.mesh import LayoutError
+from optimus.parallel.validate import validate_layout
+from optimus.plan.cluster import Cluster
+from optimus.parallel.dry_run import HEADROOM
+from optimus.plan.memory import ModelShape, peak_memory
+from optimus.plan.step_time import Efficiency, step_time
+
+GIB = 1024**3
+
+
+@dataclass
+class Candidate:
+    """One layout, whether it fits, and what it is predicted to do."""
+
+    config: Config  # validated, micro-batch resolved
+    fits: bool
+    memory_bytes: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    parts: dict[str, float]
+
+    def layout(self) -> dict[str, Any]:
+        """The layout keys of the JSON entry."""
+        p, t = self.config.parallel, self.config.train
+        return {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp, "ep": p.ep,
+                "micro_batch_size": t.micro_batch_size,
+                "grad_accum": t.global_batch_size // (p.dp_replicate * p.dp_shard * t.micro_batch_size),
+                "activation_checkpointing": t.activation_checkpointing + (
+                    f" ({'+'.join(t.recompute)})" if t.activation_checkpointing == "selective" else ""),
+                "shard_mode": p.shard_mode, "pp_schedule": p.pp_schedule if p.pp > 1 else "none",
+                "pp_virtual_stages": p.pp_virtual_stages}
+
+    def entry(self, cluster: Cluster, tokens: float | None) -> dict[str, Any]:
+        """The JSON entry: layout, fit, memory, time, and with a token budget the days, energy and CO2."""
+        out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
+                               "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                               "step_parts_s": self.parts}
+        if tokens:
+            out.update(run_cost(cluster, self.config_world(), self.tokens_per_s, tokens))
+        return out
+
+    def config_world(self) -> int:
+        """Devices of the layout (the product of its degrees)."""
+        p = self.config.parallel
+        return p.dp_replicate * p.dp_shard * p.tp * p.pp
+
+
+def run_cost(cluster: Cluster, devices: int, tokens_per_s: float, tokens: float) -> dict[str, float]:
+    """Days to train `tokens`, energy (nodes x node power x time x PUE) in MWh, and tCO2e at the grid's intensity."""
+    seconds = tokens / tokens_per_s
+    energy_mwh = devices / cluster.devices_per_node * cluster.node_power_kw * seconds / 3600 * cluster.pue / 1000
+    return {"days": seconds / 86400, "energy_mwh": energy_mwh, "pue": cluster.pue,
+            "kgco2_per_kwh": cluster.grid_kgco2_per_kwh, "co2_t": energy_mwh * cluster.grid_kgco2_per_kwh}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _variants(config: Config, devices: int, cluster: Cluster):
+    m, train = config.model, config.train
+    for tp in [t for t in _divisors(devices) if t <= cluster.devices_per_node and m.n_heads % t == 0]:
+        for pp in [q for q in _divisors(devices // tp) if q <= m.n_layers]:
+            dp = devices // (tp * pp)
+            for ep in [e for e in _divisors(dp) if e == 1 or (m.is_moe and m.n_experts % e == 0)]:
+                node_group = max(ep, cluster.devices_per_node // tp)
+                shards = {dp} | ({node_group} if dp % node_group == 0 and node_group % ep == 0 else set())
+                for dp_shard in sorted(shards):
+                    modes = ("fsdp", "zero1") if dp_shard == dp else ("fsdp",)  # zero shards over all dp either way
+                    if train.global_batch_size % dp:
+                        continue
+                    per_rank = train.global_batch_size // dp
+                    for mbs in [b for b in (1, 2, 4, 8, 16) if per_rank % b == 0]:
+                        for ac in ("none", "selective", "full"):
+                            for mode in modes:
+                                for sched, virtual in ((("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
+                                                       if pp > 1 else (("1f1b", 1),)):
+                                    yield dict(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
+                                               shard_mode=mode, pp_schedule=sched, pp_virtual_stages=virtual), \
+                                        dict(micro_batch_size=mbs, activation_checkpointing=ac)
+
+
+def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency = Efficiency()) -> list[Candidate]:
+    """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first."""
+    if devices < 1 or devices % cluster.devices_per_node:
+        raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
+                          f"{cluster.name} node: ask for whole nodes")
+    if config.train.dtype == "auto":  # the accelerators planned for compute bf16 natively
+        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+    shape = ModelShape.of(config)
+    budget = cluster.memory_bytes * HEADROOM
+    out: list[Candidate] = []
+    for parallel, train in _variants(config, devices, cluster):
+        candidate = config.model_copy(update={"parallel": config.parallel.model_copy(update=parallel),
+                                              "train": config.train.model_copy(update=train)})
+        try:
+            layout = validate_layout(candidate, devices)
+        except LayoutError:
+            continue
+        memory = peak_memory(layout.config, layout.dims, shape)
+        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches)
+        out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
+                             time.parts))
+    out.sort(key=lambda c: (not c.fits, c.step_s))
+    return out

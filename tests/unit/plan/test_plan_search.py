@@ -1,0 +1,68 @@
+"""The layout search proposes only what the trainer accepts; `optimus plan` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from optimus.config import load_config
+from optimus.parallel.validate import validate_layout
+from optimus.plan.cluster import load_cluster
+from optimus.plan.search import plan
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_every_proposed_layout_passes_validate_layout():
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    candidates = plan(config, load_cluster("h100"), 8)
+    assert len(candidates) > 20
+    assert {c.config.parallel.ep for c in candidates} >= {1, 2, 4}  # EP is searched
+    assert {c.config.parallel.pp for c in candidates} >= {1, 2, 4}
+    for c in candidates:
+        layout = validate_layout(c.config, 8)  # raises if the trainer would refuse it
+        assert layout.dims.world_size == 8 and layout.batch.micro_batch_size == c.config.train.micro_batch_size
+    fitting = [c.step_s for c in candidates if c.fits]
+    assert fitting == sorted(fitting) and candidates[0].fits
+
+
+def _plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "optimus", "plan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plan_cli_writes_ranked_json_and_the_best_config(tmp_path):
+    out, best = tmp_path / "plan.json", tmp_path / "best.yaml"
+    done = _plan(str(REPO / "configs" / "mula-tiny-moe.yaml"), "--cluster", "h100", "--devices", "8", "--tokens",
+                 "1e9", "--json", str(out), "--write-config", str(best), "--top", "5", "--train.global_batch_size=16",
+                 cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "valid layouts of 8 h100 devices" in done.stdout
+    entries = json.loads(out.read_text())
+    keys = {"dp_replicate", "dp_shard", "tp", "pp", "ep", "micro_batch_size", "grad_accum", "activation_checkpointing",
+            "shard_mode", "pp_schedule"}
+    for e in entries:
+        assert keys <= set(e["layout"])
+        assert {"fits", "memory_gib", "step_time_s", "tokens_per_s", "mfu", "days", "energy_mwh", "co2_t"} <= set(e)
+        assert 0 < e["mfu"] < 1 and e["tokens_per_s"] > 0
+        # energy is nodes x node power x time x PUE, carbon that times the grid's intensity
+        assert e["co2_t"] == e["energy_mwh"] * 0.385
+        assert abs(e["tokens_per_s"] * e["days"] * 86400 - 1e9) < 1e3
+    written = load_config(best)
+    top = entries[0]["layout"]
+    p = written.parallel
+    assert (p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep) == tuple(top[k] for k in ("dp_replicate", "dp_shard", "tp",
+                                                                                     "pp", "ep"))
+    assert written.train.micro_batch_size == top["micro_batch_size"]
+    validate_layout(written, 8)
+
+
+def test_plan_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    config = str(REPO / "configs" / "mula-tiny-moe.yaml")
+    for args, needle in ((["--cluster", "nowhere", "--devices", "8"], "unknown cluster 'nowhere'"),
+                         (["--cluster", "aurora", "--devices", "16"], "not a multiple of the 12 devices")):
+        done = _plan(config, *args, cwd=tmp_path)
+        assert done.returncode == 2
+        assert done.stderr.count("\n") == 1 and needle in done.stderr, done.stderr
