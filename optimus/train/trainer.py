@@ -31,6 +31,7 @@ from optimus.resilience.signals import PreemptionSignals, signal_name
 from optimus.resilience.stragglers import Straggler, StragglerMonitor
 from optimus.resilience.watchdog import HangWatchdog
 from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot
+from optimus.eval.loop import downstream_accuracies
 from optimus.train.evaluate import evaluate
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.metrics import Throughput, expert_load_summary
@@ -358,7 +359,11 @@ class Trainer:
 
     def _log_eval(self, step: int) -> float | None:
         loss = self.evaluate()
-        if loss is not None:
+        record = {"step": step} if loss is None else {"step": step, "eval_loss": loss}
+        downstream = downstream_accuracies(self.model, self.config, self.device, self.mesh)
+        if downstream:
+            record["downstream"] = downstream
+        if len(record) > 1:
             for callback in self.callbacks:
-                callback.on_eval(step, {"step": step, "eval_loss": loss})
+                callback.on_eval(step, record)
         return loss
