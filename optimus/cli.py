@@ -377,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batches", type=int, default=16)
     ev.add_argument("--batch-size", type=int, default=4)
     ev.add_argument("--seq-len", type=int, default=None)
-    ev.add_argument("--tasks", help="downstream tasks instead of held-out loss, comma-separated (e.g. "
-                                    "arc_easy,hellaswag); scored by log-likelihood ranking, written to RUN/eval_tasks.json")
+    ev.add_argument("--tasks", help="downstream tasks instead of held-out loss, comma-separated (e.g. arc_easy,"
+                                    "hellaswag): log-likelihood ranking, written to RUN/eval_tasks.json")
     ev.add_argument("--limit", type=int, default=None, help="with --tasks: the first N questions of each task")
     ev.set_defaults(func=cmd_eval)
 

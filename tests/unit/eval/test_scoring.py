@@ -7,47 +7,14 @@ other is not. Reversing the sign makes the model prefer everything but the succe
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from torch import nn
 
 from optimus.eval.scoring import continuation_logliks, score_questions
 from optimus.eval.tasks import Question
 from optimus.models.config import ModelConfig
-from optimus.models.transformer import ModelOutput, build_model
-
-VOCAB = 128
-
-
-class CharTokenizer:
-    """One token per character (its code point), the interface of a `tokenizers.Tokenizer`."""
-
-    def encode(self, text: str, add_special_tokens: bool = False):
-        return SimpleNamespace(ids=[ord(ch) for ch in text])
-
-
-class SuccessorModel(nn.Module):
-    """logits[t] favour token input[t] + 1 by `strength` (negative: disfavour it)."""
-
-    def __init__(self, strength: float):
-        super().__init__()
-        self.strength = strength
-
-    def forward(self, input_ids: torch.Tensor) -> ModelOutput:
-        successor = torch.nn.functional.one_hot((input_ids + 1) % VOCAB, VOCAB).float()
-        return ModelOutput(logits=self.strength * successor)
-
-
-# Gold is never index 0, so a scorer that ranks ties (e.g. reads the wrong positions) to index 0 loses.
-QUESTIONS = [
-    Question(contexts=("abc",) * 3, continuations=("xq", "zzz", "defg"), gold=2),
-    Question(contexts=("klm",) * 2, continuations=("nmk", "nop"), gold=1),
-    Question(contexts=("Question: pqr",) * 4, continuations=("stuvwxz", "sa", "zz", "stuvwxy"), gold=3),
-    # WinoGrande-style: the contexts differ, the continuation is the same
-    Question(contexts=("gh", "ab"), continuations=("cde", "cde"), gold=1),
-]
+from optimus.models.transformer import build_model
+from tests.unit.eval.planted import QUESTIONS, VOCAB, CharTokenizer, SuccessorModel
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 64])
@@ -91,8 +58,9 @@ def test_padding_and_batching_do_not_change_a_real_models_scores():
     config = ModelConfig(d_model=32, n_layers=2, n_heads=4, vocab_size=VOCAB, n_experts=0, ffn_hidden=64)
     model = build_model(config, device="cpu")
     generator = torch.Generator().manual_seed(1)
+    lengths = [(3, 2), (9, 4), (1, 1), (5, 7)]  # (context, continuation) tokens
     requests = [(torch.randint(0, VOCAB, (n,), generator=generator).tolist(),
-                 torch.randint(0, VOCAB, (m,), generator=generator).tolist()) for n, m in [(3, 2), (9, 4), (1, 1), (5, 7)]]
+                 torch.randint(0, VOCAB, (m,), generator=generator).tolist()) for n, m in lengths]
     alone = [continuation_logliks(model, [r], torch.device("cpu"), max_len=32)[0] for r in requests]
     batched = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=4)
     assert batched == pytest.approx(alone, abs=1e-4)
