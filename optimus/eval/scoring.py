@@ -52,8 +52,12 @@ def continuation_logliks(
     max_len: int,
     batch_size: int = 8,
     dtype: str = "fp32",
+    pad_multiple: int = 1,
 ) -> list[float]:
-    """Summed log-probability of each continuation's tokens given its context tokens, in request order."""
+    """Summed log-probability of each continuation's tokens given its context tokens, in request order.
+
+    Each batch is right-padded to a multiple of `pad_multiple` tokens (sequence parallelism splits the
+    sequence over the TP ranks, so it must divide evenly)."""
     rows = []  # (input ids, index of the first continuation logit, continuation ids)
     for context, continuation in requests:
         continuation = continuation[-max_len:]
@@ -67,7 +71,7 @@ def continuation_logliks(
     try:
         for first in range(0, len(order), batch_size):
             batch = order[first:first + batch_size]
-            width = len(rows[batch[0]][0])
+            width = -(-len(rows[batch[0]][0]) // pad_multiple) * pad_multiple
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             for b, i in enumerate(batch):
                 ids[b, :len(rows[i][0])] = torch.tensor(rows[i][0])
@@ -102,6 +106,7 @@ def score_questions(
     batch_size: int = 8,
     dtype: str = "fp32",
     group=None,
+    pad_multiple: int = 1,
 ) -> dict[str, TaskScore]:
     """Accuracy and per-character accuracy of each task's questions (data-parallel over `group` if given)."""
     flat = []  # (task, question number, choice, context, continuation)
@@ -111,7 +116,8 @@ def score_questions(
                 flat.append((name, q, c, context, continuation))
     mine, padded = _rank_slice(len(flat), group)
     requests = [(_encode(tokenizer, flat[i][3]), _encode(tokenizer, flat[i][4])) for i in mine]
-    logliks = continuation_logliks(model, requests, device, max_len=max_len, batch_size=batch_size, dtype=dtype)
+    logliks = continuation_logliks(model, requests, device, max_len=max_len, batch_size=batch_size, dtype=dtype,
+                                   pad_multiple=pad_multiple)
     if group is not None:
         # each slot is written by exactly one rank (padding slots hold a copy of request 0 and are dropped)
         gathered = torch.zeros(padded, dtype=torch.float64, device=device)
@@ -147,11 +153,12 @@ def evaluate_tasks(
     batch_size: int = 8,
     dtype: str = "fp32",
     group=None,
+    pad_multiple: int = 1,
 ) -> dict[str, TaskScore]:
     """Load the named tasks (the first `limit` questions of each) and score them; see score_questions."""
     tasks = {name: load_task(name, limit) for name in names}
     return score_questions(model, tokenizer, tasks, device, max_len=max_len, batch_size=batch_size, dtype=dtype,
-                           group=group)
+                           group=group, pad_multiple=pad_multiple)
 
 
 def format_table(results: dict[str, TaskScore]) -> str:

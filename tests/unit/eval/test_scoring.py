@@ -64,4 +64,7 @@ def test_padding_and_batching_do_not_change_a_real_models_scores():
     alone = [continuation_logliks(model, [r], torch.device("cpu"), max_len=32)[0] for r in requests]
     batched = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=4)
     assert batched == pytest.approx(alone, abs=1e-4)
+    # widths rounded up for sequence parallelism: more padding, same scores
+    padded = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=3, pad_multiple=8)
+    assert padded == pytest.approx(alone, abs=1e-4)
     assert model.training  # switched back after scoring

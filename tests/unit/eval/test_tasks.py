@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from optimus.config import ConfigError, build_config
 from optimus.eval.tasks import TASKS, TaskError, check_task_names, load_task
 
 
@@ -36,3 +37,10 @@ def test_limit_takes_the_first_questions_and_skips_olmos_unconditioned_requests(
 def test_an_unknown_task_names_the_available_ones():
     with pytest.raises(TaskError, match="unknown downstream task 'arc_eazy': choose from arc_easy, arc_challenge"):
         check_task_names(["arc_easy", "arc_eazy"])
+
+
+def test_the_config_refuses_an_unknown_task_in_one_line():
+    assert build_config({"train": {"eval_tasks": ["copa"], "eval_tasks_limit": 3}}).train.eval_tasks == ["copa"]
+    with pytest.raises(ConfigError, match="unknown downstream task 'hellaswagg': choose from arc_easy") as err:
+        build_config({"train": {"eval_tasks": ["hellaswagg"]}})
+    assert "\n" not in str(err.value)
