@@ -3,8 +3,9 @@
 For every (context, continuation) we sum the log-probabilities of the continuation's tokens given
 everything before them. Two accuracies, as OLMo reports them:
   acc       the choice with the largest summed log-likelihood;
-  acc_norm  the choice with the largest log-likelihood per character of the continuation text
-            (OLMo's "len_norm" and lm-evaluation-harness's acc_norm divide by the same length).
+  acc_norm  the choice with the largest log-likelihood per character of the continuation text, its
+            leading space not counted (OLMo's "len_norm"; lm-evaluation-harness's acc_norm divides
+            by the length of the choice text, which is the same string without that space).
 Context and continuation are tokenized separately and concatenated (as OLMo does); a pair longer
 than the model's window keeps its tail (the continuation and the nearest context).
 
@@ -31,7 +32,7 @@ from optimus.train.step import autocast_context
 @dataclass(frozen=True)
 class TaskScore:
     acc: float
-    acc_norm: float  # per-character length-normalised
+    acc_norm: float  # per-character length-normalised (leading space not counted)
     questions: int
 
     def as_record(self) -> dict[str, float | int]:
@@ -128,7 +129,8 @@ def score_questions(
         logliks = gathered[:len(flat)].tolist()
     per_question: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
     for (name, q, c, _, continuation), loglik in zip(flat, logliks):
-        per_question.setdefault((name, q), {})[c] = (loglik, loglik / max(len(continuation), 1))
+        characters = len(continuation) - continuation.startswith(" ")
+        per_question.setdefault((name, q), {})[c] = (loglik, loglik / max(characters, 1))
     results = {}
     for name, questions in tasks.items():
         right = right_norm = 0
