@@ -185,7 +185,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     import torch
 
     from optimus.data.sources import load_tokenizer
-    from optimus.eval import check_task_names, evaluate_tasks, format_table
+    from optimus.eval.scoring import evaluate_tasks, format_table
+    from optimus.eval.tasks import check_task_names
 
     names = check_task_names([name for name in args.tasks.split(",") if name])
     if not names:

