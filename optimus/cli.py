@@ -157,6 +157,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.data.sources import load_tokenizer
     from optimus.train.evaluate import evaluate
 
+    if args.tasks:
+        return _eval_tasks(args)
     config, model = load_run(args.run)
     seq_len = args.seq_len or config.train.seq_len
     if args.data:
@@ -173,6 +175,32 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     result = evaluate(model, batches, torch.device("cpu"), "fp32", load_tokenizer(config.data.tokenizer))
     print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  bits/byte {result.bits_per_byte:.4f}  "
           f"({result.tokens:,} tokens)")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    """`optimus eval RUN --tasks a,b`: downstream accuracies, printed and written to RUN/eval_tasks.json."""
+    import json
+
+    import torch
+
+    from optimus.data.sources import load_tokenizer
+    from optimus.eval.scoring import evaluate_tasks, format_table
+    from optimus.eval.tasks import check_task_names
+
+    names = check_task_names([name for name in args.tasks.split(",") if name])
+    if not names:
+        raise UsageError("--tasks names no task: pass e.g. --tasks arc_easy,hellaswag")
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be at least 1 (or left out for every question)")
+    config, model = load_run(args.run)
+    results = evaluate_tasks(model, load_tokenizer(config.data.tokenizer), names, torch.device("cpu"),
+                             max_len=args.seq_len or config.train.seq_len, limit=args.limit,
+                             batch_size=args.batch_size)
+    print(format_table(results))
+    out = Path(args.run) / "eval_tasks.json"
+    out.write_text(json.dumps({name: score.as_record() for name, score in results.items()}, indent=2) + "\n")
+    print(f"written: {out}")
     return 0
 
 
@@ -383,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batches", type=int, default=16)
     ev.add_argument("--batch-size", type=int, default=4)
     ev.add_argument("--seq-len", type=int, default=None)
+    ev.add_argument("--tasks", help="downstream tasks instead of held-out loss, comma-separated (e.g. arc_easy,"
+                                    "hellaswag): log-likelihood ranking, written to RUN/eval_tasks.json")
+    ev.add_argument("--limit", type=int, default=None, help="with --tasks: the first N questions of each task")
     ev.set_defaults(func=cmd_eval)
 
     gen = verbs.add_parser("generate", help="continue a prompt with a trained run")

@@ -36,6 +36,10 @@ class TrainConfig(_Section):
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0 = only at the end")
     eval_batches: int = Field(8, gt=0)
+    eval_tasks: list[str] = Field(
+        default_factory=list, description="downstream tasks scored at every evaluation (see optimus/eval/tasks.py); "
+                                          "not under pipeline parallelism")
+    eval_tasks_limit: int | None = Field(None, gt=0, description="the first N questions of each task; unset: all")
     ckpt_every: int = Field(50, ge=0, description="0 = only at the end")
     keep_last_k: int = Field(2, gt=0)
     async_checkpoint: bool = Field(
@@ -49,6 +53,13 @@ class TrainConfig(_Section):
     recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
         default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
     tensorboard: bool = False
+
+    @field_validator("eval_tasks")
+    @classmethod
+    def _known_tasks(cls, names: list[str]) -> list[str]:
+        from optimus.eval.tasks import check_task_names  # stdlib-only module: no torch at config time
+
+        return check_task_names(names)
 
     @field_validator("recompute")
     @classmethod

@@ -74,6 +74,9 @@ def validate_layout(config: "Config", world_size: int | None = None) -> Layout:
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
     if dims.pp > 1:
         check_pipeline_schedule(p.pp_schedule, p.pp_virtual_stages)
+        if train.eval_tasks:  # ranking needs every logit, and no pipeline rank holds the whole model
+            raise LayoutError("train.eval_tasks is not supported with parallel.pp > 1: leave train.eval_tasks empty "
+                              "and score the run afterwards with `optimus eval RUN --tasks ...`")
     virtual_stages = p.pp_virtual_stages if dims.pp > 1 else 1
     dims.check_model(config.model, virtual_stages, seq_len=train.seq_len)
     batch = resolve_batch(train, dims, p.pp_schedule)

@@ -18,6 +18,7 @@ from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
 from optimus.data.loader import heldout_batches
+from optimus.eval.loop import downstream_accuracies
 from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
@@ -358,7 +359,11 @@ class Trainer:
 
     def _log_eval(self, step: int) -> float | None:
         loss = self.evaluate()
-        if loss is not None:
+        record = {"step": step} if loss is None else {"step": step, "eval_loss": loss}
+        downstream = downstream_accuracies(self.model, self.config, self.device, self.mesh)
+        if downstream:
+            record["downstream"] = downstream
+        if len(record) > 1:
             for callback in self.callbacks:
-                callback.on_eval(step, {"step": step, "eval_loss": loss})
+                callback.on_eval(step, record)
         return loss

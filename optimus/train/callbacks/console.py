@@ -37,7 +37,11 @@ class ConsoleProgress(Callback):
         self.progress.update(self.task, completed=step, stats=stats)
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:
-        self.progress.console.print(f"step {step}: held-out loss {metrics['eval_loss']:.4f}")
+        if "eval_loss" in metrics:
+            self.progress.console.print(f"step {step}: held-out loss {metrics['eval_loss']:.4f}")
+        for task, score in metrics.get("downstream", {}).items():
+            self.progress.console.print(f"step {step}: {task} acc {100 * score['acc']:.1f}%  "
+                                        f"acc_norm {100 * score['acc_norm']:.1f}%  ({score['n']} questions)")
 
     def on_train_end(self, step: int) -> None:
         if self.progress is not None:

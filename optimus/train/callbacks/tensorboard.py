@@ -22,7 +22,11 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(f"train/{key}", value, step)
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:
-        self.writer.add_scalar("eval/loss", metrics["eval_loss"], step)
+        if "eval_loss" in metrics:
+            self.writer.add_scalar("eval/loss", metrics["eval_loss"], step)
+        for task, score in metrics.get("downstream", {}).items():
+            self.writer.add_scalar(f"downstream/{task}/acc", score["acc"], step)
+            self.writer.add_scalar(f"downstream/{task}/acc_norm", score["acc_norm"], step)
 
     def on_train_end(self, step: int) -> None:
         self.writer.close()

