@@ -112,7 +112,7 @@ elif ((RESUBMITS >= MAX_RESUBMITS)); then
   say "not finished after $MAX_RESUBMITS resubmissions: giving up (submit again to resume)"
 else
   # The new job needs this one's resources: command-line -A/-l/-q override the #PBS lines above.
-  job=$(qstat -f "$PBS_JOBID")
+  job=$(qstat -f "$PBS_JOBID" || true)  # without it: the #PBS lines and this node count
   account=$(awk -F' = ' '$1 ~ /^ *Account_Name$/ {print $2}' <<<"$job")
   walltime=$(awk -F' = ' '$1 ~ /^ *Resource_List.walltime$/ {print $2}' <<<"$job")
   resources=(-l "select=$NODES")

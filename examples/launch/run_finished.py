@@ -3,8 +3,9 @@
 
     python examples/launch/run_finished.py CONFIG [--section.key=value ...]
 
-Resolves the config with optimus's own loader, as `optimus train CONFIG ... --dry-run` does (run.dir,
-run.name, train.max_steps; one process, not two: job start-up time is shared by thousands of nodes), then reads the run's `latest` (the newest committed step). Prints one line.
+Resolves the config with optimus's own loader, exactly as `optimus train CONFIG ... --dry-run` does
+(run.dir, run.name, train.max_steps; in-process rather than parsing the dry run's output: one Python
+start-up, not two), then reads the run's `latest` (the newest committed step). Prints one line.
 Exit 0: finished (latest >= max_steps); 1: not yet (preempted or out of time: resubmit);
 2: cannot tell (the config does not load; its one-line message is shown).
 """

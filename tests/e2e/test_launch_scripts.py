@@ -40,10 +40,11 @@ touch "$STUB_DIR/fault-done"
 pid=$!
 while [[ ! -e $STUB_RUN_DIR/latest ]] && kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
 signal=KILL; [[ $STUB_FAULT == preempt ]] && signal=USR1
-if kill -s "$signal" "$pid" 2>/dev/null; then echo "fault: SIG$signal" >>"$STUB_LOG"; else echo "fault: too late" >>"$STUB_LOG"; fi
+if kill -s "$signal" "$pid" 2>/dev/null; then echo "fault: SIG$signal"; else echo "fault: too late"; fi >>"$STUB_LOG"
 wait "$pid"
 """
-SLURM_TASK_ENV = "export SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=1 SLURM_STEP_NODELIST=localhost"
+SLURM_TASK_ENV = ("export SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0 SLURM_NTASKS_PER_NODE=1 "
+                  "SLURM_STEP_NODELIST=localhost")
 PALS_TASK_ENV = "export PALS_RANKID=0 PMI_SIZE=1 PALS_LOCAL_RANKID=0 PALS_LOCAL_SIZE=1"
 
 RECORDER_STUB = """#!/usr/bin/env bash
