@@ -18,8 +18,14 @@
 #SBATCH --signal=USR1@180
 #SBATCH --requeue
 # Three minutes before the time limit every rank gets SIGUSR1: Optimus checkpoints at the next step
-# boundary and exits 0 (resilience.checkpoint_on_signal). --requeue lets Slurm requeue a preempted
-# job; after a time limit submit the same command again (or `scontrol requeue` the job): it resumes.
+# boundary and exits 0 (resilience.checkpoint_on_signal). --requeue lets Slurm requeue a preempted job.
+#
+# Recovery, all in this script (rerunning the same command resumes from the newest good checkpoint):
+# - inside the allocation: a crash or a hang (any exit code but 0 and 2) reruns the job step on the same
+#   nodes, at most MAX_RELAUNCHES times (default 3). Exit 2 is bad input: rerunning cannot help.
+# - at the end: exit 0 with the run short of train.max_steps (the time limit's SIGUSR1, a preemption)
+#   requeues this job (`scontrol requeue`), at most MAX_REQUEUES times (default 20); REQUEUE=0 turns it off.
+# Submit from the repository root (examples/launch/run_finished.py decides "finished"), or set LAUNCH_DIR.
 set -euo pipefail
 
 CONFIG=${1:?usage: sbatch slurm-frontier.sh CONFIG [--section.key=value ...]}
@@ -60,7 +66,49 @@ srun --ntasks-per-node=1 mkdir -p "$MIOPEN_USER_DB_PATH"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$USER-$SLURM_JOB_ID
 export OMP_NUM_THREADS=7
 
+MAX_RELAUNCHES=${MAX_RELAUNCHES:-3}
+MAX_REQUEUES=${MAX_REQUEUES:-20}
+REQUEUE=${REQUEUE:-1}
+LAUNCH_DIR=${LAUNCH_DIR:-examples/launch}  # sbatch runs a copy of this script: find the helper from the submit dir
+say() { echo "[$(date -u +%FT%TZ)] slurm-frontier.sh: $*"; }
+
+# --- relaunch loop: the same nodes, a fresh job step; Optimus resumes from its newest good checkpoint.
 # All 8 GCDs stay visible to every task: Optimus picks cuda:$SLURM_LOCALID itself, so do not bind one
 # GPU per task (--gpus-per-task=1 would renumber each task's GPU to 0).
-srun -N "$SLURM_JOB_NUM_NODES" --ntasks-per-node=8 --cpus-per-task=7 --cpu-bind=cores \
-  python -m optimus train "$CONFIG" "$@"
+attempt=0
+while true; do
+  attempt=$((attempt + 1))
+  say "job $SLURM_JOB_ID (requeued ${SLURM_RESTART_COUNT:-0} times): attempt $attempt of $((MAX_RELAUNCHES + 1))"
+  status=0
+  srun -N "$SLURM_JOB_NUM_NODES" --ntasks-per-node=8 --cpus-per-task=7 --cpu-bind=cores \
+    python -m optimus train "$CONFIG" "$@" || status=$?
+  say "attempt $attempt exited with $status"
+  case $status in
+    0) break ;;
+    2) say "bad input (exit 2): not relaunching; fix the message above and submit again"; exit 2 ;;
+    124) what="a hang (the watchdog's exit 124)" ;;
+    *) what="a crash (exit $status)" ;;
+  esac
+  if ((attempt > MAX_RELAUNCHES)); then
+    say "$what and $MAX_RELAUNCHES relaunches spent: giving up"
+    exit "$status"
+  fi
+  say "$what: relaunching on the same nodes"
+done
+
+# --- finished, or stopped early (time limit, preemption)? Exit 0 either way; requeue when not done.
+finished=0
+python "$LAUNCH_DIR/run_finished.py" "$CONFIG" "$@" || finished=$?
+case $finished in
+  0) exit 0 ;;
+  1) ;;
+  *) say "cannot tell whether the run finished: not requeueing"; exit "$finished" ;;
+esac
+if [[ $REQUEUE != 1 ]]; then
+  say "not finished; REQUEUE=$REQUEUE: submit the same command again to resume"
+elif ((${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES)); then
+  say "not finished after $MAX_REQUEUES requeues: giving up (submit again to resume)"
+else
+  say "not finished: requeueing job $SLURM_JOB_ID; it resumes from the newest checkpoint"
+  scontrol requeue "$SLURM_JOB_ID"
+fi

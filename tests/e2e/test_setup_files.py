@@ -53,7 +53,9 @@ def test_slurm_script_creates_its_log_folder(tmp_path):
     assert "/" not in output, output
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    for name, body in {"srun": 'echo "srun $*"', "scontrol": "echo node0", "module": "true"}.items():
+    # python: the script's "is the run finished?" check after training (tested in test_launch_scripts.py)
+    for name, body in {"srun": 'echo "srun $*"', "scontrol": "echo node0", "module": "true",
+                       "python": 'echo "finished: $*"'}.items():
         (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
         (stubs / name).chmod(stat.S_IRWXU)
     env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", SLURM_JOB_NAME="optimus", SLURM_JOB_ID="42",
