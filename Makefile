@@ -40,7 +40,7 @@ train: setup
 	$(VENV)/bin/optimus train configs/mula-tiny-moe.yaml
 
 test: setup
-	$(PY) -m pytest -q -m "not gpu and not soak" tests
+	$(PY) -m pytest -q -m "not gpu and not soak and not slow" --durations=15 tests
 
 test-slow: setup
 	$(PY) -m pytest -q -m "slow or soak" tests

@@ -63,8 +63,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _add_injected_faults(trainer) -> None:
-    """Under `optimus chaos`: the steps whose loss the harness wants non-finite (in both of its runs)."""
-    from optimus.resilience.chaos import NAN_STEPS_VARIABLE
+    """Under `optimus chaos`: the steps whose loss the harness wants non-finite (in both of its runs), and
+    the file whose appearance makes the next checkpoint write fail as on a full disk."""
+    from optimus.resilience.chaos import DISK_FULL_VARIABLE, NAN_STEPS_VARIABLE
+
+    if os.environ.get(DISK_FULL_VARIABLE):
+        from optimus.train.callbacks.fault_injection import fail_checkpoint_writes_when
+
+        fail_checkpoint_writes_when(Path(os.environ[DISK_FULL_VARIABLE]))
 
     steps = {int(step) for step in os.environ.get(NAN_STEPS_VARIABLE, "").split(",") if step.strip()}
     if steps:

@@ -13,6 +13,8 @@ Faults:
     truncate_newest  the job stopped by SIGTERM, then its newest checkpoint truncated     -> relaunch, fall back
     bitflip_newest   ... a byte range inside the newest checkpoint's data flipped         -> relaunch, fall back
     delete_newest    ... one data file of the newest checkpoint deleted                   -> relaunch, fall back
+    disk_full        the next checkpoint write fails with ENOSPC: one line, exit 2, the earlier
+                     checkpoints intact                                                   -> relaunch
     nan_step         a non-finite loss at a given step (in both runs): the step is skipped by every rank
     hang_rank        one worker stopped (SIGSTOP): the others' watchdog exits 124         -> torchrun restart
 Linux only (worker processes are found under /proc).
@@ -31,10 +33,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-RELAUNCH_KINDS = ("kill_group", "kill_mid_save", "sigterm", "truncate_newest", "bitflip_newest", "delete_newest")
+RELAUNCH_KINDS = ("kill_group", "kill_mid_save", "sigterm", "truncate_newest", "bitflip_newest", "delete_newest",
+                  "disk_full")
 IN_JOB_KINDS = ("kill_rank", "hang_rank")  # need torchrun (ranks >= 2)
 FAULT_KINDS = RELAUNCH_KINDS + IN_JOB_KINDS + ("nan_step",)
 NAN_STEPS_VARIABLE = "OPTIMUS_CHAOS_NAN_STEPS"  # read by cli.py: steps whose loss is made non-finite
+DISK_FULL_VARIABLE = "OPTIMUS_CHAOS_DISK_FULL_FILE"  # read by cli.py: while this file exists, a save fails (ENOSPC)
 
 
 class ChaosError(RuntimeError):
@@ -139,6 +143,7 @@ class _Run:
     ranks: int
     env: dict
     log: Path
+    disk_full: Path | None = None  # the trigger file of the disk_full fault
     job: subprocess.Popen | None = None
     launches: int = 0
     history: list[str] = field(default_factory=list)
@@ -254,10 +259,18 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
             fault.note = "no save caught in progress: killed at the next poll"
         _kill_job(run.job, run.ranks)
         struck = time.monotonic()
+    elif fault.kind == "disk_full":
+        run.disk_full.touch()  # the job's next checkpoint write fails as on a full disk, once
     else:  # sigterm and the damage kinds: a preemption first, as Slurm or PBS would send it
         _signal(workers, signal.SIGTERM)
     if fault.kind in RELAUNCH_KINDS:
-        run.wait_exit(timeout)
+        code = run.wait_exit(timeout)
+        if fault.kind == "disk_full":
+            last = run.log.read_text().strip().splitlines()[-1:] or [""]
+            fault.note = f"the save failed: exit {code}, '{last[0][:120]}'"
+            if code != 2 or run.disk_full.exists():
+                fault.note += " (expected exit 2 at the next save)"
+                return
         before = run.lines()  # the old job is gone: what it wrote last is final
         fault.injected_at_step = json.loads(before[-1])["step"] if before else 0
         if fault.kind in ("truncate_newest", "bitflip_newest", "delete_newest"):
@@ -372,8 +385,9 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
         raise ChaosError(f"the undisturbed reference run failed: see {reference.log}")
     report.reference_s = time.monotonic() - started
 
+    trigger = out_dir / "disk-full.trigger"
     chaos = _Run(_train_command(config, overrides, ranks, restarts, out_dir / "chaos"), out_dir / "chaos", ranks,
-                 env, out_dir / "chaos.log")
+                 {**env, DISK_FULL_VARIABLE: str(trigger)}, out_dir / "chaos.log", disk_full=trigger)
     started = time.monotonic()
     _progress(f"run under {len(plan)} faults in {chaos.run_dir}")
     chaos.launch()

@@ -3,7 +3,11 @@ at the tiny shape with 64 tokens and one call each; the timings are not checked.
 
 from __future__ import annotations
 
+import pytest
+
 import json
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke run: make test-slow
 
 
 def test_moe_layer_benchmark_runs_and_writes_json(tmp_path, load_benchmark, auto_dtype):

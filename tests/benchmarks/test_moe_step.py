@@ -4,7 +4,11 @@ figures are not checked (no timing assertions)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke run: make test-slow
 
 
 def test_moe_step_benchmark_runs_and_writes_json(tmp_path, load_benchmark, auto_dtype):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a benchmark smoke run: make test-slow
 
 VARIANTS = {"fsdp", "zero1 ep-aware", "zero1 ep-unaware", "zero2 ep-aware", "zero2 ep-unaware"}
 

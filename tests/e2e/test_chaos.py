@@ -11,7 +11,7 @@ import yaml
 
 from tests.e2e.conftest import run_cli, tiny_config
 
-QUICK_KINDS = "kill_rank,kill_group,bitflip_newest,nan_step"
+QUICK_KINDS = "kill_rank,kill_group,bitflip_newest,disk_full,nan_step"
 
 
 def _chaos(tmp_path, token_dir, faults: int, ranks: int, kinds: str | None, max_steps: int, timeout: float):
@@ -26,7 +26,7 @@ def _chaos(tmp_path, token_dir, faults: int, ranks: int, kinds: str | None, max_
 
 
 def test_chaos_survives_one_fault_of_each_quick_kind(tmp_path, token_dir):
-    done, report = _chaos(tmp_path, token_dir, faults=4, ranks=2, kinds=QUICK_KINDS, max_steps=16, timeout=900)
+    done, report = _chaos(tmp_path, token_dir, faults=5, ranks=2, kinds=QUICK_KINDS, max_steps=16, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert sorted(f["kind"] for f in report["faults"]) == sorted(QUICK_KINDS.split(","))
     assert all(f["recovered"] for f in report["faults"]), report["faults"]

@@ -142,6 +142,7 @@ def test_slurm_preemption_requeues_the_job(job):
     assert 2 <= _latest(job) < MAX_STEPS
 
 
+@pytest.mark.slow  # extra coverage; make test keeps one relaunch, one requeue, one resubmit
 def test_slurm_bad_input_is_neither_relaunched_nor_requeued(job):
     code, log, calls = _run(SLURM, job, ["--train.max_stepz=3"])
     assert code == 2
@@ -150,6 +151,7 @@ def test_slurm_bad_input_is_neither_relaunched_nor_requeued(job):
     assert not any(call.startswith(("scontrol requeue", "qsub")) for call in calls)
 
 
+@pytest.mark.slow  # extra coverage; make test keeps one relaunch, one requeue, one resubmit
 def test_pbs_normal_finish_neither_relaunches_nor_resubmits(job):
     code, out, calls = _run(PBS, job, [f"--run.dir={job / 'run'}"])
     assert code == 0, out

@@ -1,7 +1,11 @@
 """Fault injection for `optimus chaos`: a non-finite loss at chosen steps, as a bad batch or a flaky
-device would produce, so the harness can show that every rank skips that step together."""
+device would produce, so the harness can show that every rank skips that step together; and a
+checkpoint write that fails as on a full disk, when the harness says so."""
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,3 +33,23 @@ class NonFiniteAtSteps(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def fail_checkpoint_writes_when(trigger: Path) -> None:
+    """From now on in this process, a checkpoint write finding `trigger` removes it and fails with ENOSPC.
+
+    The failure is raised inside DCP's write step, where a real full disk shows up; the first rank to
+    find the file takes it, so one save of one rank fails, and the others learn of it as they would.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_data_or_fail(self, plan, planner):
+        try:
+            trigger.unlink()
+        except FileNotFoundError:
+            return write_data(self, plan, planner)
+        raise OSError(errno.ENOSPC, "No space left on device (injected by optimus chaos)")
+
+    FileSystemWriter.write_data = write_data_or_fail
