@@ -65,7 +65,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _add_injected_faults(trainer) -> None:
     """Under `optimus chaos`: the steps whose loss the harness wants non-finite (in both of its runs), and
     the file whose appearance makes the next checkpoint write fail as on a full disk."""
-    from optimus.resilience.chaos import DISK_FULL_VARIABLE, NAN_STEPS_VARIABLE
+    from optimus.resilience.chaos import DISK_FULL_VARIABLE, MIN_STEP_VARIABLE, NAN_STEPS_VARIABLE
+
+    if float(os.environ.get(MIN_STEP_VARIABLE) or 0) > 0:
+        from optimus.train.callbacks.fault_injection import PaceSteps
+
+        trainer.callbacks.append(PaceSteps(float(os.environ[MIN_STEP_VARIABLE])))
 
     if os.environ.get(DISK_FULL_VARIABLE):
         from optimus.train.callbacks.fault_injection import fail_checkpoint_writes_when
@@ -141,7 +146,7 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
     kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
     out = Path(args.out or f"runs/chaos-{Path(args.config).stem}")
     report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,
-                       hang_timeout_s=args.hang_timeout, timeout=args.timeout)
+                       hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds)
     print(format_report(report))
     print(f"report: {out / 'report.json'}; logs: {out}/reference.log, {out}/chaos.log")
     return 0 if report.survived else 1
@@ -403,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--hang-timeout", type=float, default=20.0, help="watchdog timeout for hang_rank (s)")
     chaos.add_argument("--timeout", type=float, default=600.0, help="longest wait for any one stage (s)")
     chaos.add_argument("--out", help="output folder (default runs/chaos-CONFIG)")
+    chaos.add_argument("--min-step-seconds", type=float, default=0.0,
+                       help="make every step last at least this long (tiny test models), in both runs")
     chaos.set_defaults(func=cmd_chaos, takes_overrides=True)
 
     tokenize = verbs.add_parser("tokenize", help="turn txt/jsonl[.gz|.zst]/parquet into token memmaps")

@@ -19,7 +19,7 @@ def _chaos(tmp_path, token_dir, faults: int, ranks: int, kinds: str | None, max_
     train = dict(max_steps=max_steps, ckpt_every=2, eval_every=0, keep_last_k=3, global_batch_size=4 * ranks)
     config.write_text(yaml.safe_dump(tiny_config(token_dir, train=train)))
     args = ["chaos", str(config), f"--faults={faults}", f"--ranks={ranks}", f"--out={tmp_path / 'out'}",
-            "--timeout=300"] + ([f"--kinds={kinds}"] if kinds else [])
+            "--timeout=300", "--min-step-seconds=0.3"] + ([f"--kinds={kinds}"] if kinds else [])
     done = run_cli(*args, timeout=timeout)
     report = json.loads((tmp_path / "out" / "report.json").read_text()) if (tmp_path / "out" / "report.json").exists() else None
     return done, report

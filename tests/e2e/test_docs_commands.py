@@ -183,8 +183,13 @@ def _small(token_dir: Path, config: str) -> list[str]:
 
 def _cli(cwd: Path, argv: list[str]) -> tuple[int, str, str]:
     """`optimus ARGV` in `cwd`, in a forked child (torch is already imported: no start-up cost)."""
+    import torch
+
     from optimus.cli import main
 
+    # a forked child whose parent already ran OpenMP with several threads can hang in its first
+    # multi-threaded op (see CPU-NOTES): the trainer's matmul probe would be one
+    torch.set_num_threads(1)
     os.chdir(cwd)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -5,6 +5,7 @@ checkpoint write that fails as on a full disk, when the harness says so."""
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 
 import torch
@@ -53,3 +54,18 @@ def fail_checkpoint_writes_when(trigger: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device (injected by optimus chaos)")
 
     FileSystemWriter.write_data = write_data_or_fail
+
+
+class PaceSteps(Callback):
+    """Makes every step last at least `seconds`, so a harness watching a tiny model's steps can strike
+    at the step it planned (a real model's steps take seconds; a test model's, milliseconds)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._started = 0.0
+
+    def on_step_start(self, step: int) -> None:
+        self._started = time.monotonic()
+
+    def on_step_end(self, step: int, metrics) -> None:
+        time.sleep(max(0.0, self.seconds - (time.monotonic() - self._started)))
