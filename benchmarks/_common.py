@@ -28,19 +28,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from optimus.parallel.launch import cpu_speed_cache
-from optimus.train.hardware import best_matmul_rate, cpu_speed
+from optimus.train.hardware import best_matmul_rate, cpu_model, cpu_speed
 from optimus.train.precision import Precision, choose_precision
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:

@@ -55,7 +55,8 @@ class CpuSpeed:
         return self.fp32_flops / max(self.bf16_flops, 1.0)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -108,7 +109,7 @@ def measure_cpu_speed() -> CpuSpeed:
 
 
 def _cpu_cache_key(kernel_env: str) -> str:
-    return "|".join([socket.gethostname(), _cpu_model(), torch.backends.cpu.get_cpu_capability(),
+    return "|".join([socket.gethostname(), cpu_model(), torch.backends.cpu.get_cpu_capability(),
                      f"bf16flags={_cpu_bf16_flags()}", f"threads={torch.get_num_threads()}", torch.__version__,
                      kernel_env])
 
