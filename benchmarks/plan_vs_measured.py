@@ -1,6 +1,7 @@
 """The planner's calibrated prediction for this machine vs short real trainings here, layout by layout.
 
-    PYTHONPATH=. python benchmarks/plan_vs_measured.py [--json out.json] [--steps 3] [--warmup 2] [--only NAME,...]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json out.json] [--steps 3] [--warmup 2]
+        [--only NAME,...|smoke] [--no-calibrate] [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, zero1, TP, PP, EP, activation checkpointing)
 it runs the Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as
@@ -98,35 +99,44 @@ def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[fl
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache) -> dict:
-    """The planner's step time (and its parts) and per-rank memory for this layout on `here`."""
+def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool) -> dict:
+    """The planner's step time (and its parts) and per-rank memory for this layout on `here`; with `calibrate`,
+    the op classes are timed at this layout's shapes first (as `optimus plan --calibrate` does)."""
     from optimus.parallel.validate import validate_layout
+    from optimus.plan.calibrate import calibrate_op_classes
     from optimus.plan.here import here_cluster, machine
     from optimus.plan.memory import ModelShape, peak_memory
     from optimus.plan.step_time import step_time
 
     entry = machine(cache_file, cpu_cache)
-    cluster = here_cluster(entry, ranks)
     layout = validate_layout(load_config(config_path, overrides), ranks)
+    if calibrate:  # the op classes at this layout's shapes, and the cores' share now (others may be using them)
+        from optimus.plan.calibrate import measure_share
+
+        entry = {**entry, "machine": {**entry["machine"], "share": measure_share()}}
+        entry.update(calibrate_op_classes(layout.config, entry))
+    cluster = here_cluster(entry, ranks)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
     memory = peak_memory(layout.config, layout.dims, shape)
     return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": host_extras(layout.config),
-            "calibrated": "efficiency" in entry}
+            "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
+            "share": entry["machine"].get("share")}
 
 
-def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache) -> dict:
+def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
+               model: list[str] = ()) -> dict:
     """Train one layout briefly and predict it; the row of the table."""
     config_path, ranks, extra = LAYOUTS[name]
     config_path = str(ROOT / config_path)
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
-        overrides = [*BASE, *extra, f"--train.max_steps={warmup + steps}", f"--run.dir={tmp}/run"]
+        overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}", f"--run.dir={tmp}/run"]
         config = load_config(config_path, overrides)
         start = time.perf_counter()
         ranks_out = run_distributed(_train_rank, ranks, config_path, overrides, timeout=900.0)
         wall = time.perf_counter() - start
         measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
-    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache)
+    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
     step = statistics.median(measured)
     memory = max(r["growth"] for r in ranks_out)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
@@ -135,7 +145,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache) 
             "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
             "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out, "wall_s": wall,
-            "calibrated": predicted["calibrated"]}
+            "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated layout names (default: all); 'smoke': "
                                                      + ",".join(SMOKE))
     parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="use the cached efficiencies instead of timing the op classes at each layout's shapes")
+    parser.add_argument("--model", default="", help="extra --model.* overrides for every layout, comma-separated "
+                                                    "(a smaller model for a quick check)")
     args = parser.parse_args(argv)
     from optimus.cli import here_cache_files
 
@@ -162,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'layout':<26} {'ranks':>5} {'measured s':>10} {'predicted s':>11} {'err':>7} {'meas MiB':>9} "
           f"{'pred MiB':>9} {'err':>7}", flush=True)
     for name in names:
-        row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache)
+        row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache, not args.no_calibrate,
+                         [m for m in args.model.split(",") if m])
         rows.append(row)
         print(f"{name:<26} {row['ranks']:>5} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} "
               f"{row['step_error']:>+7.1%} {row['measured_memory_bytes'] / 2**20:>9.0f} "

@@ -19,6 +19,7 @@ planned model uses (micro-batch x sequence tokens), and read against the same fo
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -66,6 +67,40 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             rows.append({"op": op, "ranks": world, "bytes": 4 * n, "seconds": float(slowest)})
     return rows
+
+
+def _matmul_rate(rank: int, world: int, seconds: float) -> float:
+    """(runs on each forked rank, all at once) this rank's fp32 matmul FLOP/s while the others run too."""
+    import torch.distributed as dist
+
+    from optimus.train.hardware import best_matmul_rate
+
+    dist.barrier()
+    return best_matmul_rate(torch.float32, 512, seconds)
+
+
+def measure_share(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, seconds: float = 1.0) -> dict[str, float]:
+    """What fraction of one thread's matmul rate each of R processes gets when all R run at once.
+
+    min(1, cores / R) on an idle machine; less when other work shares the cores. The step-time model divides
+    each rank's FLOP/s (and multiplies its operator overhead) by this measured share instead of assuming it.
+    """
+    from optimus.testing.distributed import run_distributed
+    from optimus.train.hardware import best_matmul_rate
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = best_matmul_rate(torch.float32, 512, seconds)
+        shares = {}
+        for world in worlds:
+            rates = run_distributed(_matmul_rate, world, seconds, timeout=120.0)
+            shares[str(world)] = min(1.0, statistics.median(rates) / alone)
+        alone_again = best_matmul_rate(torch.float32, 512, seconds)
+    finally:
+        torch.set_num_threads(before)
+    shares["1"] = min(1.0, alone_again / alone)
+    return shares
 
 
 def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:

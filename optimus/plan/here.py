@@ -8,8 +8,10 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
                             least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
-Ranks share the host: R ranks on C cores each get min(1, C / R) of a core's FLOP/s, the larger of a core's
-copy bandwidth and the socket's bandwidth / R, R / C times the fixed operator cost, and 1 / R of the memory.
+Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
+once (min(1, C / R) on an idle C-core machine; less when others use the cores), the larger of a core's copy
+bandwidth x that share and the socket's bandwidth / R, 1 / share times the fixed operator cost, and 1 / R of
+the memory.
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link.
 """
 
@@ -103,7 +105,7 @@ def write_cache(path: Path, entry: dict[str, Any]) -> None:
 
 def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, Any]:
     """Peaks (one thread), bandwidth, memory and gloo alpha-beta of this machine (about 20 s)."""
-    from optimus.plan.calibrate import measure_collectives
+    from optimus.plan.calibrate import measure_collectives, measure_share
     from optimus.train.precision import choose_precision
 
     before = torch.get_num_threads()
@@ -117,7 +119,7 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
             "fp32_flops_per_thread": speed.fp32_flops, "bf16_flops_per_thread": speed.bf16_flops,
             "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
             "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9,
-            "collectives": measure_collectives(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "collectives": measure_collectives(), "share": measure_share(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), remeasure: bool = False) -> dict[str, Any]:
@@ -141,7 +143,11 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
     if ranks < 1:
         raise ConfigError(f"--devices {ranks}: a job here needs at least one rank")
     m = entry["machine"]
-    share = min(1.0, m["cores"] / ranks)  # of one core, per rank
+    share = min(1.0, m["cores"] / ranks)  # of one core, per rank, on an idle machine
+    measured = m.get("share", {})
+    if ranks > 1 and measured:  # as measured: R processes running matmuls at once, other users' load included
+        nearest = min((int(g) for g in measured if int(g) > 1), key=lambda g: (abs(g - ranks), -g))
+        share = measured[str(nearest)] * min(1.0, nearest / ranks)
     bandwidth = max(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")

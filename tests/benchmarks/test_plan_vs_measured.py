@@ -1,0 +1,58 @@
+"""benchmarks/plan_vs_measured.py runs and reports sane fields (no timing assertion: the figures go to BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from optimus.plan.here import host_key
+
+SMALL_MODEL = "--model.n_layers=1,--model.d_model=64,--model.ffn_hidden=128,--model.expert_ffn_hidden=64"
+
+
+@pytest.fixture
+def machine_cache(tmp_path):
+    """A machine entry written by hand, so the test does not spend a minute measuring gloo."""
+    fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
+    machine = {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 2e10,
+               "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 10.0, "collectives": {"rows": [], "fits": {"2": fit, "4": fit}},
+               "measured_at": "by the test"}
+    path = tmp_path / "plan_here.json"
+    path.write_text(json.dumps({host_key(): {"machine": machine}}))
+    return path
+
+
+def _check(rows, names):
+    assert [r["layout"] for r in rows] == names
+    for r in rows:
+        assert len(r["measured_steps_s"]) == 2 and r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
+        assert r["step_error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
+        assert r["measured_memory_bytes"] > 0 and r["predicted_memory_bytes"] > r["planner_memory_bytes"] > 0
+        assert len(r["rank_rss"]) == r["ranks"] and r["calibrated"]
+        assert all(0 < r["efficiency"][k] <= 1 for k in ("dense_gemm", "attention", "memory_bound", "loss_head"))
+
+
+def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path):
+    script = load_benchmark("plan_vs_measured")
+    out = tmp_path / "out.json"
+    assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", f"--model={SMALL_MODEL}",
+                        "--cache", str(machine_cache), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["machine"] and report["steps"] == 2
+    _check(report["rows"], ["dense-1"])
+
+
+def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
+    script = load_benchmark("plan_vs_measured")
+    assert script.main(["--only", "dense-9"]) == 2
+    assert capsys.readouterr().err.strip().startswith("unknown layout dense-9: choose from dense-1")
+
+
+@pytest.mark.slow
+def test_full_table(load_benchmark, machine_cache, tmp_path):
+    script = load_benchmark("plan_vs_measured")
+    out = tmp_path / "out.json"
+    assert script.main(["--steps", "2", "--warmup", "1", "--cache", str(machine_cache), "--json", str(out)]) == 0
+    _check(json.loads(out.read_text())["rows"], list(script.LAYOUTS))

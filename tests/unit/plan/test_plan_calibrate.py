@@ -1,0 +1,75 @@
+"""--calibrate's pieces: the alpha-beta least-squares fit, the op-class timings, the `here` cluster built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from optimus.config import load_config
+from optimus.plan.calibrate import COLLECTIVES, fit_alpha_beta, measure_op_classes
+from optimus.plan.efficiency import Efficiency
+from optimus.plan.here import here_cluster
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def test_least_squares_recovers_alpha_and_beta_of_the_ring_model():
+    alpha, beta = 150e-6, 0.8e9
+    rows = []
+    for g in (2, 4):
+        for nbytes in (4096, 65536, 1 << 20, 8 << 20):
+            for op in COLLECTIVES:
+                factor = 2 if op == "all_reduce" else 1
+                seconds = factor * ((g - 1) * alpha + (g - 1) / g * nbytes / beta)
+                rows.append({"op": op, "ranks": g, "bytes": nbytes, "seconds": seconds * (1.03 if nbytes == 4096 else 1)})
+    fit = fit_alpha_beta(rows)
+    assert fit["alpha_us"] == pytest.approx(150, rel=0.05)
+    assert fit["beta_gb_s"] == pytest.approx(0.8, rel=0.05)
+    assert 0.0 < fit["worst_relative_error"] < 0.05
+
+
+def test_op_classes_are_timed_at_the_model_shapes_and_read_as_fractions_of_peak():
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.seq_len=32",
+                                                            "--train.micro_batch_size=1", "--model.vocab_size=512"])
+    out = measure_op_classes(config, "fp32", peak_flops=1e12, copy_bytes_s=1e12)  # a peak no CPU core reaches
+    eff, timed = Efficiency.from_dict(out["efficiency"], "test"), out["timed"]
+    for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head"):
+        assert timed[name]["seconds"] > 0
+        assert getattr(eff, name) == pytest.approx(timed[name]["flops"] / timed[name]["seconds"] / 1e12)
+    # 32 tokens: grouped GEMM FLOPs are 18 T k d fe
+    assert timed["grouped_gemm"]["flops"] == 18.0 * 32 * 4 * 256 * 512
+    assert timed["op_overhead"]["operators"] > 100 and eff.op_overhead_us > 0
+
+
+def test_here_cluster_shares_the_host_between_ranks():
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    entry = {"machine": {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+                         "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+                         "copy_gb_s_all_cores": 10.0, "collectives": {"rows": [], "fits": {"2": fit, "4": fit}},
+                         "measured_at": "t"},
+             "efficiency": Efficiency(0.5, 0.4, 0.3, 0.2, 10.0, 0.6).to_dict()}
+    two, four = here_cluster(entry, 2), here_cluster(entry, 4)
+    assert two.peak_flops("fp32") == 3e10 and four.peak_flops("fp32") == 1.5e10  # 4 ranks on 2 cores
+    assert two.memory_gb == 4 and four.memory_gb == 2
+    assert two.hbm_gb_s == 8.0 and four.hbm_gb_s == 4.0
+    assert two.efficiency.op_overhead_us == 10.0 and four.efficiency.op_overhead_us == 20.0
+    assert two.efficiency.loss_head == 0.6 and two.intra_node_latency_us == 100.0 and two.auto_dtype == "fp32"
+
+
+def test_measured_share_of_the_cores_replaces_the_idle_assumption():
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    machine = {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+               "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 1.0, "collectives": {"rows": [], "fits": {"2": fit}}, "measured_at": "t",
+               "share": {"1": 1.0, "2": 0.5, "4": 0.2}}  # a busy machine: 2 ranks get half a core each
+    two, four = here_cluster({"machine": machine}, 2), here_cluster({"machine": machine}, 4)
+    assert two.peak_flops("fp32") == pytest.approx(1.5e10) and four.peak_flops("fp32") == pytest.approx(6e9)
+    assert two.hbm_gb_s == pytest.approx(4.0) and two.efficiency.op_overhead_us == pytest.approx(20.0)
+
+
+def test_share_is_measured_with_forked_processes_running_at_once():
+    from optimus.plan.calibrate import measure_share
+
+    shares = measure_share(worlds=(2,), seconds=0.1)
+    assert set(shares) == {"1", "2"} and all(0 < v <= 1 for v in shares.values())
