@@ -69,14 +69,24 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
     return rows
 
 
+def sustained_matmul_rate(seconds: float, size: int = 256) -> float:
+    """fp32 matmul FLOP/s sustained over `seconds` of wall time (not the best single call: under time slicing one
+    short call can still run at a whole core's speed)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        calls += 1
+    return 2 * size**3 * calls / (time.perf_counter() - start)
+
+
 def _matmul_rate(rank: int, world: int, seconds: float) -> float:
-    """(runs on each forked rank, all at once) this rank's fp32 matmul FLOP/s while the others run too."""
+    """(runs on each forked rank, all at once) this rank's sustained fp32 matmul FLOP/s while the others run too."""
     import torch.distributed as dist
 
-    from optimus.train.hardware import best_matmul_rate
-
     dist.barrier()
-    return best_matmul_rate(torch.float32, 512, seconds)
+    return sustained_matmul_rate(seconds)
 
 
 def measure_share(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, seconds: float = 1.0) -> dict[str, float]:
@@ -86,17 +96,16 @@ def measure_share(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, seconds: float = 
     each rank's FLOP/s (and multiplies its operator overhead) by this measured share instead of assuming it.
     """
     from optimus.testing.distributed import run_distributed
-    from optimus.train.hardware import best_matmul_rate
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = best_matmul_rate(torch.float32, 512, seconds)
+        alone = sustained_matmul_rate(seconds)
         shares = {}
         for world in worlds:
             rates = run_distributed(_matmul_rate, world, seconds, timeout=120.0)
             shares[str(world)] = min(1.0, statistics.median(rates) / alone)
-        alone_again = best_matmul_rate(torch.float32, 512, seconds)
+        alone_again = sustained_matmul_rate(seconds)
     finally:
         torch.set_num_threads(before)
     shares["1"] = min(1.0, alone_again / alone)
