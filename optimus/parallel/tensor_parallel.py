@@ -9,8 +9,9 @@ What is split over the tp mesh, and why:
   sum of squares over tp (autograd-aware) and scales its own slice of the weight. That is the
   exact full-width RMS, and the weight stays one full-width DTensor (checkpoints unchanged).
 - dense MLP: gate/up column-parallel, down row-parallel.
-- MoE blocks stay replicated over tp: their input is gathered, every tp rank computes the same
-  routing and experts (expert parallelism, not TP, is how experts are split).
+- MoE blocks: the tp ranks split the experts (expert_tensor_parallel.py): the input is gathered,
+  every tp rank routes the same tokens but computes only its own experts' token copies, and the
+  partial outputs are reduce-scattered back to sequence shards.
 - sequence parallel: between blocks the residual stream is split along the sequence; norms run
   on the local tokens (SequenceParallel), attention/MLP inputs are all-gathered and their
   outputs reduce-scattered.
@@ -34,7 +35,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
 from optimus.ops.cross_entropy import IGNORE_INDEX
+from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -109,21 +110,6 @@ def _dense_mlp_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def _replicate_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Keep an MoE block whole on every tp rank: gather its tokens in, give back the rank's shard.
-
-    Every tp rank then routes the same tokens through the same experts, so outputs, router
-    statistics and gradients are identical across tp (no reduction needed).
-    """
-    residual = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(moe, tp_mesh, PrepareModuleInput(
-        input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True))
-    if sequence_parallel:
-        # MoE returns (output, RouterStats): only the output tensor is re-split along the sequence.
-        parallelize_module(moe, tp_mesh, PrepareModuleOutput(
-            output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None), use_local_output=True))
-
-
 def _pad_sequence_to_tp_multiple(forward, tp: int):
     """Wrap Transformer.forward so any sequence length works under sequence parallelism.
 
@@ -175,7 +161,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             plan.update({"attn_norm": SequenceParallel(use_local_output=True),
                          "mlp_norm": SequenceParallel(use_local_output=True)})
         if isinstance(block.mlp, MoE):
-            _replicate_moe(block.mlp, tp_mesh, sequence_parallel)
+            apply_expert_tensor_parallel(block.mlp, tp_mesh, sequence_parallel)
         else:
             plan.update(_dense_mlp_plan(sequence_parallel))
         parallelize_module(block, tp_mesh, plan)
