@@ -103,7 +103,9 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
                     rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
-                    returned rows for the combine); MoE is replicated over tp
+                    returned rows for the combine); with t > 1 the tp ranks split the experts: a rank's
+                    expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
+                    keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time.
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
@@ -131,6 +133,8 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
         experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
+        if t > 1:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
+            experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
         mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         mlp_selective = gathered + w * k * (2 * h + 2 * fe)
     else:

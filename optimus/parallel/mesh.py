@@ -83,6 +83,12 @@ class ParallelDims:
             raise LayoutError(f"parallel.ep ({self.ep}) needs an MoE model (model.n_experts > 0): set parallel.ep=1")
         if model.is_moe and model.n_experts % self.ep:
             raise LayoutError(f"parallel.ep ({self.ep}) must divide model.n_experts ({model.n_experts})")
+        if model.is_moe and self.tp > 1 and model.n_experts % (self.ep * self.tp):
+            raise LayoutError(
+                f"parallel.ep x tp ({self.ep} x {self.tp}) must divide model.n_experts ({model.n_experts}): under "
+                f"tensor parallelism each tp rank owns n_experts / (ep x tp) experts; lower tp or ep, or change "
+                f"model.n_experts"
+            )
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The job's DeviceMesh with every dimension named, plus its flattened views."""

@@ -6,6 +6,7 @@ raises LayoutError (a ConfigError) with one line naming the problem and the fix.
 
     degrees      each >= 1; dp_replicate x dp_shard x tp x pp = world size; ep divides dp_shard
     model        tp divides the query and KV heads; ep > 1 needs an MoE model and divides its experts;
+                 ep x tp divides the experts (tp ranks split each ep rank's experts);
                  pp x virtual stages <= layers; tp divides train.seq_len (sequence parallelism)
     pipeline     pp_virtual_stages > 1 exactly with pp_schedule=interleaved_1f1b;
                  1f1b needs at least pp micro-batches per step; interleaved 1F1B a count torch's

@@ -116,7 +116,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
     hbm = cluster.hbm_gb_s * 1e9
     dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.pp
-    expert_weights = layers * shape.block_experts / dims.ep
+    expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
     dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
@@ -149,7 +149,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = shape.embedding / dims.tp + shape.head if dims.pp == 1 else max(shape.embedding / dims.tp, shape.head)
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
-    expert_stage = layers * shape.block_experts / dims.ep
+    expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
     fsdp_mb = step_sync = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
     dp_mod_ep_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)

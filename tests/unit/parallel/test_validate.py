@@ -46,6 +46,8 @@ def test_an_explicit_micro_batch_is_kept():
     ({"tp": 8}, {}, {}, None, "must divide model.n_heads"),
     ({"tp": 2}, {"seq_len": 33}, {}, None, "train.seq_len (33) must be a multiple of parallel.tp (2)"),
     ({"dp_shard": 3, "ep": 3}, {"global_batch_size": 9}, {}, None, "must divide model.n_experts"),
+    ({"dp_shard": 2, "ep": 2, "tp": 4}, {}, {"n_experts": 4, "n_heads": 4}, None,
+     "parallel.ep x tp (2 x 4) must divide model.n_experts (4)"),
     ({"dp_shard": 2, "ep": 2}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "needs an MoE model"),
     ({"pp": 8}, {"global_batch_size": 8}, {}, None, "fewer than the pipeline stages"),
     ({"pp": 2}, {"micro_batch_size": 8}, {}, None, "needs at least pp (2) micro-batches per step, got 1"),
