@@ -150,12 +150,14 @@ def _check_ep_tp_layer(rank: int, world: int, dispatch: str) -> None:
     assert seen == [int(((top_ids // n_local) == block).sum())]
 
 
-@pytest.mark.parametrize("dispatch", ["all_to_all", pytest.param("allgather", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 4 ranks; make test runs the ep x tp layout on the fake device (test_fake_device.py)
+@pytest.mark.parametrize("dispatch", ["all_to_all", "allgather"])
 def test_ep_2_x_tp_2_moe_layer_matches_one_process(dispatch):
     run_distributed(_check_ep_tp_layer, 4, dispatch)
 
 
-# --- whole training runs: 5 steps of losses and the step-1 gradients of every parameter ---
+# --- whole training runs: the losses and the step-1 gradients of every parameter ---
+@pytest.mark.slow  # make test runs tp=2 x dp_shard=2 MoE (test_tensor_parallel.py) and the run below
 def test_tp_2_moe_model_matches_one_process():
     check_layout(tiny_config(moe=True, parallel=dict(tp=2)), world_size=2)
 

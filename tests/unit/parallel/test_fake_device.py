@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from fake_device import CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device
 from optimus.testing.parity import tiny_config
@@ -57,6 +58,9 @@ def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **t
         assert not result.skipped
         for name, param in model.named_parameters():
             assert param.device == device, name
+            if ".experts." in name and dims.tp > 1:  # the tp ranks split the experts (expert_tensor_parallel)
+                tp_dim = param.device_mesh.mesh_dim_names.index("tp")
+                assert param.placements[tp_dim] == Shard(0), (name, param.placements)
             assert param.grad is None or param.grad.device == device, name
             assert param.dtype == torch.float32, name  # fp32 master weights
         for state in optimizer.state.values():
