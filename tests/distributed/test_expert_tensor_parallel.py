@@ -162,10 +162,28 @@ def test_tp_2_moe_model_matches_one_process():
     check_layout(tiny_config(moe=True, parallel=dict(tp=2)), world_size=2)
 
 
-def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_one_process():
+def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_resumes_at_tp_1(tmp_path):
+    """Steps 1-2 at tp=2 (zero2, selective recompute of the MoE, the reference expert loop) match one
+    process, losses and every gradient; their DCP checkpoint then resumes in one process (tp=1)."""
+    from optimus.testing.parity import (
+        LOSS_RTOL_LATER_STEPS,
+        CheckpointPlan,
+        RunRecord,
+        assert_parity,
+        merge_rank_records,
+        reference_run,
+        run_parallel_rank,
+        run_single_process,
+    )
+
     config = tiny_config(moe=True, model=dict(moe_impl="reference"), parallel=dict(tp=2, shard_mode="zero2"),
                          train=dict(activation_checkpointing="selective", recompute=["moe"]))
-    check_layout(config, world_size=2, steps=3)
+    reference = reference_run(config, 3)
+    saved = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 2, CheckpointPlan(str(tmp_path), save=True)))
+    assert_parity(RunRecord(losses=reference.losses[:2], grads=reference.grads), saved)
+    one_process = config.model_copy(update={"parallel": type(config.parallel)()})
+    resumed = run_single_process(one_process, 3, CheckpointPlan(str(tmp_path), load_step=2))
+    assert resumed.losses[0] == pytest.approx(reference.losses[2], rel=LOSS_RTOL_LATER_STEPS)
 
 
 @pytest.mark.slow  # extra layouts beyond the required ones
