@@ -150,8 +150,7 @@ def _check_ep_tp_layer(rank: int, world: int, dispatch: str) -> None:
     assert seen == [int(((top_ids // n_local) == block).sum())]
 
 
-@pytest.mark.slow  # 4 ranks; make test runs the ep x tp layout on the fake device (test_fake_device.py)
-@pytest.mark.parametrize("dispatch", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("dispatch", ["all_to_all", pytest.param("allgather", marks=pytest.mark.slow)])
 def test_ep_2_x_tp_2_moe_layer_matches_one_process(dispatch):
     run_distributed(_check_ep_tp_layer, 4, dispatch)
 
@@ -179,7 +178,8 @@ def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_re
     config = tiny_config(moe=True, model=dict(moe_impl="reference"), parallel=dict(tp=2, shard_mode="zero2"),
                          train=dict(activation_checkpointing="selective", recompute=["moe"]))
     reference = reference_run(config, 3)
-    saved = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 2, CheckpointPlan(str(tmp_path), save=True)))
+    save = CheckpointPlan(str(tmp_path), save=True)
+    saved = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 2, save))
     assert_parity(RunRecord(losses=reference.losses[:2], grads=reference.grads), saved)
     one_process = config.model_copy(update={"parallel": type(config.parallel)()})
     resumed = run_single_process(one_process, 3, CheckpointPlan(str(tmp_path), load_step=2))
