@@ -15,7 +15,7 @@ Why experts split over tp, and not Megatron-Core's expert-TP (each expert's FFN 
   whose F is already small: 1024 for OLMoE), and its communication is Megatron's SP MLP pattern
   (all-gather in, reduce-scatter out): expert-TP moves the same bytes.
 - Its cost: the tp ranks share the routing's imbalance (a rank's load is its experts' tokens).
-So there is no `expert_tp` knob: split_experts is the one scheme (see DESIGN.md).
+So there is no `expert_tp` knob: splitting the experts is the one scheme (docs/scaling.md).
 
 What runs where, and why the gradients come out exact:
 - The router runs on every tp rank on the same tokens, so router statistics (aux loss, z-loss,

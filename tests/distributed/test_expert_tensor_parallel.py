@@ -187,11 +187,14 @@ def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_re
 
 
 @pytest.mark.slow  # extra layouts beyond the required ones
-@pytest.mark.parametrize("parallel", [
-    dict(tp=2, dp_shard=2, ep=2, ep_dispatch="allgather", shard_mode="zero1"),
-    dict(tp=2, dp_replicate=2),
-    dict(tp=2, pp=2, pp_schedule="1f1b"),
-], ids=["ep2-allgather-zero1", "hsdp", "pp2"])
-def test_tp_2_moe_extra_layouts_match_one_process(parallel):
+@pytest.mark.parametrize("parallel, train", [
+    (dict(tp=2, dp_shard=2, ep=2, ep_dispatch="allgather", shard_mode="zero1"), {}),
+    (dict(tp=2, dp_replicate=2), {}),
+    (dict(tp=2, pp=2, pp_schedule="1f1b"), {}),
+    (dict(tp=2), dict(activation_checkpointing="ops")),
+    (dict(tp=2), dict(activation_checkpointing="full")),
+], ids=["ep2-allgather-zero1", "hsdp", "pp2", "ops-checkpointing", "full-checkpointing"])
+def test_tp_2_moe_extra_layouts_match_one_process(parallel, train):
     world = 2 * parallel.get("dp_shard", 1) * parallel.get("dp_replicate", 1) * parallel.get("pp", 1)
-    check_layout(tiny_config(moe=True, model=dict(n_layers=4), parallel=parallel), world_size=world, steps=3)
+    config = tiny_config(moe=True, model=dict(n_layers=4), parallel=parallel, train=train)
+    check_layout(config, world_size=world, steps=3)
