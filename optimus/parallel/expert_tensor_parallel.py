@@ -8,8 +8,10 @@ parallelism). No tp rank runs every expert on every token, and each holds 1/tp o
 
 Why experts split over tp, and not Megatron-Core's expert-TP (each expert's FFN split column/row-wise):
 - Our expert weights are `w_gate_up [E, D, 2F]` with the gate and up columns merged. An F-split
-  gives each rank a non-contiguous piece (gate columns and up columns) that no DTensor placement
-  DCP can save describes, so checkpoints would lose their single-device form and tp=1 resharding.
+  gives each rank two separate column ranges (its gate columns and the matching up columns), but
+  DCP records one contiguous box per shard: checkpoints would lose their single-device form and
+  tp=1 resharding (keeping Shard(2) instead would put all gate columns on one rank and all up
+  columns on another, and SwiGLU would need an all-to-all of [T k, F] activations per layer).
   Splitting along the expert dim is Shard(0): the same placement expert parallelism uses.
 - Its GEMMs stay whole-width (F/tp-wide expert GEMMs run far below peak for fine-grained experts,
   whose F is already small: 1024 for OLMoE), and its communication is Megatron's SP MLP pattern
@@ -29,6 +31,11 @@ What runs where, and why the gradients come out exact:
   (placements Shard(0), Shard(0) on mesh ("ep", "tp")). tp rank t handles its tp column (blocks
   t, tp + t, ...) and dispatches those copies over its ep group exactly as expert parallelism
   does (ExpertParallelExperts' all_to_all / allgather), including its 1/ep gradient scaling.
+
+Costs besides the experts' own: each tp rank sorts all T k token copies (the other ranks' copies
+into one trailing group it skips) with the fused permute op, reads its row count on the host (a
+device sync, as expert parallelism's dispatch does), and its combine keeps all T k rows for
+backward (the skipped ones as zeros).
 
 Weights stay DTensors of the single-device shapes and names (`experts.w_gate_up`, `experts.w_down`),
 so DCP checkpoints reshard to and from any layout, tp=1 included.
