@@ -16,9 +16,8 @@ from torch import nn
 from optimus.models.attention import Attention
 from optimus.models.config import ModelConfig
 from optimus.models.init import initial_rows
-from optimus.models.layers import RMSNorm, SwiGLUMLP, rotary_cos_sin
+from optimus.models.layers import LMHead, RMSNorm, SwiGLUMLP, rotary_cos_sin
 from optimus.models.moe import MoE, RouterStats
-from optimus.ops.cross_entropy import linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -70,7 +69,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.d_model, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, S] -> logits [B, S, V]; with labels [B, S], the losses instead of logits."""
@@ -86,7 +85,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is None:
             return ModelOutput(logits=self.lm_head(h))
-        ce_loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        ce_loss = self.lm_head.cross_entropy(h, labels)
         return self._assemble_loss(ce_loss, router_stats)
 
     def _assemble_loss(self, ce_loss: torch.Tensor, router_stats: list[RouterStats]) -> ModelOutput:

@@ -115,7 +115,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     recomputes norms and activations:
         attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h).
     Plus the embedding output (w h / t) and, on the rank with the LM head, the fused loss head's
-    saved gradients: w h per token and the fp32 LM-head weight gradient (4 V h).
+    saved gradients: w h per token and the fp32 gradient of the rank's LM-head rows (4 V h / t).
     Checked against the tensors autograd really saves (tiny fp32 and bf16 models on CPU, no
     checkpointing): within 10%.
     """
@@ -153,7 +153,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * (attn_full + mlp_full)
     total = (per_token + block_input) * tokens
     if has_loss_head:
-        total += tokens * h * w + m.vocab_size * h * 4
+        total += tokens * h * w + m.vocab_size * h * 4 / t
     return total
 
 

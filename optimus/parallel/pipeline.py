@@ -27,7 +27,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from optimus.models.layers import rotary_cos_sin
 from optimus.models.transformer import Transformer
-from optimus.ops.cross_entropy import linear_cross_entropy
 from optimus.parallel.validate import check_pipeline_micro_batches
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -100,7 +99,7 @@ class PipelineStageModule(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)
-        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self.lm_head.cross_entropy(h, labels)
 
 
 class PipelineRuntime:
@@ -116,10 +115,13 @@ class PipelineRuntime:
         self._n_microbatches = 1
 
     def refresh_layers(self, model: Transformer) -> None:
-        """Point the stages at model.layers' current blocks (after activation checkpointing wrapped them)."""
+        """Point the stages at model's current blocks (after activation checkpointing wrapped them) and
+        LM head (tensor parallelism swaps in a vocabulary-parallel one)."""
         for stage in self.stages:
             for key in list(stage.layers.keys()):
                 stage.layers[key] = model.layers[key]
+            if stage.lm_head is not None:
+                stage.lm_head = model.lm_head
 
     def _loss(self, ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the last stage's output is already the micro-batch's mean cross-entropy (its labels came as a

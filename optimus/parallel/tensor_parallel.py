@@ -16,10 +16,15 @@ What is split over the tp mesh, and why:
   on the local tokens (SequenceParallel), attention/MLP inputs are all-gathered and their
   outputs reduce-scattered.
 - embedding: vocab-parallel (row-wise), output reduce-scattered to sequence shards.
-- final norm and LM head stay replicated over tp: the fused loss head takes the LM-head weight
-  directly, so the final hidden states are gathered and each tp rank computes the (same) loss.
-  This keeps the loss exactly the single-process one; loss_parallel would save the duplicated
-  vocab matmul and is a later optimisation.
+- final norm: on the local tokens under sequence parallelism (SequenceParallel), like the
+  blocks' norms.
+- LM head and loss: vocab-parallel (`vocab_parallel.VocabParallelLMHead` replaces the model's
+  LMHead, as ShardedRMSNorm replaces QK-norm): the weight is one DTensor Shard(0) over tp, each
+  rank computes the logits and the softmax statistics of its own vocabulary rows, chunk by chunk,
+  and the fused vocab-parallel cross-entropy combines them with one small collective per chunk.
+  No rank holds full-vocabulary logits in training; `model(ids).logits` gathers them.
+  The final hidden states enter the head all-gathered along the sequence (their gradient
+  reduce-scattered back). A vocabulary that tp does not divide is split unevenly, as DTensor splits.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
 from optimus.ops.cross_entropy import IGNORE_INDEX
 from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+from optimus.parallel.vocab_parallel import VocabParallelLMHead
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -148,11 +154,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if getattr(model, "embed", None) is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if getattr(model, "norm", None) is not None and sequence_parallel:
-        # The loss head needs every token: gather the sequence shards before the final norm.
-        root_plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)
+        # on the local tokens: the vocab-parallel head gathers them itself (after the norm, not before)
+        root_plan["norm"] = SequenceParallel(use_local_output=True)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = VocabParallelLMHead(model.lm_head, tp_mesh, sequence_parallel)
     if sequence_parallel and getattr(model, "embed", None) is not None:
         model.forward = _pad_sequence_to_tp_multiple(model.forward, tp_mesh.size())
     for block in model.layers.values():

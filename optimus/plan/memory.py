@@ -35,7 +35,7 @@ class ModelShape:
     block_attention: int  # per block: the attention matrices (part of block_tp_split; for the FLOP split)
     block_experts: int  # per block: expert weights (split over ep x tp)
     embedding: int
-    head: int  # LM head and final norm (whole on every tp rank)
+    head: int  # LM head (split over tp along the vocabulary) and final norm (whole, negligible)
 
     @classmethod
     def of(cls, config: Config) -> "ModelShape":
@@ -75,8 +75,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     width = 2 if config.train.dtype in ("bf16", "auto") else 4
     layers = _ceil_div(shape.n_layers, dims.pp)
     first, last = stage == 0, stage == dims.pp - 1
-    # the embedding is split over tp; the LM head is not (the fused loss head works on whole vocabulary rows)
-    root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head if last else 0)
+    # the embedding and the LM head are split over tp along the vocabulary (parallel/vocab_parallel.py)
+    root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
     dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
     gathered_block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / (dims.ep * dims.tp)

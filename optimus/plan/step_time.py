@@ -115,7 +115,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # input gradient and written as the weight gradient (3 passes), once more when recomputed; this is what
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
     hbm = cluster.hbm_gb_s * 1e9
-    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.pp
+    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / (dims.tp * dims.pp)
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
@@ -147,7 +147,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         pp_mb = 2 * p2p_time(pp_link.alpha, beta, act_bytes / dims.tp)
 
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
-    root = shape.embedding / dims.tp + shape.head if dims.pp == 1 else max(shape.embedding / dims.tp, shape.head)
+    root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
     fsdp_mb = step_sync = 0.0
