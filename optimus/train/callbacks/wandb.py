@@ -27,9 +27,13 @@ class WandbLogger(Callback):
 
     def on_train_start(self, start_step: int, max_steps: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # mode="offline": nothing leaves this machine; the run's files stay under RUN/wandb
+        # mode="offline": nothing leaves this machine; the run's files stay under RUN/wandb. W&B neither
+        # captures the console (the trainer's lines stay as they are) nor samples system statistics.
+        quiet = self._wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False,
+                                     disable_git=True)
         self.run = self._wandb.init(project=self.settings.project, name=self.settings.name or self.config.run.name,
-                                    dir=str(self.run_dir), mode="offline", config=self.config.model_dump(mode="json"))
+                                    dir=str(self.run_dir), mode="offline", config=self.config.model_dump(mode="json"),
+                                    settings=quiet)
 
     def _log(self, step: int, scalars: dict[str, float]) -> None:
         if self.run is not None and scalars:
