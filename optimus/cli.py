@@ -280,7 +280,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
 
 # --------------------------------------------------------------------------------------- report
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
-    from optimus.train.report import ReportError, write_report
+    from optimus.report import ReportError, write_report
 
     try:
         path = write_report(args.run, args.out)

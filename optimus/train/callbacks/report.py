@@ -1,4 +1,4 @@
-"""report.html at the end of every run (rank 0): the run report of optimus/train/report.py."""
+"""report.html at the end of every run (rank 0): the run report of optimus/report."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class RunReport(Callback):
     def on_train_end(self, step: int) -> None:
         if self.written_unless():
             return
-        from optimus.train.report import ReportError, write_report
+        from optimus.report import ReportError, write_report
 
         try:
             write_report(self.run_dir)

@@ -28,9 +28,12 @@ class ThroughputMetrics(Callback):
                                 world_size=trainer.dims.world_size)
         self._warned_impossible_mfu = False
         self._logged_first_row = False
+        self._window_started = False
 
-    def on_train_start(self, start_step: int, max_steps: int) -> None:
-        self.meter.report()  # start the throughput window now, not at construction
+    def on_step_start(self, step: int) -> None:
+        if not self._window_started:  # the first step: not construction, nor the other callbacks' start-up
+            self._window_started = True
+            self.meter.report()
 
     def on_step_result(self, step: int, result: Any) -> bool:
         self.meter.add(result.tokens)
@@ -67,12 +70,11 @@ class MemoryMetrics(Callback):
     def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
         peak, source = peak_memory_bytes(self.device)
         mine = torch.tensor([float(peak)], dtype=torch.float64, device=self.device)
+        everyone = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = torch.empty(dist.get_world_size(), dtype=torch.float64, device=self.device)
-            dist.all_gather_into_tensor(everyone, mine)
-        else:
-            everyone = mine
-        record["memory_peak_gib"] = [round(value / GIB, 4) for value in everyone.tolist()]
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+        record["memory_peak_gib"] = [round(value.item() / GIB, 4) for value in everyone]
         if not self._logged_source:
             self._logged_source = True
             record["memory_source"] = source

@@ -14,7 +14,7 @@ from optimus.cli import main
 from optimus.config import build_config
 from optimus.testing.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, RunReport, read_metrics
-from optimus.train.report import MAX_HEATMAP_COLUMNS, RunRecords, expert_load_data
+from optimus.report.panels import MAX_HEATMAP_COLUMNS, RunRecords, expert_load_data
 from optimus.train.trainer import Trainer
 
 MOE = dict(n_layers=2, n_experts=4, top_k=2, expert_ffn_hidden=32)
