@@ -278,6 +278,18 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- report
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.report import ReportError, write_report
+
+    try:
+        path = write_report(args.run, args.out)
+    except ReportError as err:
+        raise UsageError(str(err)) from None
+    print(f"report: {path}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from rich.console import Console
@@ -449,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("hf_dir")
     imp.add_argument("--out", required=True)
     imp.set_defaults(func=cmd_import)
+
+    report = verbs.add_parser("report", help="one HTML page of a run's curves (loss, throughput, MFU, expert load, "
+                                             "memory, checkpoints...), written at the end of every run too")
+    report.add_argument("run")
+    report.add_argument("--out", default=None, help="the HTML file to write (default RUN/report.html)")
+    report.set_defaults(func=cmd_report)
 
     verify = verbs.add_parser("verify", help="check every checkpoint of a run (sizes, hashes, index); exit 2 if any is bad")
     verify.add_argument("run")

@@ -25,6 +25,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging, offline only: files under RUN/wandb, uploaded later with `wandb sync`."""
+
+    project: str = "optimus"
+    name: str | None = Field(None, description="unset: run.name")
+
+
 class TrainConfig(_Section):
     seq_len: int = Field(256, gt=0)
     micro_batch_size: int | None = Field(
@@ -53,6 +60,8 @@ class TrainConfig(_Section):
     recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
         default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
     tensorboard: bool = False
+    wandb: WandbConfig | None = Field(None, description="set (e.g. {project: mula}) to log to W&B offline; "
+                                                        "needs the wandb package")
 
     @field_validator("eval_tasks")
     @classmethod
