@@ -33,6 +33,7 @@ class Cluster:
     node_power_kw: float
     pue: float
     grid_kgco2_per_kwh: float
+    nics_per_node: int = 1  # network interfaces per node; inter_node_gb_s is their sum
 
     def peak_flops(self, dtype: str) -> float:
         """Datasheet peak FLOP/s of one device in "bf16" or "fp32" (dense, no sparsity)."""

@@ -31,7 +31,7 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, p2p_time, ring_time
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.memory import ModelShape
 
 DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
@@ -142,9 +142,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         ep_mb = layers * exchanges * one
     pp_mb = 0.0
     if dims.pp > 1:  # activations forward, their gradients backward, one send each per micro-batch
-        pp_link = group_link(dims, ("pp",), cluster)
-        beta = pp_link.beta if pp_link.size == pp_link.per_node else cluster.inter_node_gb_s * 1e9 / cluster.devices_per_node
-        pp_mb = 2 * p2p_time(pp_link.alpha, beta, act_bytes / dims.tp)
+        pp_mb = 2 * send_time(group_link(dims, ("pp",), cluster), act_bytes / dims.tp)
 
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = shape.embedding / dims.tp + shape.head if dims.pp == 1 else max(shape.embedding / dims.tp, shape.head)
