@@ -349,18 +349,17 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import format_table, write_best_config, write_json
     from optimus.plan.search import plan
-    from optimus.plan.step_time import DEFAULT_EFFICIENCY, Efficiency
 
     cluster = load_cluster(args.cluster)  # an unknown cluster fails before the config is read
     if args.tokens is not None and args.tokens <= 0:
         raise UsageError(f"--tokens must be positive (got {args.tokens:g})")
     if args.top < 1:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
-    eff = args.efficiency if args.efficiency is not None else DEFAULT_EFFICIENCY
-    if not 0 < eff <= 1:
-        raise UsageError(f"--efficiency must be in (0, 1] (got {eff:g})")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
     config = load_config(args.config, overrides)
-    candidates = plan(config, cluster, args.devices, Efficiency(eff, eff, eff))
+    efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
+    candidates = plan(config, cluster, args.devices, efficiency)
     if not candidates:
         raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
                          f"check train.global_batch_size (it must divide over the data-parallel ranks)")
@@ -469,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
     plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")
     plan.add_argument("--efficiency", type=float, default=None,
-                      help="fraction of peak FLOP/s the GEMMs reach (default 0.80: measured H100 dense matmul)")
+                      help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
+                           "efficiency block)")
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "

@@ -20,7 +20,8 @@ from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
 from optimus.parallel.dry_run import HEADROOM
 from optimus.plan.memory import ModelShape, peak_memory
-from optimus.plan.step_time import Efficiency, step_time
+from optimus.plan.efficiency import Efficiency
+from optimus.plan.step_time import step_time
 
 GIB = 1024**3
 
@@ -98,13 +99,16 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                                         dict(micro_batch_size=mbs, activation_checkpointing=ac)
 
 
-def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency = Efficiency()) -> list[Candidate]:
-    """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first."""
+def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None) -> list[Candidate]:
+    """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
+
+    efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
+    """
     if devices < 1 or devices % cluster.devices_per_node:
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
                           f"{cluster.name} node: ask for whole nodes")
-    if config.train.dtype == "auto":  # the accelerators planned for compute bf16 natively
-        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+    if config.train.dtype == "auto":  # as the trainer resolves it on this cluster's devices (bf16 on accelerators)
+        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": cluster.auto_dtype})})
     shape = ModelShape.of(config)
     budget = cluster.memory_bytes * HEADROOM
     out: list[Candidate] = []

@@ -14,13 +14,16 @@
                  gradient reduce-scatter (fp32); only what exceeds the micro-batch's compute is exposed
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
+    memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE, routing permutes and the loss's fp32 softmax
+                 over the vocabulary (bytes counted in memory_bound_bytes), over hbm_gb_s x memory_bound
+    op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
+                 presets, where launches run ahead of the device; calibrated on a CPU)
     per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1/zero2's gradient
                  reduce-scatter and parameter all-gather, and the AdamW update (memory bound: 30 bytes of
-                 HBM traffic per owned element)
+                 HBM traffic per owned element, at the memory_bound efficiency)
 
-Efficiency: the fraction of the datasheet peak a large GEMM reaches. Default 0.80, from the one measured
-anchor we have (REFERENCE.md: ~790 of 989 TFLOP/s bf16 dense matmul on H100); grouped GEMM and attention
-use it too until they are calibrated. Override per class with Efficiency(...).
+Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
+preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
 """
 
 from __future__ import annotations
@@ -32,19 +35,17 @@ from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
+from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape
 
-DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fraction of peak FLOP/s each op class reaches."""
-
-    dense_gemm: float = DEFAULT_EFFICIENCY
-    grouped_gemm: float = DEFAULT_EFFICIENCY
-    attention: float = DEFAULT_EFFICIENCY
+# aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
+# block, per MoE block (the fused expert op is one call whatever the expert count), and embedding + final norm +
+# loss head; a backward runs about twice as many
+DENSE_BLOCK_OPS, MOE_BLOCK_OPS, ROOT_OPS = 84, 92, 23
+BACKWARD_OPS_FACTOR = 2.0
+OPTIMIZER_OPS = 60  # the foreach AdamW update and gradient clipping: a few dozen multi-tensor operators per step
+LOSS_LOGIT_PASSES = 3  # the fused loss head writes fp32 logits, reads them for log-sum-exp, writes their gradient
 
 
 @dataclass
@@ -95,9 +96,40 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
     return {c: by_class[c] / 3.0 for c in chosen}
 
 
+def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool, loss_head: bool) -> float:
+    """HBM bytes one micro-batch's memory-bound ops move on one rank (forward, backward = 2x, a recomputed forward).
+
+    Per token and block, in activation elements (h = d_model, kv = KV width, f = FFN width, k = top_k, fe = expert
+    width, E = experts): two norms read and write h (4h), QK-norm and RoPE read and write q and k (4 (h + kv)), two
+    residual adds read two and write one (6h), SwiGLU reads gate and up and writes their product (3f, or k x 3fe
+    for MoE plus the router's E logits read and written twice (4E) and the permute/unpermute of k rows (4kh)).
+    Split over tp (sequence parallel). Plus, on the loss-head stage, LOSS_LOGIT_PASSES fp32 passes over the logits.
+    """
+    m, train = config.model, config.train
+    width = 2 if train.dtype == "bf16" else 4
+    h, kv = m.d_model, m.kv_heads * m.head_dim
+    mlp = (3 * m.top_k * m.expert_ffn_hidden + 4 * m.n_experts + 4 * m.top_k * h) if m.is_moe else 3 * m.ffn_hidden
+    per_token_layer = 4 * h + 4 * (h + kv) + 6 * h + mlp
+    passes = 3 + (1 if recompute else 0)  # forward, backward (reads saved + writes gradients), recompute
+    tokens = train.micro_batch_size * train.seq_len
+    block = tokens * layers * per_token_layer * width * passes / dims.tp
+    loss = tokens * m.vocab_size * 4 * LOSS_LOGIT_PASSES if loss_head else 0.0
+    return block + loss
+
+
+def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root: bool) -> float:
+    """Operators one rank launches for one micro-batch (forward, backward, recomputed forward)."""
+    forward = layers * (MOE_BLOCK_OPS if config.model.is_moe else DENSE_BLOCK_OPS) + (ROOT_OPS if root else 0)
+    return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
+
+
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
-              efficiency: Efficiency = Efficiency(), micro_batches: int = 1) -> StepTime:
-    """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`."""
+              efficiency: Efficiency | None = None, micro_batches: int = 1) -> StepTime:
+    """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`.
+
+    efficiency: per op class; None takes the cluster's (its preset's defaults, or the calibration here).
+    """
+    efficiency = efficiency or cluster.efficiency
     train, p = config.train, config.parallel
     dtype = "fp32" if train.dtype == "fp32" else "bf16"
     width = 2 if dtype == "bf16" else 4
@@ -121,7 +153,12 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
     dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
     expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
-    compute_mb = dense_s + expert_s + flop_s["attention"]
+    recompute = config.train.activation_checkpointing != "none"
+    # the rank with the most work: the last stage (loss head) when it is also the first, else the larger of both
+    hbm_eff = hbm * efficiency.memory_bound
+    memory_mb = memory_bound_bytes(config, dims, layers, recompute, loss_head=True) / hbm_eff
+    overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
+    compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
@@ -165,7 +202,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         step_sync = 2 * width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
-    optimizer = owned * ADAMW_BYTES_PER_ELEMENT / (cluster.hbm_gb_s * 1e9)
+    optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
 
     exposed_fsdp = max(0.0, fsdp_mb - compute_mb)
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp
@@ -178,7 +215,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                                                // config.model.n_experts) if config.model.is_moe else 0)
     model_flops = flops_per_token(ParameterCount(shape.total, active, shape.embedding), config.model, train.seq_len)
     mfu = model_flops * tokens / (step * dims.world_size * peak)
-    parts = {"compute": compute_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
+    parts = {"compute": (compute_mb - memory_mb - overhead_mb) * micro_batches, "memory_bound": memory_mb * micro_batches,
+             "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "bubble": pipeline * bubble, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)

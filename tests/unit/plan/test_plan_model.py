@@ -164,8 +164,28 @@ def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
     flops = flops_per_token(count_parameters(model, layout.config.model), layout.config.model, 4096)
     # compute bound at 32k tokens per micro-batch: exactly the FLOPs at half the datasheet peak
     assert time.parts["compute"] == pytest.approx(tokens * flops / (0.5 * cluster.peak_flops("bf16")), rel=1e-3)
-    assert time.step_s == pytest.approx(time.parts["compute"] + time.parts["optimizer"])
+    assert time.step_s == pytest.approx(time.parts["compute"] + time.parts["memory_bound"] + time.parts["op_overhead"]
+                                        + time.parts["optimizer"])
     assert time.mfu == pytest.approx(0.5 * time.parts["compute"] / time.step_s, rel=1e-3)
+
+
+def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import Efficiency, memory_bound_bytes, operators_per_micro_batch, step_time
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=8",
+                                                            "--train.activation_checkpointing=full"])
+    layout = validate_layout(config, 1)
+    shape, cluster = ModelShape.of(layout.config), _toy()
+    slow = step_time(layout.config, layout.dims, shape, cluster, Efficiency(0.5, 0.5, 0.5, 0.25, 20.0), 1)
+    fast = step_time(layout.config, layout.dims, shape, cluster, Efficiency(0.5, 0.5, 0.5, 0.5, 10.0), 1)
+    moved = memory_bound_bytes(layout.config, layout.dims, 4, recompute=True, loss_head=True)
+    assert slow.parts["memory_bound"] == pytest.approx(moved / (0.25 * cluster.hbm_gb_s * 1e9))
+    assert slow.parts["memory_bound"] == pytest.approx(2 * fast.parts["memory_bound"])
+    ops = operators_per_micro_batch(layout.config, 4, recompute=True, root=True)
+    assert slow.parts["op_overhead"] == pytest.approx(20e-6 * ops) and ops > 4 * 92
+    assert slow.parts["compute"] == pytest.approx(fast.parts["compute"])  # the FLOP classes did not change
 
 
 def test_energy_is_nodes_times_power_times_time_times_pue():
