@@ -19,6 +19,7 @@ from optimus.parallel.mesh import LayoutError
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
 from optimus.parallel.dry_run import HEADROOM
+from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
 from optimus.plan.memory import ModelShape, peak_memory
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.step_time import step_time
@@ -62,14 +63,6 @@ class Candidate:
         """Devices of the layout (the product of its degrees)."""
         p = self.config.parallel
         return p.dp_replicate * p.dp_shard * p.tp * p.pp
-
-
-def run_cost(cluster: Cluster, devices: int, tokens_per_s: float, tokens: float) -> dict[str, float]:
-    """Days to train `tokens`, energy (nodes x node power x time x PUE) in MWh, and tCO2e at the grid's intensity."""
-    seconds = tokens / tokens_per_s
-    energy_mwh = devices / cluster.devices_per_node * cluster.node_power_kw * seconds / 3600 * cluster.pue / 1000
-    return {"days": seconds / 86400, "energy_mwh": energy_mwh, "pue": cluster.pue,
-            "kgco2_per_kwh": cluster.grid_kgco2_per_kwh, "co2_t": energy_mwh * cluster.grid_kgco2_per_kwh}
 
 
 def _divisors(n: int) -> list[int]:

@@ -188,11 +188,24 @@ def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     assert slow.parts["compute"] == pytest.approx(fast.parts["compute"])  # the FLOP classes did not change
 
 
-def test_energy_is_nodes_times_power_times_time_times_pue():
-    from optimus.plan.search import run_cost
+def test_energy_is_nodes_times_power_times_time_and_carbon_adds_pue_and_grid():
+    from optimus.plan.energy import run_cost
 
     aurora = load_cluster("aurora")
     cost = run_cost(aurora, devices=24, tokens_per_s=1e6, tokens=3.6e9)  # one hour on 2 nodes
     assert cost["days"] == pytest.approx(1 / 24)
-    assert cost["energy_mwh"] == pytest.approx(2 * aurora.node_power_kw * 1.0 * aurora.pue / 1000)
-    assert cost["co2_t"] == pytest.approx(cost["energy_mwh"] * aurora.grid_kgco2_per_kwh)
+    assert cost["energy_mwh"] == pytest.approx(2 * aurora.node_power_kw * 1.0 / 1000)
+    assert cost["facility_mwh"] == pytest.approx(cost["energy_mwh"] * aurora.pue)
+    assert cost["co2_t"] == pytest.approx(cost["energy_mwh"] * aurora.pue * aurora.grid_kgco2_per_kwh)
+
+
+def test_carbon_arithmetic_reproduces_every_row_of_lumis_published_table():
+    from optimus.plan.energy import PUBLISHED_TRAININGS, carbon_t, energy_table
+
+    assert len(PUBLISHED_TRAININGS) == 6
+    for name, _hardware, mwh, pue, intensity, published_t in PUBLISHED_TRAININGS:
+        # the table prints whole tonnes: ours must round to the same figure
+        assert round(carbon_t(mwh, pue, intensity)) == published_t, name
+    table = energy_table([("ours", "8 x H100", 2.0, 1.1, 0.385, carbon_t(2.0, 1.1, 0.385))])
+    assert table.splitlines()[1].split()[:6] == ["Gopher-280B", "TPUv3", "1,066", "1.08", "0.330", "380"]
+    assert table.splitlines()[-1].split() == ["ours", "8", "x", "H100", "2", "1.10", "0.385", "0.847"]
