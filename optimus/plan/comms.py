@@ -156,3 +156,20 @@ def send_time(link: Link, nbytes: float) -> float:
 def p2p_time(link_alpha: float, beta: float, nbytes: float) -> float:
     """One point-to-point send on an explicit (alpha, beta)."""
     return link_alpha + nbytes / beta
+
+
+# the groups the trainer communicates over (optimus/parallel/mesh.py's dims and flattened views)
+GROUPS = {"tp": ("tp",), "ep": ("ep",), "dp_shard": ("dp_shard_mod_ep", "ep"),
+          "dp_mod_ep": ("dp_replicate", "dp_shard_mod_ep"), "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+          "dp_replicate": ("dp_replicate",), "pp": ("pp",)}
+
+
+def placement(dims: ParallelDims, cluster: Cluster) -> dict[str, str]:
+    """Where each communicating group of the layout sits: "intra-node (k)" or "k per node x n nodes" (size > 1)."""
+    out = {}
+    for name, group in GROUPS.items():
+        link = group_link(dims, group, cluster)
+        if link.size > 1:
+            out[name] = (f"intra-node ({link.size})" if not link.spans_nodes
+                         else f"{link.per_node} per node x {link.nodes} nodes")
+    return out

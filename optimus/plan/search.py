@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from optimus.config import Config, ConfigError
-from optimus.parallel.mesh import LayoutError
+from optimus.parallel.mesh import LayoutError, ParallelDims
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
+from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
 from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
 from optimus.plan.memory import ModelShape, peak_memory
@@ -54,10 +55,15 @@ class Candidate:
         """The JSON entry: layout, fit, memory, time, and with a token budget the days, energy and CO2."""
         out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
                                "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                               "step_parts_s": self.parts}
+                               "step_parts_s": self.parts, "placement": placement(self.dims(), cluster)}
         if tokens:
             out.update(run_cost(cluster, self.config_world(), self.tokens_per_s, tokens))
         return out
+
+    def dims(self) -> ParallelDims:
+        """The layout's degrees."""
+        p = self.config.parallel
+        return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, self.config_world())
 
     def config_world(self) -> int:
         """Devices of the layout (the product of its degrees)."""

@@ -134,6 +134,17 @@ def test_spanning_nodes_is_slower_and_placement_decides_it():
     assert send_time(pp, 1e9) == pytest.approx(10e-6 + 1e9 / 10e9)
 
 
+def test_placement_names_which_groups_stay_inside_a_node():
+    from optimus.plan.comms import placement
+
+    aurora = load_cluster("aurora")  # 12 tiles per node: the published EP 12 x PP 8 on 3,072 tiles
+    where = placement(ParallelDims(dp_shard=384, ep=12, pp=8, world_size=3072), aurora)
+    assert where["ep"] == "intra-node (12)"  # ep innermost (tp = 1) fills the node
+    assert where["dp_mod_ep"] == "1 per node x 32 nodes"  # so each expert shard's replicas are one per node
+    assert where["dp"] == "12 per node x 32 nodes" and where["pp"] == "1 per node x 8 nodes"
+    assert "tp" not in where  # size 1: no collective
+
+
 def test_all_to_all_splits_on_node_and_off_node_traffic():
     cluster = _toy(n=4)
     send = 1.6e9
