@@ -54,15 +54,6 @@ class Link:
         """True when some members are on different nodes."""
         return self.nodes > 1
 
-    # the single (alpha, beta) of the group's slowest link, for callers that want one number
-    @property
-    def alpha(self) -> float:
-        return self.inter_alpha if self.spans_nodes else self.intra_alpha
-
-    @property
-    def beta(self) -> float:
-        return min(self.inter_beta, self.intra_beta) if self.spans_nodes else self.intra_beta
-
 
 def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
     """Each mesh dimension's size, in MESH_DIMS order (outermost first)."""
@@ -153,21 +144,16 @@ def send_time(link: Link, nbytes: float) -> float:
     return link.intra_alpha + nbytes / link.intra_beta
 
 
-def p2p_time(link_alpha: float, beta: float, nbytes: float) -> float:
-    """One point-to-point send on an explicit (alpha, beta)."""
-    return link_alpha + nbytes / beta
-
-
 # the groups the trainer communicates over (optimus/parallel/mesh.py's dims and flattened views)
-GROUPS = {"tp": ("tp",), "ep": ("ep",), "dp_shard": ("dp_shard_mod_ep", "ep"),
-          "dp_mod_ep": ("dp_replicate", "dp_shard_mod_ep"), "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
-          "dp_replicate": ("dp_replicate",), "pp": ("pp",)}
+GROUPS = (("tp", ("tp",)), ("ep", ("ep",)), ("dp_shard", ("dp_shard_mod_ep", "ep")),
+          ("dp_mod_ep", ("dp_replicate", "dp_shard_mod_ep")), ("dp", ("dp_replicate", "dp_shard_mod_ep", "ep")),
+          ("dp_replicate", ("dp_replicate",)), ("pp", ("pp",)))
 
 
 def placement(dims: ParallelDims, cluster: Cluster) -> dict[str, str]:
     """Where each communicating group of the layout sits: "intra-node (k)" or "k per node x n nodes" (size > 1)."""
     out = {}
-    for name, group in GROUPS.items():
+    for name, group in GROUPS:
         link = group_link(dims, group, cluster)
         if link.size > 1:
             out[name] = (f"intra-node ({link.size})" if not link.spans_nodes
