@@ -21,8 +21,8 @@ from _common import machine_info  # noqa: E402
 from optimus.plan import published  # noqa: E402
 
 
-def _figure(x) -> str:
-    return f"{x:.1%}" if isinstance(x, float) and x < 2 else str(x)
+def _figure(x: float, fraction: bool) -> str:
+    return f"{x:.1%}" if fraction else f"{x:g}"
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/results/plan_published.json", help="where to write the rows")
     parser.add_argument("--no-search", action="store_true", help="skip the Aurora comparisons that search layouts")
     args = parser.parse_args()
-    groups = [published.lumi, published.frontier, published.frontier_scaling, published.aurora_weak_scaling]
+    groups = [published.energy, published.lumi, published.frontier, published.frontier_scaling, published.aurora_weak_scaling]
     if not args.no_search:
         groups += [published.aurora_layout, published.aurora_scaling]
     rows = []
@@ -38,9 +38,10 @@ def main() -> None:
     for group in groups:
         for row in group():
             rows.append(row)
-            band = "exact" if row.band == 0 else f"{row.band:.0%}"
-            print(f"{row.case:<100.100} {_figure(row.published):>9} {_figure(row.ours):>7} {band:>6}  "
-                  f"{'yes' if row.met else 'NO'}\n    {row.note}\n    source: {row.source}", flush=True)
+            band = "exact" if row.band == 0 else _figure(row.band, row.fraction)
+            note = f"\n    {row.note}" if row.note else ""
+            print(f"{row.case:<100.100} {_figure(row.published, row.fraction):>9} {_figure(row.ours, row.fraction):>7} "
+                  f"{band:>6}  {'yes' if row.met else 'NO'}{note}\n    source: {row.source}", flush=True)
     print(f"{sum(r.met for r in rows)} of {len(rows)} within their bands")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from typing import Any
 from optimus.config import Config, load_config
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster, load_cluster
+from optimus.plan.energy import PUBLISHED_TRAININGS, carbon_t
 from optimus.plan.memory import ModelShape, peak_memory
 from optimus.plan.step_time import StepTime, step_time
 
@@ -61,6 +62,7 @@ class Comparison:
     band: float
     source: str
     note: str = ""
+    fraction: bool = True  # the figures are fractions (print as %); False: counts, tonnes
 
     @property
     def met(self) -> bool:
@@ -152,7 +154,7 @@ def lumi() -> list[Comparison]:
     gcds = -(-weights // cluster.memory_bytes)
     return [Comparison("LUMI: GCDs just to hold a 140B-class model's 16-bit weights", 5, int(gcds), 0.0, LUMI_SOURCE,
                        f"GPT-shaped 80 x 12288: {weights / 2e9:.1f}B parameters, {weights / 1e9:.0f} GB of bf16 weights "
-                       f"over {cluster.memory_gb:g} GiB GCDs")]
+                       f"over {cluster.memory_gb:g} GiB GCDs", fraction=False)]
 
 
 def mula_220b(devices: int, global_batch: int = 3072, schedule: str = "1f1b") -> Config:
@@ -230,7 +232,15 @@ def aurora_weak_scaling() -> list[Comparison]:
     ]
 
 
+def energy() -> list[Comparison]:
+    """LUMI's table of published trainings: our carbon arithmetic (MWh x PUE x kgCO2e/kWh) on each row's own inputs
+    gives its printed tCO2e (band: the table's rounding to whole tonnes)."""
+    return [Comparison(f"energy table: {name} ({hardware}) tCO2e from {mwh:,} MWh x PUE {pue} x {intensity} kgCO2e/kWh",
+                       published_t, round(carbon_t(mwh, pue, intensity), 2), 0.5, LUMI_SOURCE, fraction=False)
+            for name, hardware, mwh, pue, intensity, published_t in PUBLISHED_TRAININGS]
+
+
 def all_comparisons(search: bool = True) -> list[Comparison]:
     """Every comparison; search=False leaves out the two that run the layout search (tens of seconds)."""
-    out = lumi() + frontier() + frontier_scaling() + aurora_weak_scaling()
+    out = energy() + lumi() + frontier() + frontier_scaling() + aurora_weak_scaling()
     return out + (aurora_layout() + aurora_scaling() if search else [])

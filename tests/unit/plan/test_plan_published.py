@@ -26,6 +26,11 @@ def test_met_published_figures_stay_within_their_band(rows, case):
     assert row.met, (row.case, row.published, row.ours, row.note)
 
 
+def test_energy_rows_reproduce_lumis_table():
+    rows = published.energy()
+    assert len(rows) == 6 and all(r.met for r in rows)
+
+
 def test_frontier_figures_are_megatron_deepspeeds_count_with_recompute():
     # the published "% of peak" counts the recomputed forward (factor 4 of 3): our MFU is 3/4 of it here
     (row,) = [r for r in published.frontier() if r.case.startswith("Frontier 22B")]
