@@ -6,8 +6,10 @@ fraction of a peak:
     dense_gemm      attention projections, dense MLP, LM head: fraction of peak FLOP/s
     grouped_gemm    the MoE experts (torch._grouped_mm, Triton, or a loop over experts): fraction of peak FLOP/s
     attention       the scores and the weighted sum (SDPA / flash attention): fraction of peak FLOP/s
-    memory_bound    norms, activation functions, residual adds, RoPE, routing permutes, the loss's softmax over
-                    the vocabulary, the AdamW update: fraction of peak memory bandwidth (hbm_gb_s)
+    loss_head       the LM head's GEMMs with the cross-entropy over the vocabulary (its softmax passes included):
+                    fraction of peak FLOP/s on the head's 6 T d V FLOPs
+    memory_bound    norms, activation functions, residual adds, RoPE, routing permutes, the AdamW update:
+                    fraction of peak memory bandwidth (hbm_gb_s)
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
                     work; near zero on a GPU fed asynchronously, tens of microseconds on a CPU running tiny ops
 
@@ -22,6 +24,9 @@ from typing import Any
 
 DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
 DEFAULT_MEMORY_BOUND = 0.70  # reasoning: unfused eager elementwise kernels reach ~60-80% of a GPU's HBM peak
+# reasoning: the head GEMMs run at dense_gemm; the fp32 softmax over each chunk of logits adds ~2 passes of
+# 4 V bytes per token against 6 d V FLOPs, ~10% on a GPU at d = 4096
+DEFAULT_LOSS_HEAD = 0.70
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Efficiency:
     attention: float = DEFAULT_EFFICIENCY
     memory_bound: float = DEFAULT_MEMORY_BOUND
     op_overhead_us: float = 0.0
+    loss_head: float = DEFAULT_LOSS_HEAD
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, where: str) -> "Efficiency":
@@ -55,4 +61,4 @@ class Efficiency:
 
     def with_gemm(self, value: float) -> "Efficiency":
         """The same with one efficiency for every compute class (the `--efficiency` flag)."""
-        return Efficiency(value, value, value, self.memory_bound, self.op_overhead_us)
+        return Efficiency(value, value, value, self.memory_bound, self.op_overhead_us, value)

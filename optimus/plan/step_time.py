@@ -17,8 +17,9 @@
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
-    memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE, routing permutes and the loss's fp32 softmax
-                 over the vocabulary (bytes counted in memory_bound_bytes), over hbm_gb_s x memory_bound
+    memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
+                 memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
+                 part of the loss_head class (the LM head's FLOPs at its own efficiency)
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
                  presets, where launches run ahead of the device; calibrated on a CPU)
     per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
@@ -49,7 +50,6 @@ ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write maste
 DENSE_BLOCK_OPS, MOE_BLOCK_OPS, ROOT_OPS = 84, 92, 23
 BACKWARD_OPS_FACTOR = 2.0
 OPTIMIZER_OPS = 60  # the foreach AdamW update and gradient clipping: a few dozen multi-tensor operators per step
-LOSS_LOGIT_PASSES = 3  # the fused loss head writes fp32 logits, reads them for log-sum-exp, writes their gradient
 
 
 @dataclass
@@ -100,14 +100,14 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
     return {c: by_class[c] / 3.0 for c in chosen}
 
 
-def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool, loss_head: bool) -> float:
+def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool) -> float:
     """HBM bytes one micro-batch's memory-bound ops move on one rank (forward, backward = 2x, a recomputed forward).
 
     Per token and block, in activation elements (h = d_model, kv = KV width, f = FFN width, k = top_k, fe = expert
     width, E = experts): two norms read and write h (4h), QK-norm and RoPE read and write q and k (4 (h + kv)), two
     residual adds read two and write one (6h), SwiGLU reads gate and up and writes their product (3f, or k x 3fe
     for MoE plus the router's E logits read and written twice (4E) and the permute/unpermute of k rows (4kh)).
-    Split over tp (sequence parallel). Plus, on the loss-head stage, LOSS_LOGIT_PASSES fp32 passes over the logits.
+    Split over tp (sequence parallel).
     """
     m, train = config.model, config.train
     width = 2 if train.dtype == "bf16" else 4
@@ -116,9 +116,7 @@ def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recomput
     per_token_layer = 4 * h + 4 * (h + kv) + 6 * h + mlp
     passes = 3 + (1 if recompute else 0)  # forward, backward (reads saved + writes gradients), recompute
     tokens = train.micro_batch_size * train.seq_len
-    block = tokens * layers * per_token_layer * width * passes / dims.tp
-    loss = tokens * m.vocab_size * 4 * LOSS_LOGIT_PASSES if loss_head else 0.0
-    return block + loss
+    return tokens * layers * per_token_layer * width * passes / dims.tp
 
 
 def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root: bool) -> float:
@@ -142,7 +140,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     tokens_mb = train.micro_batch_size * train.seq_len
     by_class = _flops_by_class(config, shape)
     recomputed = _recomputed_flops(config, by_class)
-    rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.dense_gemm,
+    rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.loss_head,
             "experts": efficiency.grouped_gemm, "attention": efficiency.attention}
     layers = -(-shape.n_layers // dims.pp)
     # the pipeline runs at the pace of its slowest stage: the last one, which holds ceil(L / pp) blocks AND the
@@ -164,7 +162,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     recompute = config.train.activation_checkpointing != "none"
     # the rank with the most work: the last stage (loss head) when it is also the first, else the larger of both
     hbm_eff = hbm * efficiency.memory_bound
-    memory_mb = memory_bound_bytes(config, dims, layers, recompute, loss_head=True) / hbm_eff
+    memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
     overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
     compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb
 

@@ -168,7 +168,7 @@ def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
                                                               "--train.seq_len=4096"])
     layout = validate_layout(config, 1)
     cluster = _toy()
-    time = step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, Efficiency(0.5, 0.5, 0.5), 1)
+    time = step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, Efficiency(0.5, 0.5, 0.5, loss_head=0.5), 1)
     assert time.parts["tp"] == time.parts["ep"] == time.parts["pp_p2p"] == time.parts["dp_sync"] == time.bubble_fraction == 0
     tokens = 8 * 4096
     model = build_model(layout.config.model, device="meta")
@@ -191,7 +191,7 @@ def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     shape, cluster = ModelShape.of(layout.config), _toy()
     slow = step_time(layout.config, layout.dims, shape, cluster, Efficiency(0.5, 0.5, 0.5, 0.25, 20.0), 1)
     fast = step_time(layout.config, layout.dims, shape, cluster, Efficiency(0.5, 0.5, 0.5, 0.5, 10.0), 1)
-    moved = memory_bound_bytes(layout.config, layout.dims, 4, recompute=True, loss_head=True)
+    moved = memory_bound_bytes(layout.config, layout.dims, 4, recompute=True)
     assert slow.parts["memory_bound"] == pytest.approx(moved / (0.25 * cluster.hbm_gb_s * 1e9))
     assert slow.parts["memory_bound"] == pytest.approx(2 * fast.parts["memory_bound"])
     ops = operators_per_micro_batch(layout.config, 4, recompute=True, root=True)
