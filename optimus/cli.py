@@ -361,18 +361,21 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import format_table, write_best_config, write_json
     from optimus.plan.search import plan
-    from optimus.plan.step_time import DEFAULT_EFFICIENCY, Efficiency
 
-    cluster = load_cluster(args.cluster)  # an unknown cluster fails before the config is read
+    if args.calibrate and args.cluster != "here":
+        raise UsageError(f"--calibrate measures this machine: use it with --cluster here (not '{args.cluster}')")
+    cluster = None if args.cluster == "here" else load_cluster(args.cluster)  # an unknown one fails before the config
     if args.tokens is not None and args.tokens <= 0:
         raise UsageError(f"--tokens must be positive (got {args.tokens:g})")
     if args.top < 1:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
-    eff = args.efficiency if args.efficiency is not None else DEFAULT_EFFICIENCY
-    if not 0 < eff <= 1:
-        raise UsageError(f"--efficiency must be in (0, 1] (got {eff:g})")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
     config = load_config(args.config, overrides)
-    candidates = plan(config, cluster, args.devices, Efficiency(eff, eff, eff))
+    if cluster is None:
+        cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
+    efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
+    candidates = plan(config, cluster, args.devices, efficiency)
     if not candidates:
         raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
                          f"check train.global_batch_size (it must divide over the data-parallel ranks)")
@@ -385,6 +388,72 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     elif args.write_config:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
+    return 0
+
+
+def here_cache_files() -> tuple[Path, tuple[Path, str]]:
+    """(the `here` planner cache, the CPU-speed cache and its kernel key): per host, under XDG_CACHE_HOME."""
+    from optimus.parallel.launch import cpu_speed_cache
+
+    cpu_file, kernel_env = cpu_speed_cache()
+    return cpu_file.parent / "plan_here.json", (cpu_file, kernel_env)
+
+
+def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
+    """The measured `here` cluster for `devices` ranks; with `calibrate`, measure everything again first."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.calibrate import calibrate_op_classes, describe
+    from optimus.plan.here import here_cluster, machine, write_cache
+
+    cache_file, cpu_cache = here_cache_files()
+    if devices < 1:
+        raise UsageError(f"--devices must be at least 1 (got {devices})")
+    if calibrate:
+        print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2 and 4 ranks, op classes "
+              f"at {config_path}'s shapes): about a minute", flush=True)
+    entry = machine(cache_file, cpu_cache, remeasure=calibrate)
+    if calibrate:
+        resolved = validate_layout(config, 1).config  # the micro-batch the op classes are timed at
+        entry.update(calibrate_op_classes(resolved, entry))
+        entry["calibrated_for"] = (f"{Path(config_path).name}: {resolved.train.micro_batch_size} x "
+                                   f"{resolved.train.seq_len} tokens")
+        write_cache(cache_file, entry)
+        print("\n".join(describe(entry)))
+        print(f"stored in {cache_file}; later `optimus plan ... --cluster here` runs use it")
+    elif "efficiency" not in entry:
+        print("here: op-class efficiencies are CPU defaults, not measured: run `optimus plan CONFIG --cluster here "
+              "--devices N --calibrate` once", file=sys.stderr)
+    return here_cluster(entry, devices)
+
+
+def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.config import load_config
+    from optimus.plan.report import write_best_config
+    from optimus.plan.tune import format_trials, tune
+
+    for flag, value in (("--trials", args.trials), ("--ranks", args.ranks), ("--steps", args.steps)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be at least 0 (got {args.warmup})")
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
+    config = load_config(args.config, overrides)
+    cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config)
+    out_dir = Path(args.out)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
+                         steps=args.steps, warmup=args.warmup, seed=args.seed)
+    print(format_trials(records))
+    print(f"every trial: {out_dir / 'trials.jsonl'}")
+    if best is None:
+        print("no trial ran to the end: see the status column", file=sys.stderr)
+        return 1
+    path = out_dir / "best.yaml"
+    write_best_config(path, best, config)
+    print(f"best measured layout written to {path}")
     return 0
 
 
@@ -480,15 +549,31 @@ def build_parser() -> argparse.ArgumentParser:
     plan = verbs.add_parser("plan", help="predict memory, step time, MFU and energy of every valid layout on a cluster; "
                                          "rank them")
     plan.add_argument("config", help="YAML config (any model: a preset via --model.preset=NAME, or a config file)")
-    plan.add_argument("--cluster", required=True, help="cluster preset: aurora, frontier, lumi, h100, h200, a100")
+    plan.add_argument("--cluster", required=True,
+                      help="cluster preset: aurora, frontier, lumi, h100, h200, a100, or here (this machine, measured)")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="with --cluster here: time matmuls, memory-bound ops, operator overhead and gloo "
+                           "collectives at this config's shapes, store the fit for later runs, print it")
     plan.add_argument("--devices", type=int, required=True, help="devices (GPU tiles / GCDs) of the job: whole nodes")
     plan.add_argument("--tokens", type=float, default=None, help="token budget: also print days, MWh and tCO2e")
     plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
     plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")
     plan.add_argument("--efficiency", type=float, default=None,
-                      help="fraction of peak FLOP/s the GEMMs reach (default 0.80: measured H100 dense matmul)")
+                      help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
+                           "efficiency block)")
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
+
+    tune_ = verbs.add_parser("tune", help="measured layout search here: short real runs of the planner's feasible "
+                                          "layouts, chosen by optuna; every trial recorded, the best written as a config")
+    tune_.add_argument("config", help="YAML config (overrides as for train)")
+    tune_.add_argument("--trials", type=int, required=True, help="layouts to run")
+    tune_.add_argument("--ranks", type=int, default=1, help="processes per trial (gloo on this machine; default 1)")
+    tune_.add_argument("--steps", type=int, default=2, help="measured steps per trial, after the warm-up (default 2)")
+    tune_.add_argument("--warmup", type=int, default=1, help="steps not measured (default 1)")
+    tune_.add_argument("--seed", type=int, default=0, help="optuna sampler seed")
+    tune_.add_argument("--out", default="runs/tune", help="where trials.jsonl and best.yaml go (default runs/tune)")
+    tune_.set_defaults(func=cmd_tune, takes_overrides=True)
 
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
                                     "and ends a bad-input error with one line and exit code 2",

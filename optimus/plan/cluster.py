@@ -6,12 +6,13 @@ optimus/train/hardware.py DEVICE_PEAKS_TFLOPS, the table MFU is read against dur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from optimus.config import ConfigError
+from optimus.plan.efficiency import Efficiency
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 PRESETS_DIR = Path(__file__).resolve().parent / "clusters"
@@ -33,9 +34,15 @@ class Cluster:
     node_power_kw: float
     pue: float
     grid_kgco2_per_kwh: float
+    efficiency: Efficiency = field(default_factory=Efficiency)  # per op class: the preset's `efficiency:` block
+    auto_dtype: str = "bf16"  # what train.dtype "auto" resolves to: bf16 on accelerators, measured here
+    measured_peak_flops: dict[str, float] | None = None  # {"fp32": .., "bf16": ..}: `here`, probed, not a datasheet
+    nics_per_node: int = 1  # network interfaces per node; inter_node_gb_s is their sum
 
     def peak_flops(self, dtype: str) -> float:
-        """Datasheet peak FLOP/s of one device in "bf16" or "fp32" (dense, no sparsity)."""
+        """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""
+        if self.measured_peak_flops is not None:
+            return self.measured_peak_flops["fp32" if dtype == "fp32" else "bf16"]
         for fragment, bf16, fp32, _source in DEVICE_PEAKS_TFLOPS:
             if fragment == self.device:
                 return (fp32 if dtype == "fp32" else bf16) * 1e12
@@ -50,7 +57,7 @@ class Cluster:
 
 
 def cluster_names() -> list[str]:
-    """The presets shipped with the package."""
+    """The presets shipped with the package (plus `here`, this machine, measured: optimus/plan/calibrate.py)."""
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
@@ -58,9 +65,10 @@ def load_cluster(name: str) -> Cluster:
     """The preset called `name`; ConfigError (one line) when there is none."""
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ConfigError(f"unknown cluster '{name}': choose one of {', '.join(cluster_names())}")
+        raise ConfigError(f"unknown cluster '{name}': choose one of {', '.join(cluster_names() + ['here'])}")
     raw = yaml.safe_load(path.read_text())
     try:
+        raw["efficiency"] = Efficiency.from_dict(raw.get("efficiency"), f"cluster preset {path}")
         return Cluster(**raw)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"cluster preset {path} is malformed ({err}): fix its keys") from None

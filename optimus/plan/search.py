@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from optimus.config import Config, ConfigError
-from optimus.parallel.mesh import LayoutError
+from optimus.parallel.mesh import LayoutError, ParallelDims
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
+from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
+from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
 from optimus.plan.memory import ModelShape, peak_memory
-from optimus.plan.step_time import Efficiency, step_time
+from optimus.plan.efficiency import Efficiency
+from optimus.plan.step_time import step_time
 
 GIB = 1024**3
 
@@ -52,23 +55,20 @@ class Candidate:
         """The JSON entry: layout, fit, memory, time, and with a token budget the days, energy and CO2."""
         out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
                                "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                               "step_parts_s": self.parts}
+                               "step_parts_s": self.parts, "placement": placement(self.dims(), cluster)}
         if tokens:
             out.update(run_cost(cluster, self.config_world(), self.tokens_per_s, tokens))
         return out
+
+    def dims(self) -> ParallelDims:
+        """The layout's degrees."""
+        p = self.config.parallel
+        return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, self.config_world())
 
     def config_world(self) -> int:
         """Devices of the layout (the product of its degrees)."""
         p = self.config.parallel
         return p.dp_replicate * p.dp_shard * p.tp * p.pp
-
-
-def run_cost(cluster: Cluster, devices: int, tokens_per_s: float, tokens: float) -> dict[str, float]:
-    """Days to train `tokens`, energy (nodes x node power x time x PUE) in MWh, and tCO2e at the grid's intensity."""
-    seconds = tokens / tokens_per_s
-    energy_mwh = devices / cluster.devices_per_node * cluster.node_power_kw * seconds / 3600 * cluster.pue / 1000
-    return {"days": seconds / 86400, "energy_mwh": energy_mwh, "pue": cluster.pue,
-            "kgco2_per_kwh": cluster.grid_kgco2_per_kwh, "co2_t": energy_mwh * cluster.grid_kgco2_per_kwh}
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,13 +98,16 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                                         dict(micro_batch_size=mbs, activation_checkpointing=ac)
 
 
-def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency = Efficiency()) -> list[Candidate]:
-    """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first."""
+def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None) -> list[Candidate]:
+    """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
+
+    efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
+    """
     if devices < 1 or devices % cluster.devices_per_node:
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
                           f"{cluster.name} node: ask for whole nodes")
-    if config.train.dtype == "auto":  # the accelerators planned for compute bf16 natively
-        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+    if config.train.dtype == "auto":  # as the trainer resolves it on this cluster's devices (bf16 on accelerators)
+        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": cluster.auto_dtype})})
     shape = ModelShape.of(config)
     budget = cluster.memory_bytes * HEADROOM
     out: list[Candidate] = []

@@ -1,26 +1,34 @@
 """Step time of a layout: compute from FLOPs, collectives by alpha-beta, the pipeline bubble, and what overlaps.
 
     compute      FLOPs per token by op class (dense GEMM, grouped expert GEMM, attention scores), plus the
-                 forward FLOPs activation checkpointing recomputes, over peak x efficiency of that class,
-                 split evenly over tp x pp (ep moves tokens to experts, it does not change FLOPs per rank);
+                 forward FLOPs activation checkpointing recomputes, over peak x efficiency of that class, for the
+                 slowest pipeline stage (the last: ceil(L / pp) blocks split over tp, plus the whole LM head);
+                 ep moves tokens to experts, it does not change FLOPs per rank;
                  a GEMM class takes at least the time its weights need to stream from HBM (roofline: 3
                  passes per micro-batch, 4 when recomputed), which is what makes experts that see few
                  tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
                  activations before/after attention and MLP, forward and backward, again when recomputed),
-                 ep dispatch and combine (all-to-all, or all-gather + reduce-scatter), pp sends of
-                 activations and their gradients
-    per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward) and
-                 gradient reduce-scatter (fp32); only what exceeds the micro-batch's compute is exposed
+                 ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
+    per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
+                 gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
+                 virtual stage); only what exceeds the micro-batch's compute is exposed. Filling and draining the
+                 pipe waits for 2 (pp - 1) sends
+    collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
-    per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1/zero2's gradient
-                 reduce-scatter and parameter all-gather, and the AdamW update (memory bound: 30 bytes of
-                 HBM traffic per owned element)
+    memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
+                 memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
+                 part of the loss_head class (the LM head's FLOPs at its own efficiency)
+    op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
+                 presets, where launches run ahead of the device; calibrated on a CPU)
+    per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
+                 reduce-scatter (fp32) and the parameter all-gather after the update (zero2 hides its
+                 reduce-scatter behind the last micro-batch's backward, about 2/3 of its compute), and the AdamW
+                 update (memory bound: 30 bytes of HBM traffic per owned element, at the memory_bound efficiency)
 
-Efficiency: the fraction of the datasheet peak a large GEMM reaches. Default 0.80, from the one measured
-anchor we have (REFERENCE.md: ~790 of 989 TFLOP/s bf16 dense matmul on H100); grouped GEMM and attention
-use it too until they are calibrated. Override per class with Efficiency(...).
+Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
+preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
 """
 
 from __future__ import annotations
@@ -31,20 +39,17 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, p2p_time, ring_time
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
+from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape
 
-DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fraction of peak FLOP/s each op class reaches."""
-
-    dense_gemm: float = DEFAULT_EFFICIENCY
-    grouped_gemm: float = DEFAULT_EFFICIENCY
-    attention: float = DEFAULT_EFFICIENCY
+# aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
+# block, per MoE block (the fused expert op is one call whatever the expert count), and embedding + final norm +
+# loss head; a backward runs about twice as many
+DENSE_BLOCK_OPS, MOE_BLOCK_OPS, ROOT_OPS = 84, 92, 23
+BACKWARD_OPS_FACTOR = 2.0
+OPTIMIZER_OPS = 60  # the foreach AdamW update and gradient clipping: a few dozen multi-tensor operators per step
 
 
 @dataclass
@@ -95,9 +100,38 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
     return {c: by_class[c] / 3.0 for c in chosen}
 
 
+def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool) -> float:
+    """HBM bytes one micro-batch's memory-bound ops move on one rank (forward, backward = 2x, a recomputed forward).
+
+    Per token and block, in activation elements (h = d_model, kv = KV width, f = FFN width, k = top_k, fe = expert
+    width, E = experts): two norms read and write h (4h), QK-norm and RoPE read and write q and k (4 (h + kv)), two
+    residual adds read two and write one (6h), SwiGLU reads gate and up and writes their product (3f, or k x 3fe
+    for MoE plus the router's E logits read and written twice (4E) and the permute/unpermute of k rows (4kh)).
+    Split over tp (sequence parallel).
+    """
+    m, train = config.model, config.train
+    width = 2 if train.dtype == "bf16" else 4
+    h, kv = m.d_model, m.kv_heads * m.head_dim
+    mlp = (3 * m.top_k * m.expert_ffn_hidden + 4 * m.n_experts + 4 * m.top_k * h) if m.is_moe else 3 * m.ffn_hidden
+    per_token_layer = 4 * h + 4 * (h + kv) + 6 * h + mlp
+    passes = 3 + (1 if recompute else 0)  # forward, backward (reads saved + writes gradients), recompute
+    tokens = train.micro_batch_size * train.seq_len
+    return tokens * layers * per_token_layer * width * passes / dims.tp
+
+
+def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root: bool) -> float:
+    """Operators one rank launches for one micro-batch (forward, backward, recomputed forward)."""
+    forward = layers * (MOE_BLOCK_OPS if config.model.is_moe else DENSE_BLOCK_OPS) + (ROOT_OPS if root else 0)
+    return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
+
+
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
-              efficiency: Efficiency = Efficiency(), micro_batches: int = 1) -> StepTime:
-    """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`."""
+              efficiency: Efficiency | None = None, micro_batches: int = 1) -> StepTime:
+    """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`.
+
+    efficiency: per op class; None takes the cluster's (its preset's defaults, or the calibration here).
+    """
+    efficiency = efficiency or cluster.efficiency
     train, p = config.train, config.parallel
     dtype = "fp32" if train.dtype == "fp32" else "bf16"
     width = 2 if dtype == "bf16" else 4
@@ -106,22 +140,32 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     tokens_mb = train.micro_batch_size * train.seq_len
     by_class = _flops_by_class(config, shape)
     recomputed = _recomputed_flops(config, by_class)
-    rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.dense_gemm,
+    rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.loss_head,
             "experts": efficiency.grouped_gemm, "attention": efficiency.attention}
-    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) / (dims.tp * dims.pp) / (peak * rate[c])
-              for c in by_class}
     layers = -(-shape.n_layers // dims.pp)
+    # the pipeline runs at the pace of its slowest stage: the last one, which holds ceil(L / pp) blocks AND the
+    # whole LM head and loss (the first holds the embedding, a lookup); with few blocks per stage the head is a
+    # large share of it (220B-A10B at pp 32: 2 blocks + a head worth ~1.5 blocks)
+    share = {c: (1.0 if c == "head" else layers / shape.n_layers) for c in by_class}
+    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) * share[c] / dims.tp / (peak * rate[c])
+              for c in by_class}
     # roofline: a GEMM cannot run faster than its weights stream from HBM, read in the forward, read for the
     # input gradient and written as the weight gradient (3 passes), once more when recomputed; this is what
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
     hbm = cluster.hbm_gb_s * 1e9
-    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / (dims.tp * dims.pp)
+    # the last pipeline stage paces the pipe: its blocks plus the whole LM head (split over tp: vocab-parallel)
+    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.tp
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
     dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
     expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
-    compute_mb = dense_s + expert_s + flop_s["attention"]
+    recompute = config.train.activation_checkpointing != "none"
+    # the rank with the most work: the last stage (loss head) when it is also the first, else the larger of both
+    hbm_eff = hbm * efficiency.memory_bound
+    memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
+    overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
+    compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
@@ -140,11 +184,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
             one = ring_time(ep_link, dims.ep * act_bytes / dims.tp)
         ep_mb = layers * exchanges * one
-    pp_mb = 0.0
-    if dims.pp > 1:  # activations forward, their gradients backward, one send each per micro-batch
-        pp_link = group_link(dims, ("pp",), cluster)
-        beta = pp_link.beta if pp_link.size == pp_link.per_node else cluster.inter_node_gb_s * 1e9 / cluster.devices_per_node
-        pp_mb = 2 * p2p_time(pp_link.alpha, beta, act_bytes / dims.tp)
+    pp_mb = pp_fill = 0.0
+    if dims.pp > 1:
+        # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the
+        # schedule posts them asynchronously (isend/irecv), so in the steady state they hide behind the next
+        # micro-batch's compute and only the excess shows; filling and draining the pipe waits for each hop
+        virtual_sends = 2 * (p.pp_virtual_stages if dims.pp > 1 else 1)
+        one_send = send_time(group_link(dims, ("pp",), cluster), act_bytes / dims.tp)
+        pp_mb = max(0.0, virtual_sends * one_send - compute_mb)
+        pp_fill = 2 * (dims.pp - 1) * one_send
 
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
@@ -162,25 +210,32 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             rep_link = group_link(dims, ("dp_replicate",), cluster)
             step_sync = all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-    else:  # zero1/zero2: reduce-scatter the gradients, all-gather the updated parameters, once per step
+    else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
+        # parameters (compute dtype) after the update; zero2 starts each bucket's reduce-scatter as soon as the last
+        # micro-batch's backward has produced it, so that backward (about 2/3 of its compute) hides it
         dense_link = dp_link if p.ep_aware else dp_mod_ep_link
-        step_sync = 2 * width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+        reduce = 4 * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+        gather = width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+        if p.shard_mode == "zero2":
+            reduce = max(0.0, reduce - 2 / 3 * compute_mb)
+        step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
-    optimizer = owned * ADAMW_BYTES_PER_ELEMENT / (cluster.hbm_gb_s * 1e9)
+    optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
 
     exposed_fsdp = max(0.0, fsdp_mb - compute_mb)
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
-    pipeline = per_mb * micro_batches / (1 - bubble)
+    pipeline = per_mb * micro_batches / (1 - bubble) + pp_fill
     step = pipeline + step_sync + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
     model_flops = flops_per_token(ParameterCount(shape.total, active, shape.embedding), config.model, train.seq_len)
     mfu = model_flops * tokens / (step * dims.world_size * peak)
-    parts = {"compute": compute_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
+    parts = {"compute": (compute_mb - memory_mb - overhead_mb) * micro_batches, "memory_bound": memory_mb * micro_batches,
+             "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
-             "bubble": pipeline * bubble, "dp_sync": step_sync, "optimizer": optimizer}
+             "bubble": (pipeline - pp_fill) * bubble + pp_fill, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)

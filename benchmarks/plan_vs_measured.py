@@ -1,0 +1,178 @@
+"""The planner's calibrated prediction for this machine vs short real trainings here, layout by layout.
+
+    PYTHONPATH=. python benchmarks/plan_vs_measured.py [--json out.json] [--steps 3] [--warmup 2] [--only NAME,...]
+
+For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, zero1, TP, PP, EP, activation checkpointing)
+it runs the Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as
+torchrun gives them), for warm-up + measured steps, reads each step's time from its metrics.jsonl
+(global tokens per step / tokens_per_s, logged every step), and compares the median measured step with
+`step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
+when there is none), and each rank's memory with the planner's peak_memory.
+
+Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
+the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
+largest rank's. It therefore includes everything the training allocates on the host: what the planner counts
+(parameters, gradients, optimizer state, activations, FSDP transients), plus the data pipeline's token
+buffers and the CPU loss head's two [512, vocab] fp32 chunk buffers, which the comparison adds to the
+prediction (HOST_EXTRAS below), and what glibc keeps of freed memory, which it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import machine_info  # noqa: E402
+from optimus.config import load_config  # noqa: E402
+from optimus.testing.distributed import run_distributed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--train.dtype=fp32", "--train.seq_len=128", "--train.global_batch_size=8", "--train.log_every=1",
+        "--train.eval_every=100000", "--train.ckpt_every=100000"]
+DENSE, MOE = "configs/mula-tiny-dense.yaml", "configs/mula-tiny-moe.yaml"
+# name -> (config, ranks, overrides)
+LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
+    "dense-1": (DENSE, 1, []),
+    "dense-fsdp2": (DENSE, 2, ["--parallel.dp_shard=2"]),
+    "dense-zero1-2": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero1"]),
+    "dense-tp2": (DENSE, 2, ["--parallel.tp=2"]),
+    "dense-pp2": (DENSE, 2, ["--parallel.pp=2", "--train.micro_batch_size=2"]),
+    "dense-fsdp2-full-ac": (DENSE, 2, ["--parallel.dp_shard=2", "--train.activation_checkpointing=full"]),
+    "moe-1": (MOE, 1, []),
+    "moe-fsdp2-ep2": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2"]),
+    "moe-fsdp2-ep2-selective": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
+                                         "--train.activation_checkpointing=selective"]),
+    "moe-fsdp4-ep4": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=4"]),
+    "moe-pp2-ep2": (MOE, 4, ["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.pp=2",
+                             "--train.micro_batch_size=2"]),
+}
+SMOKE = ("dense-1", "moe-fsdp2-ep2")
+
+
+def host_extras(config) -> float:
+    """Host bytes a CPU training step holds beyond the planner's device-memory terms: the chunked loss head's two
+    [512, V] fp32 buffers (optimus/ops/cross_entropy.py) and the data pipeline's input and label batch."""
+    m, t = config.model, config.train
+    return 2 * 512 * m.vocab_size * 4 + 2 * 8 * t.global_batch_size * t.seq_len
+
+
+def _rss() -> tuple[int, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _train_rank(rank: int, world: int, config_path: str, overrides: list[str]) -> dict:
+    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
+    from optimus.train.trainer import Trainer
+
+    config = load_config(config_path, overrides)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set to the current one
+    except OSError:
+        pass
+    base, _ = _rss()
+    trainer = Trainer(config, progress_bar=False)
+    trainer.fit()
+    _, peak = _rss()
+    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
+
+
+def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > warmup]
+    return [tokens_per_step / r["tokens_per_s"] for r in steps]
+
+
+def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache) -> dict:
+    """The planner's step time (and its parts) and per-rank memory for this layout on `here`."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.here import here_cluster, machine
+    from optimus.plan.memory import ModelShape, peak_memory
+    from optimus.plan.step_time import step_time
+
+    entry = machine(cache_file, cpu_cache)
+    cluster = here_cluster(entry, ranks)
+    layout = validate_layout(load_config(config_path, overrides), ranks)
+    shape = ModelShape.of(layout.config)
+    time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
+    memory = peak_memory(layout.config, layout.dims, shape)
+    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": host_extras(layout.config),
+            "calibrated": "efficiency" in entry}
+
+
+def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache) -> dict:
+    """Train one layout briefly and predict it; the row of the table."""
+    config_path, ranks, extra = LAYOUTS[name]
+    config_path = str(ROOT / config_path)
+    with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
+        overrides = [*BASE, *extra, f"--train.max_steps={warmup + steps}", f"--run.dir={tmp}/run"]
+        config = load_config(config_path, overrides)
+        start = time.perf_counter()
+        ranks_out = run_distributed(_train_rank, ranks, config_path, overrides, timeout=900.0)
+        wall = time.perf_counter() - start
+        measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
+    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache)
+    step = statistics.median(measured)
+    memory = max(r["growth"] for r in ranks_out)
+    predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
+    return {"layout": name, "ranks": ranks, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
+            "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
+            "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
+            "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
+            "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out, "wall_s": wall,
+            "calibrated": predicted["calibrated"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="plan_vs_measured.json")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", default=None, help="comma-separated layout names (default: all); 'smoke': "
+                                                     + ",".join(SMOKE))
+    parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
+    args = parser.parse_args(argv)
+    from optimus.cli import here_cache_files
+
+    cache_file, cpu_cache = here_cache_files()
+    if args.cache:
+        cache_file = Path(args.cache)
+    names = list(LAYOUTS) if not args.only else (list(SMOKE) if args.only == "smoke" else args.only.split(","))
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        print(f"unknown layout {unknown[0]}: choose from {', '.join(LAYOUTS)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    rows = []
+    print(f"{'layout':<26} {'ranks':>5} {'measured s':>10} {'predicted s':>11} {'err':>7} {'meas MiB':>9} "
+          f"{'pred MiB':>9} {'err':>7}", flush=True)
+    for name in names:
+        row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache)
+        rows.append(row)
+        print(f"{name:<26} {row['ranks']:>5} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} "
+              f"{row['step_error']:>+7.1%} {row['measured_memory_bytes'] / 2**20:>9.0f} "
+              f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}", flush=True)
+    within = sum(abs(r["step_error"]) <= 0.15 for r in rows), sum(abs(r["memory_error"]) <= 0.10 for r in rows)
+    print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
+    Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
+                                           "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

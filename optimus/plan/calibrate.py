@@ -1,0 +1,230 @@
+"""`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
+
+Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of several sizes over 2 and 4 forked
+ranks on loopback; per world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
+(relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
+S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
+
+Op classes, each timed forward + backward with one thread (what torchrun gives each rank) at the shapes the
+planned model uses (micro-batch x sequence tokens), and read against the same formula the step-time model uses:
+    dense_gemm      the block's projections and its dense MLP: 6 T (in x out) FLOPs / time / peak
+    grouped_gemm    the MoE expert op (optimus.ops.moe_experts_forward) with random routing: 18 T k d fe FLOPs
+    attention       causal SDPA: 12 T d S FLOPs (the model's count, masked half included) / time / peak
+    loss_head       the fused LM head + cross-entropy (optimus.ops.linear_cross_entropy) on up to 1,024 of the
+                    T rows (it works chunk by chunk, so its rate per row does not depend on T): 6 T d V FLOPs
+    memory_bound    an RMSNorm, SwiGLU's product and a residual add at (T, d) / (T, f): the bytes
+                    step_time.memory_bound_bytes counts for them / time / one thread's copy bandwidth
+    op_overhead_us  a chain of tiny autograd ops: time / aten operators dispatched (counted)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimus.config import Config
+from optimus.plan.efficiency import Efficiency
+
+COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+COLLECTIVE_WORLDS = (2, 4)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """(runs on each forked rank) median seconds of each collective and size, the slowest rank's."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor names are deprecated aliases in 2.13
+    rows = []
+    for op in COLLECTIVES:
+        for nbytes in sizes:
+            n = max(world, nbytes // 4 // world * world)  # gathered / reduced elements, divisible by world
+            full, part = torch.ones(n), torch.ones(n // world)
+            run: Callable[[], None] = {
+                "all_reduce": lambda: dist.all_reduce(full),
+                "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
+            }[op]
+            run()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            # the fastest of the repeats: the cores are shared, and a rank descheduled mid-call says nothing
+            # about the link
+            slowest = torch.tensor([min(times)], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rows.append({"op": op, "ranks": world, "bytes": 4 * n, "seconds": float(slowest)})
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Least-squares alpha (us) and beta (GB/s) of comms.py's ring model over measured rows (relative error)."""
+    design, target = [], []
+    for r in rows:
+        g, factor = r["ranks"], (2.0 if r["op"] == "all_reduce" else 1.0)
+        design.append([factor * (g - 1) / r["seconds"], factor * (g - 1) / g * r["bytes"] / r["seconds"]])
+        target.append(1.0)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(design), np.array(target), rcond=None)
+    alpha, inv_beta = max(float(alpha), 1e-7), max(float(inv_beta), 1e-13)
+    predicted = [(2.0 if r["op"] == "all_reduce" else 1.0) * ((r["ranks"] - 1) * alpha + (r["ranks"] - 1) /
+                 r["ranks"] * r["bytes"] * inv_beta) for r in rows]
+    worst = max(abs(p - r["seconds"]) / r["seconds"] for p, r in zip(predicted, rows))
+    return {"alpha_us": alpha * 1e6, "beta_gb_s": 1e-9 / inv_beta, "worst_relative_error": worst}
+
+
+def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
+                        repeats: int = 10) -> dict[str, Any]:
+    """Time gloo collectives on forked ranks over loopback; fit alpha-beta per world size."""
+    from optimus.testing.distributed import run_distributed
+
+    rows: list[dict[str, Any]] = []
+    fits = {}
+    for world in worlds:
+        measured = run_distributed(_time_collectives, world, sizes, repeats, timeout=180.0)[0]
+        rows += measured
+        fits[str(world)] = fit_alpha_beta(measured)
+    return {"rows": rows, "fits": fits}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _best_time(fn: Callable[[], None], repeats: int = 2) -> float:
+    fn()  # warm-up: allocation and first-call dispatch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        out = fn(*inputs)
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float) -> dict[str, Any]:
+    """Time each op class at `config`'s shapes (one thread); return each class's efficiency and what it timed."""
+    from optimus.ops import moe_experts_forward
+    from optimus.ops.cross_entropy import linear_cross_entropy
+
+    m, train = config.model, config.train
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    width = 2 if dtype == "bf16" else 4
+    tokens = (train.micro_batch_size or 1) * train.seq_len
+    h, kv, f = m.d_model, m.kv_heads * m.head_dim, (m.ffn_hidden or 4 * m.d_model)
+
+    def tensor(*shape: int, grad: bool = True) -> torch.Tensor:
+        return (torch.randn(*shape) * 0.02).to(dt).requires_grad_(grad)
+
+    x = tensor(tokens, h)
+    measured: dict[str, Any] = {}
+    # dense: the block's projections (q, k, v, o, and the dense MLP's three when there is one)
+    shapes = [(h, h), (h, kv), (h, kv), (h, h)] + ([] if m.is_moe else [(h, f), (h, f), (f, h)])
+    flops = seconds = 0.0
+    for fan_in, fan_out in shapes:
+        inp = x if fan_in == h else tensor(tokens, fan_in)
+        seconds += _best_time(_forward_backward(lambda a, w: a @ w, inp, tensor(fan_in, fan_out)))
+        flops += 6.0 * tokens * fan_in * fan_out
+    measured["dense_gemm"] = {"seconds": seconds, "flops": flops}
+    if m.is_moe:
+        k, fe, experts = m.top_k, m.expert_ffn_hidden, m.n_experts
+        ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, k), dim=-1).to(dt)
+        run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), x,
+                                tensor(experts, h, 2 * fe), tensor(experts, fe, h))
+        measured["grouped_gemm"] = {"seconds": _best_time(run), "flops": 18.0 * tokens * k * h * fe}
+    heads, seq = m.n_heads, train.seq_len
+    batch = max(1, tokens // seq)
+    q = tensor(batch, heads, seq, m.head_dim)
+    kk, vv = tensor(batch, heads, seq, m.head_dim), tensor(batch, heads, seq, m.head_dim)
+    run = _forward_backward(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, kk, vv)
+    measured["attention"] = {"seconds": _best_time(run), "flops": 12.0 * tokens * h * seq}
+    # memory bound: a norm, a SwiGLU product, a residual add, and the loss's fp32 softmax over the vocabulary
+    from optimus.models.layers import RMSNorm
+
+    norm = RMSNorm(h).to(dt)
+    gate, up, res = tensor(tokens, f), tensor(tokens, f), tensor(tokens, h)
+    block = _forward_backward(lambda a, g, u, r: norm(a).sum() + (F.silu(g) * u).sum() + (a + r).sum(), x, gate, up, res)
+    measured["memory_bound"] = {"seconds": _best_time(block), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
+    rows = min(tokens, 1024)
+    labels = torch.randint(0, m.vocab_size, (rows,))
+    run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(m.vocab_size, h))
+    measured["loss_head"] = {"seconds": _best_time(run), "flops": 6.0 * rows * h * m.vocab_size}
+    # fixed cost per operator: a chain of tiny autograd ops, timed and counted
+    tiny = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        y = tiny
+        for _ in range(100):
+            y = y * 1.0001 + 0.0
+        y.sum().backward()
+
+    with _CountOps() as counter:
+        chain()
+    measured["op_overhead"] = {"seconds": _best_time(chain, 5), "operators": counter.count}
+
+    def rate(name: str) -> float:
+        return min(1.0, measured[name]["flops"] / measured[name]["seconds"] / peak_flops)
+
+    efficiency = Efficiency(
+        dense_gemm=rate("dense_gemm"), grouped_gemm=rate("grouped_gemm") if m.is_moe else rate("dense_gemm"),
+        attention=rate("attention"), loss_head=rate("loss_head"),
+        memory_bound=min(1.0, measured["memory_bound"]["bytes"] / measured["memory_bound"]["seconds"] / copy_bytes_s),
+        op_overhead_us=1e6 * measured["op_overhead"]["seconds"] / measured["op_overhead"]["operators"])
+    return {"efficiency": efficiency.to_dict(), "timed": measured}
+
+
+def calibrate_op_classes(config: Config, entry: dict[str, Any]) -> dict[str, Any]:
+    """Measure the op classes for `config` on one thread against this host's machine entry (see here.machine)."""
+    m = entry["machine"]
+    dtype = m["auto_dtype"] if config.train.dtype == "auto" else config.train.dtype
+    peak = m["fp32_flops_per_thread"] if dtype == "fp32" else m["bf16_flops_per_thread"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_op_classes(config, dtype, peak, m["copy_gb_s_one_thread"] * 1e9)
+    finally:
+        torch.set_num_threads(before)
+
+
+def describe(entry: dict[str, Any]) -> list[str]:
+    """What was measured, as lines to print."""
+    m = entry["machine"]
+    lines = [f"here: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 1024**3:.1f} GiB, measured {m['measured_at']}",
+             f"  matmul peak per thread: fp32 {m['fp32_flops_per_thread'] / 1e9:.1f} GFLOP/s, "
+             f"bf16 {m['bf16_flops_per_thread'] / 1e9:.1f} GFLOP/s (train.dtype auto -> {m['auto_dtype']})",
+             f"  copy bandwidth: {m['copy_gb_s_one_thread']:.1f} GB/s one thread, {m['copy_gb_s_all_cores']:.1f} GB/s all cores"]
+    for world, fit in sorted(m["collectives"]["fits"].items()):
+        lines.append(f"  gloo loopback, {world} ranks: alpha {fit['alpha_us']:.0f} us, beta {fit['beta_gb_s']:.2f} GB/s "
+                     f"(worst fit error {fit['worst_relative_error']:.0%})")
+    if "efficiency" in entry:
+        e, timed = entry["efficiency"], entry.get("timed", {})
+        lines.append(f"  op classes at {entry.get('calibrated_for', '?')} (one thread):")
+        for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound"):
+            took = timed.get(name, {}).get("seconds")
+            lines.append(f"    {name:<13} {e[name]:.2f} of peak" + (f" ({took * 1e3:.1f} ms timed)" if took else
+                                                                    " (no experts: as dense_gemm)"))
+        lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")
+    return lines

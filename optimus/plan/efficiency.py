@@ -1,0 +1,64 @@
+"""How close each class of operation comes to the device's peak: the step-time model's calibrated numbers.
+
+A training step is not one big GEMM. The planner splits its work into op classes, each with its own
+fraction of a peak:
+
+    dense_gemm      attention projections, dense MLP, LM head: fraction of peak FLOP/s
+    grouped_gemm    the MoE experts (torch._grouped_mm, Triton, or a loop over experts): fraction of peak FLOP/s
+    attention       the scores and the weighted sum (SDPA / flash attention): fraction of peak FLOP/s
+    loss_head       the LM head's GEMMs with the cross-entropy over the vocabulary (its softmax passes included):
+                    fraction of peak FLOP/s on the head's 6 T d V FLOPs
+    memory_bound    norms, activation functions, residual adds, RoPE, routing permutes, the AdamW update:
+                    fraction of peak memory bandwidth (hbm_gb_s)
+    op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
+                    work; near zero on a GPU fed asynchronously, tens of microseconds on a CPU running tiny ops
+
+A cluster preset carries defaults under `efficiency:` (each with its source or reasoning, in the YAML); the
+`here` cluster gets them from `optimus plan --calibrate`, which times each class at the planned model's shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
+DEFAULT_MEMORY_BOUND = 0.70  # reasoning: unfused eager elementwise kernels reach ~60-80% of a GPU's HBM peak
+# reasoning: the head GEMMs run at dense_gemm; the fp32 softmax over each chunk of logits adds ~2 passes of
+# 4 V bytes per token against 6 d V FLOPs, ~10% on a GPU at d = 4096
+DEFAULT_LOSS_HEAD = 0.70
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of peak each op class reaches (FLOP/s for the compute classes, bandwidth for memory_bound)."""
+
+    dense_gemm: float = DEFAULT_EFFICIENCY
+    grouped_gemm: float = DEFAULT_EFFICIENCY
+    attention: float = DEFAULT_EFFICIENCY
+    memory_bound: float = DEFAULT_MEMORY_BOUND
+    op_overhead_us: float = 0.0
+    loss_head: float = DEFAULT_LOSS_HEAD
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, where: str) -> "Efficiency":
+        """From a YAML/JSON mapping (missing keys keep their defaults); ValueError naming `where` when malformed."""
+        if raw is None:
+            return cls()
+        known = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or set(raw) - known:
+            raise ValueError(f"{where}: efficiency must be a mapping of {', '.join(sorted(known))}")
+        values = {k: float(v) for k, v in raw.items()}
+        bad = [k for k, v in values.items() if (k == "op_overhead_us" and v < 0) or (k != "op_overhead_us" and not 0 < v <= 1)]
+        if bad:
+            raise ValueError(f"{where}: efficiency {bad[0]}={values[bad[0]]:g} is out of range (fractions in (0, 1], "
+                             f"op_overhead_us >= 0)")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain mapping (for the calibration cache and --json)."""
+        return asdict(self)
+
+    def with_gemm(self, value: float) -> "Efficiency":
+        """The same with one efficiency for every compute class (the `--efficiency` flag)."""
+        return Efficiency(value, value, value, self.memory_bound, self.op_overhead_us, value)

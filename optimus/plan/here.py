@@ -1,0 +1,163 @@
+"""The `here` cluster: this machine, measured rather than read from a datasheet.
+
+What is measured (once, then cached per host in a JSON file whose path the CLI passes in):
+    matmul peak per dtype   optimus/train/hardware.py's probe with ONE thread (what torchrun gives each rank)
+    memory bandwidth        a large tensor copy, one thread and all cores
+    memory                  the OS's physical memory (sysconf), shared by the ranks
+    collectives             gloo over loopback, 2 and 4 forked ranks: alpha (per hop) and beta (per rank) fitted by
+                            least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
+    op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
+
+Ranks share the host: R ranks on C cores each get min(1, C / R) of a core's FLOP/s, the larger of a core's
+copy bandwidth and the socket's bandwidth / R, R / C times the fixed operator cost, and 1 / R of the memory.
+All of a job's ranks are on this one node, so every collective runs on the measured loopback link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optimus.config import ConfigError
+from optimus.plan.cluster import Cluster
+from optimus.plan.efficiency import Efficiency
+from optimus.train.hardware import cpu_model, cpu_speed
+
+# Without --calibrate: reasoning, not measurement. Eager PyTorch on a CPU reaches most of a core's GEMM rate on
+# model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
+# about half of a copy's bandwidth; an eager aten call costs ~10 us of dispatch on a current x86 core.
+CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=0.4, memory_bound=0.5,
+                                    op_overhead_us=10.0)
+CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
+COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
+
+
+def host_key() -> str:
+    """What a cached measurement is valid for: this host, its CPU, this torch."""
+    return "|".join([socket.gethostname(), cpu_model(), torch.__version__])
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def physical_memory_bytes() -> int:
+    """Physical memory of the host (the OS's figure)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def copy_bandwidth(threads: int, repeats: int = 5) -> float:
+    """Best bytes/s of a large tensor copy (a read and a write per element) with `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src, dst = torch.randn(COPY_ELEMENTS), torch.empty(COPY_ELEMENTS)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return 2 * 4 * COPY_ELEMENTS / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """This host's entry of the cache file ({} when absent or unreadable)."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    entry = cache.get(host_key()) if isinstance(cache, dict) else None
+    return entry if isinstance(entry, dict) else {}
+
+
+def write_cache(path: Path, entry: dict[str, Any]) -> None:
+    """Replace this host's entry, keeping other hosts' (atomic rename; a read-only home only costs re-measuring)."""
+    try:
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        cache = {}
+    cache[host_key()] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, Any]:
+    """Peaks (one thread), bandwidth, memory and gloo alpha-beta of this machine (about 20 s)."""
+    from optimus.plan.calibrate import measure_collectives
+    from optimus.train.precision import choose_precision
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        speed = cpu_speed(cpu_cache[0], cpu_cache[1])
+    finally:
+        torch.set_num_threads(before)
+    auto = choose_precision("auto", torch.device("cpu"), speed).dtype
+    return {"cpu": cpu_model(), "cores": cores(), "memory_bytes": physical_memory_bytes(),
+            "fp32_flops_per_thread": speed.fp32_flops, "bf16_flops_per_thread": speed.bf16_flops,
+            "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
+            "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9,
+            "collectives": measure_collectives(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), remeasure: bool = False) -> dict[str, Any]:
+    """This host's cached entry, measuring the machine first when it has never been (or `remeasure`)."""
+    entry = read_cache(cache_file)
+    if remeasure or "machine" not in entry:
+        entry["machine"] = measure_machine(cpu_cache)
+        write_cache(cache_file, entry)
+    return entry
+
+
+def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
+    fits = collectives["fits"]
+    sizes = sorted(int(g) for g in fits)
+    best = min(sizes, key=lambda g: (abs(g - ranks), -g))
+    return fits[str(best)]
+
+
+def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
+    """The `here` cluster for a job of `ranks` processes on this host, from a cache entry (see `machine`)."""
+    if ranks < 1:
+        raise ConfigError(f"--devices {ranks}: a job here needs at least one rank")
+    m = entry["machine"]
+    share = min(1.0, m["cores"] / ranks)  # of one core, per rank
+    bandwidth = max(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
+    fit = _nearest_fit(m["collectives"], ranks)
+    calibrated = entry.get("efficiency")
+    efficiency = Efficiency.from_dict(calibrated, "the `here` calibration cache") if calibrated else CPU_DEFAULT_EFFICIENCY
+    efficiency = replace(efficiency, op_overhead_us=efficiency.op_overhead_us / share)
+    link_gb_s, link_us = fit["beta_gb_s"], fit["alpha_us"]
+    return Cluster(name="here", device=m["cpu"], devices_per_node=ranks, memory_gb=m["memory_bytes"] / ranks / 1024**3,
+                   hbm_gb_s=bandwidth, intra_node_gb_s=link_gb_s, intra_node_latency_us=link_us,
+                   inter_node_gb_s=link_gb_s * ranks, inter_node_latency_us=link_us,
+                   node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
+                   auto_dtype=m["auto_dtype"],
+                   measured_peak_flops={"fp32": m["fp32_flops_per_thread"] * share,
+                                        "bf16": m["bf16_flops_per_thread"] * share})
+
+
+def load_here(cache_file: Path, ranks: int, cpu_cache: tuple[Path | None, str] = (None, "")) -> tuple[Cluster, bool]:
+    """(the `here` cluster for `ranks` ranks, whether its efficiencies come from --calibrate)."""
+    entry = machine(cache_file, cpu_cache)
+    return here_cluster(entry, ranks), "efficiency" in entry

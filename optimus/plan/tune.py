@@ -1,0 +1,160 @@
+"""`optimus tune`: a measured search of the layout on the machine at hand, with optuna (as ORNL tuned on Frontier).
+
+Candidates are the planner's layouts for R ranks (optimus/plan/search.py, every one through validate_layout)
+on the `here` cluster. Those the memory model says do not fit are recorded as pruned and never launched. Each
+trial picks one of the remaining layouts (optuna's TPE over a categorical of layout keys), runs it for real
+(`optimus train`, or `optimus launch --nproc-per-node R train` for R > 1, with the layout's overrides, into a
+temporary run directory) for warm-up + measured steps, and scores the median measured tokens/s of the steps
+after the warm-up, read from that run's metrics.jsonl. A layout suggested again is not run again. Every trial
+is a line of trials.jsonl (layout, prediction, measurement, status); the best measured layout is written as a
+config.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optimus.config import Config, ConfigError
+from optimus.plan.cluster import Cluster
+from optimus.plan.search import Candidate, plan
+
+GIB = 1024**3
+
+
+@dataclass
+class TrialRun:
+    """How one real run went."""
+
+    status: str  # "ok", or "failed: <the run's last error line>"
+    tokens_per_s: float = 0.0
+    step_s: float = 0.0
+    steps: list[float] | None = None
+
+
+def layout_key(candidate: Candidate) -> str:
+    """A short, stable name of a layout (the categorical optuna chooses among)."""
+    lay = candidate.layout()
+    key = (f"dp_r{lay['dp_replicate']}-dp_s{lay['dp_shard']}-tp{lay['tp']}-pp{lay['pp']}-ep{lay['ep']}-"
+           f"mbs{lay['micro_batch_size']}-{lay['activation_checkpointing'].split(' ')[0]}-{lay['shard_mode']}")
+    return key + (f"-{lay['pp_schedule']}" if lay["pp"] > 1 else "")
+
+
+def layout_overrides(candidate: Candidate) -> list[str]:
+    """The command-line overrides that select this layout."""
+    p, t = candidate.config.parallel, candidate.config.train
+    out = [f"--parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode",
+                                                        "pp_schedule", "pp_virtual_stages")]
+    return out + [f"--train.micro_batch_size={t.micro_batch_size}",
+                  f"--train.activation_checkpointing={t.activation_checkpointing}"]
+
+
+def run_trial(config_path: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, warmup: int,
+              env: dict[str, str], timeout_s: float) -> TrialRun:
+    """Train `candidate` for warmup + steps steps in a subprocess; its measured throughput."""
+    with tempfile.TemporaryDirectory(prefix="optimus-tune-") as tmp:
+        run_dir = Path(tmp) / "run"
+        args = [config_path, *overrides, *layout_overrides(candidate), f"--train.max_steps={warmup + steps}",
+                "--train.log_every=1", f"--train.eval_every={10**6}", f"--train.ckpt_every={10**6}",
+                f"--run.dir={run_dir}", "--no-progress"]
+        verb = ["train"] if ranks == 1 else ["launch", f"--nproc-per-node={ranks}", "train"]
+        try:
+            done = subprocess.run([sys.executable, "-m", "optimus", *verb, *args], capture_output=True, text=True,
+                                  env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return TrialRun(f"failed: no result within {timeout_s:.0f} s")
+        metrics = run_dir / "metrics.jsonl"
+        if done.returncode != 0 or not metrics.is_file():
+            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            return TrialRun(f"failed: {last[:200]}")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r.get("step", 0) > warmup]
+    if not rates:
+        return TrialRun("failed: no step after the warm-up was logged")
+    tokens = candidate.config.train.global_batch_size * candidate.config.train.seq_len
+    rate = statistics.median(rates)
+    return TrialRun("ok", rate, tokens / rate, [tokens / r for r in rates])
+
+
+def _record(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
+def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluster, ranks: int, trials: int,
+         out_dir: Path, env: dict[str, str], steps: int = 2, warmup: int = 1, seed: int = 0,
+         timeout_s: float = 600.0, say=print, runner=None) -> tuple[Candidate | None, list[dict[str, Any]]]:
+    """Run the measured search; (the best measured candidate or None, every trial's record).
+
+    runner: what runs one trial (default run_trial, a real training subprocess), same arguments.
+    """
+    runner = runner or run_trial
+    import optuna
+
+    candidates = plan(config, cluster, ranks)
+    fitting = {layout_key(c): c for c in candidates if c.fits}
+    pruned = [c for c in candidates if not c.fits]
+    if not fitting:
+        raise ConfigError(f"no layout of {ranks} ranks fits this machine's memory by the planner's model "
+                          f"({len(pruned)} pruned): a smaller model, batch or sequence")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "trials.jsonl"
+    log.write_text("")
+    records: list[dict[str, Any]] = []
+    for c in pruned:  # recorded, never launched
+        row = {"trial": None, "layout": c.layout(), "key": layout_key(c), "predicted_memory_gib": c.memory_bytes / GIB,
+               "predicted_step_s": c.step_s, "predicted_tokens_per_s": c.tokens_per_s,
+               "status": f"pruned: predicted {c.memory_bytes / GIB:.2f} GiB > {cluster.memory_gb * 0.9:.2f} GiB"}
+        records.append(row)
+        _record(log, row)
+    say(f"{len(candidates)} layouts of {ranks} ranks; {len(pruned)} pruned by the memory model, "
+        f"{len(fitting)} to choose from; {trials} trials of {warmup} + {steps} steps")
+    done: dict[str, TrialRun] = {}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    keys = sorted(fitting, key=lambda k: fitting[k].step_s)  # the planner's order: TPE starts from its best
+
+    def objective(trial: "optuna.Trial") -> float:
+        key = trial.suggest_categorical("layout", keys)
+        candidate = fitting[key]
+        repeat = key in done
+        start = time.perf_counter()
+        if not repeat:
+            done[key] = runner(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s)
+        result = done[key]
+        row = {"trial": trial.number, "layout": candidate.layout(), "key": key,
+               "predicted_memory_gib": candidate.memory_bytes / GIB, "predicted_step_s": candidate.step_s,
+               "predicted_tokens_per_s": candidate.tokens_per_s, "measured_tokens_per_s": result.tokens_per_s,
+               "measured_step_s": result.step_s, "measured_steps_s": result.steps,
+               "status": result.status + (" (repeat: measured before)" if repeat else ""),
+               "wall_s": time.perf_counter() - start}
+        records.append(row)
+        _record(log, row)
+        say(f"trial {trial.number}: {key}: predicted {candidate.tokens_per_s:,.0f} tok/s, "
+            + (f"measured {result.tokens_per_s:,.0f} tok/s" if result.status == "ok" else result.status))
+        return result.tokens_per_s
+
+    # the planner's best layout first: the search starts from the prediction
+    study.enqueue_trial({"layout": keys[0]})
+    study.optimize(objective, n_trials=trials)
+    measured = {k: r for k, r in done.items() if r.status == "ok"}
+    best = fitting[max(measured, key=lambda k: measured[k].tokens_per_s)] if measured else None
+    return best, records
+
+
+def format_trials(records: list[dict[str, Any]]) -> str:
+    """The launched trials as a table (pruned layouts are in trials.jsonl only)."""
+    lines = [f"{'trial':>5} {'layout':<48} {'pred tok/s':>11} {'meas tok/s':>11} {'GiB':>6}  status"]
+    for r in records:
+        if r["trial"] is None:
+            continue
+        lines.append(f"{r['trial']:>5} {r['key']:<48.48} {r['predicted_tokens_per_s']:>11,.0f} "
+                     f"{r['measured_tokens_per_s']:>11,.0f} {r['predicted_memory_gib']:>6.2f}  {r['status']}")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""`optimus plan --cluster here`, `--calibrate` and `optimus tune` end to end, on a machine entry written by the test.
+
+The machine entry (peaks, bandwidth, memory, gloo alpha-beta) is normally measured once per host; here the tests
+write one by hand into a private XDG cache so they do not spend a minute measuring, and so the memory the
+planner sees is known: small enough that some layouts are pruned.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from optimus.plan.here import host_key
+
+from tests.e2e.conftest import run_cli, tiny_config
+
+
+def _machine(memory_gib: float) -> dict:
+    fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
+    return {"cpu": "test CPU", "cores": 2, "memory_bytes": int(memory_gib * 1024**3), "fp32_flops_per_thread": 2e10,
+            "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+            "copy_gb_s_all_cores": 10.0, "collectives": {"rows": [], "fits": {"2": fit, "4": fit}},
+            "measured_at": "by the test"}
+
+
+@pytest.fixture
+def here_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "xdg"
+    (cache / "optimus").mkdir(parents=True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+
+    def write(memory_gib: float) -> None:
+        (cache / "optimus" / "plan_here.json").write_text(json.dumps({host_key(): {"machine": _machine(memory_gib)}}))
+    return write
+
+
+def test_plan_here_uses_the_measured_machine_and_says_it_is_not_calibrated(here_cache, config_file, tmp_path):
+    here_cache(memory_gib=24)
+    out = tmp_path / "plan.json"
+    result = run_cli("plan", str(config_file), "--cluster", "here", "--devices", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "valid layouts of 2 here devices" in result.stdout
+    assert "not measured: run `optimus plan CONFIG --cluster here --devices N --calibrate`" in result.stderr
+    entries = json.loads(out.read_text())
+    assert entries and all(e["fits"] for e in entries)  # 12 GiB per rank holds the tiny model in any layout
+    # the measured peak: 2e10 FLOP/s per thread, one core per rank
+    assert all(0 < e["mfu"] <= 1 for e in entries)
+
+
+def test_calibrate_needs_the_here_cluster(config_file):
+    result = run_cli("plan", str(config_file), "--cluster", "h100", "--devices", "8", "--calibrate")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
+
+
+@pytest.mark.slow  # two real 2-rank trials: ~40 s on an idle 2-core CPU, minutes when it is shared
+def test_tune_prunes_what_does_not_fit_runs_trials_and_writes_the_best(here_cache, tmp_path, token_dir):
+    # 0.2 GiB for 2 ranks: 0.09 GiB each at 90%; the tiny model's layouts need 0.07-0.17 GiB by the planner's model
+    here_cache(memory_gib=0.2)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(token_dir, model={"n_layers": 2})))
+    out = tmp_path / "tune"
+    result = run_cli("tune", str(config), "--trials", "2", "--ranks", "2", "--steps", "1", "--warmup", "1",
+                     "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    pruned = [r for r in rows if r["trial"] is None]
+    trials = [r for r in rows if r["trial"] is not None]
+    assert pruned and all(r["status"].startswith("pruned: predicted") for r in pruned)
+    assert all(r["predicted_memory_gib"] > 0.09 for r in pruned)
+    assert all(r["predicted_memory_gib"] <= 0.09 for r in trials)
+    assert len(trials) == 2 and {r["trial"] for r in trials} == {0, 1}
+    assert all(r["key"] not in {p["key"] for p in pruned} for r in trials)  # nothing infeasible was launched
+    ran = [r for r in trials if r["status"] == "ok"]
+    assert ran and all(r["measured_tokens_per_s"] > 0 and r["measured_step_s"] > 0 for r in ran)
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    fastest = max(ran, key=lambda r: r["measured_tokens_per_s"])["layout"]
+    assert {k: best["parallel"][k] for k in ("tp", "pp", "ep", "dp_shard")} == \
+        {k: fastest[k] for k in ("tp", "pp", "ep", "dp_shard")}
+    assert best["train"]["micro_batch_size"] == fastest["micro_batch_size"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--trials", "0"], "--trials must be at least 1 (got 0)"),
+    (["--trials", "2", "--ranks", "0"], "--ranks must be at least 1 (got 0)"),
+])
+def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle):
+    result = run_cli("tune", str(config_file), *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith(needle)

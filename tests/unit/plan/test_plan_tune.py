@@ -1,0 +1,55 @@
+"""optimus tune's search: optuna over the planner's feasible layouts; infeasible ones never reach the runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optimus.config import ConfigError, load_config
+from optimus.plan.here import here_cluster
+from optimus.plan.tune import TrialRun, layout_key, layout_overrides, tune
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def _cluster(memory_gib: float, ranks: int = 2):
+    fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
+    machine = {"cpu": "test CPU", "cores": 2, "memory_bytes": int(memory_gib * 1024**3), "fp32_flops_per_thread": 2e10,
+               "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 10.0, "collectives": {"rows": [], "fits": {"2": fit}}, "measured_at": "test"}
+    return here_cluster({"machine": machine}, ranks)
+
+
+def test_tune_launches_only_feasible_layouts_records_every_trial_and_keeps_the_fastest(tmp_path):
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    launched = []
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        # a deterministic "measurement" that disagrees with the planner: favours large micro-batches and tp
+        launched.append(layout_key(candidate))
+        lay = candidate.layout()
+        rate = 100.0 * lay["micro_batch_size"] + 7.0 * lay["tp"] + lay["ep"]
+        return TrialRun("ok", rate, 512 / rate, [512 / rate])
+
+    best, records = tune(config, "unused.yaml", [], _cluster(1.16), 2, 6, tmp_path, {}, runner=fake_run,
+                         say=lambda line: None)
+    # 1.16 GiB for 2 ranks: 0.52 GiB each at 90%, about the median layout's need (0.41-0.81 GiB)
+    pruned = {r["key"] for r in records if r["trial"] is None}
+    trials = [r for r in records if r["trial"] is not None]
+    assert pruned, "the memory limit should rule some layouts out"
+    assert len(trials) == 6 and not set(launched) & pruned
+    assert len(launched) == len(set(launched))  # a repeated suggestion is not run again
+    assert records == [json.loads(line) for line in (tmp_path / "trials.jsonl").read_text().splitlines()]
+    fastest = max((r for r in trials if r["status"].startswith("ok")), key=lambda r: r["measured_tokens_per_s"])
+    assert layout_key(best) == fastest["key"]
+    planner_best = min((r for r in trials), key=lambda r: r["predicted_step_s"])
+    assert trials[0]["predicted_step_s"] == pytest.approx(planner_best["predicted_step_s"])  # starts from the plan
+    assert "--parallel.ep=" + str(best.config.parallel.ep) in layout_overrides(best)
+
+
+def test_tune_with_nothing_that_fits_is_one_clear_error(tmp_path):
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64"])
+    with pytest.raises(ConfigError, match="no layout of 2 ranks fits this machine's memory"):
+        tune(config, "unused.yaml", [], _cluster(0.01), 2, 2, tmp_path, {}, runner=None, say=lambda line: None)
