@@ -38,7 +38,7 @@ from _common import (  # noqa: E402
 )
 from train_step import hf_olmoe, same_adamw  # noqa: E402
 
-from optimus.config import OptimConfig  # noqa: E402
+from optimus.optim.config import OptimConfig  # noqa: E402
 from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402

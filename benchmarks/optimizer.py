@@ -115,8 +115,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
 
-    dims = ParallelDims(parallel.get("dp_replicate", 1), parallel["dp_shard"], 1, parallel.get("pp", 1),
-                        parallel["ep"], world_size=world)
+    dims = ParallelDims(dp_replicate=parallel.get("dp_replicate", 1), dp_shard=parallel["dp_shard"],
+                        pp=parallel.get("pp", 1), ep=parallel["ep"], world_size=world)
     mesh = dims.build_mesh("cpu")
     counter = CollectiveCounter()
     counter.install()

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from optimus.config import OptimConfig
+from optimus.optim.config import OptimConfig
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from optimus.parallel.mesh import LayoutError, ParallelDims
 
 if TYPE_CHECKING:
-    from optimus.config import Config, TrainConfig
+    from optimus.config import Config
+    from optimus.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,7 @@ def validate_layout(config: "Config", world_size: int | None = None) -> Layout:
     """Check every layout and batch rule for a job of `world_size` ranks (default: the product of the
     configured degrees); raise LayoutError with one line, or return the resolved Layout."""
     p, train = config.parallel, config.train
-    if world_size is None:
-        world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    dims = ParallelDims.from_config(p, world_size)
     if dims.pp > 1:
         check_pipeline_schedule(p.pp_schedule, p.pp_virtual_stages)
         if train.eval_tasks:  # ranking needs every logit, and no pipeline rank holds the whole model

@@ -361,7 +361,7 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
         raise ChaosError(f"unknown fault kind {unknown[0]!r}: choose from {', '.join(FAULT_KINDS)}")
     loaded = load_config(config, overrides)
     max_steps, p = loaded.train.max_steps, loaded.parallel
-    layout_ranks = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    layout_ranks = p.layout_ranks
     if layout_ranks == 1 and ranks > 1:
         overrides = [*overrides, f"--parallel.dp_shard={ranks}"]  # plain data parallelism over the ranks asked
     elif layout_ranks != ranks:

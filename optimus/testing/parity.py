@@ -216,7 +216,7 @@ def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int,
     from optimus.parallel.parallelize import build_parallel_model
 
     p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    dims = ParallelDims.from_config(p, world_size)
     dims.check_model(config.model, p.pp_virtual_stages)
     device = torch.device("cpu")
     mesh = dims.build_mesh(device.type)

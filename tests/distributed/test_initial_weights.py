@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 def _gathered_weights(rank: int, world: int, config) -> dict[str, torch.Tensor]:
     p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world)
+    dims = ParallelDims.from_config(p, world)
     model = build_parallel_model(config, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     weights = {}
     for name, param in model.named_parameters():
