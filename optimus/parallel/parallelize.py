@@ -153,9 +153,6 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
                 # op-level checkpointing cannot replay a one-rank experts group: leave experts out of FSDP
                 ignore_experts=train.activation_checkpointing == "ops" and experts_mesh is not None
                 and experts_mesh.size() == 1,
-                # expert_parallel scales expert grads by 1/ep itself: plain averaging over dp_mod_ep
-                # is then exact (a divide factor needs PREMUL_SUM, which gloo lacks)
-                experts_gradient_divide_factor=None,
             )
     return model
 

@@ -47,7 +47,8 @@ def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
     apply_fsdp(model, mesh["dp_shard"], experts_mesh=mesh["dp_shard"])
     # 6 experts over 4 ranks do not divide: expert weights are sharded along d_model instead
     assert model.layers["0"].mlp.experts.w_gate_up.placements[0].dim == 1
-    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, rank, world)
+    micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                              dp_rank=rank, dp_size=world)
     return parity.train_model(model, build_optimizer(model, config.optim), config, 5, micro, mesh["dp"],
                               keep_grads=rank == 0)
 

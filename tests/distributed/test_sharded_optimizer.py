@@ -88,8 +88,8 @@ def _train_with_small_buckets(rank: int, world: int, config):
     optimizer = ShardedOptimizer(model, config.optim, model.zero_plan, bucket_numel=20_000)
     # many buckets: zero2 reduces each one from the backward hooks while the rest of backward runs
     assert len(optimizer.buckets) >= 4, len(optimizer.buckets)
-    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, mesh.local_rank("dp"),
-                              mesh.size("dp"))
+    micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                              dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))
     return parity.train_model(model, optimizer, config, 3, micro, mesh["dp"], keep_grads=rank == 0)
 
 
@@ -191,8 +191,8 @@ def _save_or_resume(rank: int, world: int, config, run_dir: str, resume: bool):
     model = build_parallel_model(config, ParallelDims(dp_shard=p.dp_shard, ep=p.ep, world_size=world), mesh,
                                  torch.device("cpu"))
     optimizer = build_optimizer(model, config.optim)
-    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, mesh.local_rank("dp"),
-                              mesh.size("dp"))
+    micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                              dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))
     loaded = None
     if resume:
         state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}

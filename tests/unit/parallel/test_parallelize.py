@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from optimus.models.transformer import build_model
 from optimus.parallel.mesh import ParallelDims
-from optimus.parallel.parallelize import parallelize_model
+from optimus.parallel.parallelize import parallelize_model, single_process_name
 from optimus.testing.parity import global_batches, rank_micro_batches, tiny_config
 from optimus.train.step import clip_gradients, forward_backward
 from optimus.testing import in_forked_process
@@ -20,7 +20,7 @@ def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
     model = parallelize_model(model, ParallelDims(world_size=1), None, config)
     batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size)
     forward_backward(model, batch, torch.device("cpu"), "fp32")
-    names = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    names = {single_process_name(name): p.grad for name, p in model.named_parameters()}
     return names, model
 
 
