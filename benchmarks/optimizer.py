@@ -85,7 +85,7 @@ def zero_analytic_bytes(model, mesh, ep_aware: bool) -> dict[str, int]:
     total = ep_shard = 0
     for param in model.parameters():
         local = _local(param)
-        group = "dp_mod_ep" if (param in experts or not ep_aware) else "dp"
+        group = "expert_dp" if (param in experts or not ep_aware) else "dp"
         size = mesh.size(group)
         rows = local.shape[0] if local.ndim else 1
         padded = math.ceil(rows / size) * size * (local.numel() // max(rows, 1)) * 4

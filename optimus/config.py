@@ -152,7 +152,7 @@ def _format_validation_error(err: ValidationError) -> str:
     given = first.get("input")
     if isinstance(given, dict):  # a check across keys (a section's or the whole config's validator)
         return first["msg"].removeprefix("Value error, ")
-    return f"bad value for '{where}' ({given!r}): {first['msg']}"
+    return f"bad value for '{where}' ({given!r}): {first['msg'].removeprefix('Value error, ')}"
 
 
 def build_config(raw: dict[str, Any]) -> Config:

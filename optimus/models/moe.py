@@ -67,7 +67,7 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """All experts' SwiGLU weights as stacked tensors: w_gate_up [E, D, 2F], w_down [E, F, D]."""
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int, impl: str = "fast"):
+    def __init__(self, n_experts: int, d_model: int, hidden: int, impl: str = "auto"):
         super().__init__()
         self.impl = impl
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
@@ -75,8 +75,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """tokens [T, D], expert_ids [T, k], weights [T, k] -> [T, D]: sum_s weights[t, s] * MLP_ids[t, s](x[t])."""
-        impl = "reference" if self.impl == "reference" else "auto"
-        return ops.moe_experts_forward(tokens, expert_ids, weights, self.w_gate_up, self.w_down, impl=impl)
+        return ops.moe_experts_forward(tokens, expert_ids, weights, self.w_gate_up, self.w_down, impl=self.impl)
 
 
 class MoE(nn.Module):

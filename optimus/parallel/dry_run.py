@@ -143,7 +143,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     elif mode == "selective":
         kept, recomputing = _selective_layer(config, dims, attn_full, mlp_full)
         per_token = layers * kept + recomputing
-    elif mode == "ops":
+    elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
@@ -174,7 +174,7 @@ def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_f
 
 def checkpointing_modes(config: Config) -> dict[str, Config]:
     """The config under each activation-checkpointing mode, keyed by a label (selective names its mask)."""
-    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "ops": "ops",
+    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "selective_ops": "selective_ops",
              "full": "full"}
     return {label: config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
             for label, mode in modes.items()}
@@ -236,7 +236,7 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
     local = sum(_local_numel(p) for p in params)
-    owned = owned_numel(params, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep, config.parallel.ep_aware)
+    owned = owned_numel(params, experts, dims.dp, dims.expert_dp, config.parallel.ep_aware)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
     mode = config.parallel.shard_mode
     return {

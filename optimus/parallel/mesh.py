@@ -5,7 +5,8 @@ borrows its ranks from dp_shard (EP ranks are data-parallel for every non-expert
 Optimus and torchtitan), so dp_shard = dp_shard_mod_ep * ep. Flattened views:
     dp        = dp_replicate x dp_shard_mod_ep x ep   (data loading: who gets which samples)
     dp_shard  = dp_shard_mod_ep x ep                   (FSDP of non-expert weights)
-    dp_mod_ep = dp_replicate x dp_shard_mod_ep          (replicas of one expert shard)
+    expert_dp = dp_replicate x dp_shard_mod_ep          (data parallelism of expert weights: the ranks
+                                                         holding the same experts, which average their grads)
 Nothing else in Optimus creates process groups.
 """
 
@@ -69,6 +70,11 @@ class ParallelDims(ParallelDegrees):
         return self.dp_shard // self.ep
 
     @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (data parallelism of expert weights): dp_replicate x dp_shard_mod_ep."""
+        return self.dp_replicate * self.dp_shard_mod_ep
+
+    @property
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
@@ -100,7 +106,7 @@ class ParallelDims(ParallelDegrees):
         flattened = {
             "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
             "dp_shard": world["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
-            "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
+            "expert_dp": world["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp"),
         }
         return ParallelMesh(world, flattened)
 

@@ -11,7 +11,7 @@ raises LayoutError (a ConfigError) with one line naming the problem and the fix.
                  1f1b needs at least pp micro-batches per step; interleaved 1F1B a count torch's
                  schedule can split into rounds
     batch        the data-parallel ranks divide the global batch; the micro-batch divides each rank's share
-    checkpointing  ops with ep = dp_shard under dp_replicate > 1 is refused (see parallelize.py)
+    checkpointing  selective_ops with ep = dp_shard under dp_replicate > 1 is refused (see parallelize.py)
 
 The global batch is the contract; the micro-batch is a memory knob. When train.micro_batch_size is
 not set it is derived: each rank's share in one micro-batch, or, under pipeline parallelism, split
@@ -155,7 +155,8 @@ def resolve_batch(train: "TrainConfig", dims: ParallelDims, schedule: str = "1f1
 
 def check_checkpointing_layout(mode: str, dims: ParallelDims) -> None:
     """Op-level checkpointing replays ops by count, which the experts' one-rank FSDP group breaks under HSDP."""
-    if mode == "ops" and dims.is_parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1 and dims.dp_replicate > 1:
-        raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep = dp_shard under "
-                          "dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
+    if (mode == "selective_ops" and dims.is_parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1
+            and dims.dp_replicate > 1):
+        raise LayoutError("train.activation_checkpointing=selective_ops does not work with parallel.ep = dp_shard "
+                          "under dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
                           "use selective (train.recompute) or full")

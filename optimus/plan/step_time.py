@@ -152,7 +152,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_stage = layers * shape.block_experts / dims.ep
     fsdp_mb = step_sync = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
-    dp_mod_ep_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
+    expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
@@ -163,8 +163,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             step_sync = all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     else:  # zero1/zero2: reduce-scatter the gradients, all-gather the updated parameters, once per step
-        dense_link = dp_link if p.ep_aware else dp_mod_ep_link
-        step_sync = 2 * width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+        dense_link = dp_link if p.ep_aware else expert_dp_link
+        step_sync = 2 * width * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
     optimizer = owned * ADAMW_BYTES_PER_ELEMENT / (cluster.hbm_gb_s * 1e9)

@@ -34,11 +34,19 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 where the device computes it natively, fp32 elsewhere (see train/precision.py)")
     compile: bool = False
-    activation_checkpointing: Literal["none", "full", "selective", "ops"] = Field(
-        "none", description="full: whole blocks; selective: the sub-modules in recompute; ops: op-level policy")
+    activation_checkpointing: Literal["none", "full", "selective", "selective_ops"] = Field(
+        "none", description="full: whole blocks recomputed; selective: the sub-modules in recompute; selective_ops: "
+                            "every block, matmul and attention outputs kept, cheap elementwise ops recomputed")
     recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
         default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
     tensorboard: bool = False
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _renamed_checkpointing(cls, mode: object) -> object:
+        if mode == "ops":  # the old name, refused rather than silently read: configs say what they mean
+            raise ValueError("'ops' is now called 'selective_ops': write train.activation_checkpointing: selective_ops")
+        return mode
 
     @field_validator("eval_tasks")
     @classmethod

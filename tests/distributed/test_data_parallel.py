@@ -87,5 +87,5 @@ def test_fsdp_ep_with_selective_moe_and_norms_recompute_matches_one_process(disp
 
 def test_fsdp_ep_with_op_level_checkpointing_matches_one_process():
     # ep = dp_shard: experts left out of FSDP under ops (see apply_fsdp's ignore_experts)
-    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="ops"))
+    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="selective_ops"))
     check_layout(config, world_size=2, steps=3)

@@ -69,7 +69,7 @@ def _check_layer(rank: int, world: int, dispatch: str) -> dict:
         for name in ("w_gate_up", "w_down"):
             local_grad = getattr(parallel.experts, name).grad.to_local()
             full_grad = getattr(reference.experts, name).grad[rank * n_local : (rank + 1) * n_local]
-            # every rank holds its 1/ep share, averaged later over the expert replicas (dp_mod_ep);
+            # every rank holds its 1/ep share, averaged later over the expert replicas (expert_dp);
             # the fused single-process experts sum the weight gradient in another order
             torch.testing.assert_close(local_grad * world, full_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
         seen[routing] = stats.expert_counts.tolist()

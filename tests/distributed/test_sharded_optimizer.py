@@ -23,7 +23,7 @@ def test_moe_dp_2_ep_2_matches_one_process(mode, ep_aware):
 
 
 def test_zero2_experts_that_do_not_divide_are_sharded_along_dim_1():
-    # 6 experts: 3 per ep rank over dp_mod_ep 2 -> expert state split along d_model (FSDP2's choice);
+    # 6 experts: 3 per ep rank over expert_dp 2 -> expert state split along d_model (FSDP2's choice);
     # the router's 6 rows over dp 4 leave one rank an empty block
     config = tiny_config(moe=True, model={"n_experts": 6}, parallel=dict(dp_shard=4, ep=2, shard_mode="zero2"))
     check_layout(config, world_size=4, steps=3)
@@ -132,8 +132,8 @@ def _state_numel(rank: int, world: int, config):
     dense = [q for q in model.parameters() if q not in experts]
     out = {"non_expert_numel": sum(q.numel() for q in dense), "expert_numel": sum(q.numel() for q in experts),
            "want_aware": owned(mesh.size("dp"), mesh.local_rank("dp"), dense),
-           "want_unaware": owned(mesh.size("dp_mod_ep"), mesh.local_rank("dp_mod_ep"), dense),
-           "want_expert": owned(mesh.size("dp_mod_ep"), mesh.local_rank("dp_mod_ep"), experts)}
+           "want_unaware": owned(mesh.size("expert_dp"), mesh.local_rank("expert_dp"), dense),
+           "want_expert": owned(mesh.size("expert_dp"), mesh.local_rank("expert_dp"), experts)}
     for aware in (True, False):
         plan = ZeroPlan("zero1", aware, mesh, torch.float32)
         out[aware] = ShardedOptimizer(model, config.optim, plan).state_numel()
@@ -142,7 +142,7 @@ def _state_numel(rank: int, world: int, config):
 
 def test_ep_aware_state_is_sharded_over_dp_times_ep():
     """dp_shard 4 = dp 2 x ep 2: EP-aware, each rank keeps 1/4 of the non-expert moments (1/2 unaware, every
-    ep rank repeating them); expert moments are 1/4 of the experts either way (ep 2 x dp_mod_ep 2)."""
+    ep rank repeating them); expert moments are 1/4 of the experts either way (ep 2 x expert_dp 2)."""
     from optimus.testing.distributed import run_distributed
 
     config = tiny_config(moe=True, parallel=dict(dp_shard=4, ep=2, shard_mode="zero1"))
