@@ -2,7 +2,7 @@
 
     python benchmarks/optimizer.py [--json out.json] [--steps N] [--rounds R] [--mula 20b,100b,220b]
 
-1. Measured, on 4 gloo ranks (optimus.testing.distributed.run_distributed), a tiny MoE scaled so
+1. Measured, on 4 gloo ranks (tests.helpers.distributed.run_distributed), a tiny MoE scaled so
    that the optimizer matters (d_model 128, 8 experts of ffn 256, vocab 4096, 2 micro-batches of
    2 x 32 tokens per rank), in two layouts: dp 2 x ep 2 (dp_shard 4, ep 2) and pp 2 x ep 2
    (pp 2, dp_shard 2 = ep 2, 1F1B). For every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2
@@ -55,8 +55,8 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json)
-from optimus.testing.distributed import run_distributed  # noqa: E402
-from optimus.testing.parity import tiny_config  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=256)
 BATCH, SEQ, MICRO = 2, 32, 2

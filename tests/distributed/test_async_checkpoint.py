@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -42,7 +42,7 @@ def _async_and_sync_checkpoints_load_equal(rank: int, world: int, run_dir: str) 
     import torch
 
     from optimus.checkpoint.manager import CheckpointManager
-    from optimus.testing import parity
+    from tests.helpers import parity
 
     config = parity.tiny_config(parallel=dict(dp_shard=world))
     model, optimizer, mesh, state = _build(config, world)

@@ -1,6 +1,6 @@
 """FSDP2 (ZeRO-3) and HSDP layouts against one process: 5 steps of losses and the step-1 gradients.
 
-Tolerances are those of optimus.testing.parity (fp32: loss rel 1e-5 at step 1, 1e-4 later; grads
+Tolerances are those of tests.helpers.parity (fp32: loss rel 1e-5 at step 1, 1e-4 later; grads
 atol 1e-5 / rtol 1e-4).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +40,7 @@ def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
     from optimus.optim.build import build_optimizer
     from optimus.parallel.data_parallel import apply_fsdp
     from optimus.parallel.mesh import ParallelDims
-    from optimus.testing import parity
+    from tests.helpers import parity
 
     mesh = ParallelDims(dp_shard=world, world_size=world).build_mesh("cpu")
     model = build_model(config.model, "cpu", seed=config.train.seed)
@@ -55,8 +55,8 @@ def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
 
 @pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_fsdp_experts_group_sharded_along_d_model_matches_one_process():
-    from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import assert_parity, merge_rank_records, reference_run
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import assert_parity, merge_rank_records, reference_run
 
     config = tiny_config(moe=True, model=dict(n_experts=6))
     results = run_distributed(_train_with_experts_in_their_own_fsdp_group, 4, config)
@@ -68,8 +68,8 @@ def test_fsdp_bf16_mixed_precision_tracks_one_process_bf16():
 
     Different but both legitimate roundings: losses agree to 5e-3 relative over 3 steps.
     """
-    from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import merge_rank_records, reference_run, run_parallel_rank
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import merge_rank_records, reference_run, run_parallel_rank
 
     config = tiny_config(parallel=dict(dp_shard=2), train=dict(dtype="bf16"))
     want = reference_run(config, 3).losses

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.parallelize import build_parallel_model, single_process_name
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import tiny_config
 
 pytestmark = pytest.mark.distributed
 

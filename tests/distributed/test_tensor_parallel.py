@@ -2,7 +2,7 @@
 
 Covers the head-split attention with full-width QK-norm (ShardedRMSNorm), the column/row-split
 dense MLP, MoE blocks kept whole over tp, and sequence-parallel norms. Tolerances are those of
-optimus.testing.parity.
+tests.helpers.parity.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 

@@ -6,7 +6,7 @@ import pytest
 
 from optimus.config import build_config
 from optimus.parallel.dry_run import dry_run
-from optimus.testing import in_forked_process
+from tests.helpers import in_forked_process
 
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 

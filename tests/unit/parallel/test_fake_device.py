@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fake_device import CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device
-from optimus.testing.parity import tiny_config
+from tests.helpers.parity import tiny_config
 
 
 def _fake_pg(world_size: int) -> None:

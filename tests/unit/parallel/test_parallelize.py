@@ -10,9 +10,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from optimus.models.transformer import build_model
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.parallelize import parallelize_model, single_process_name
-from optimus.testing.parity import global_batches, rank_micro_batches, tiny_config
+from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
 from optimus.train.step import clip_gradients, forward_backward
-from optimus.testing import in_forked_process
+from tests.helpers import in_forked_process
 
 
 def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:

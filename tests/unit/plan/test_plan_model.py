@@ -11,7 +11,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster, cluster_names, load_cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time
 from optimus.plan.step_time import bubble_fraction
-from optimus.testing.distributed import run_forked
+from tests.helpers.distributed import run_forked
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

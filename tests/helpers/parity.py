@@ -282,7 +282,7 @@ def reference_run(config: Config, steps: int) -> RunRecord:
 
 def check_layout(config: Config, world_size: int, steps: int = 5) -> RunRecord:
     """Train `config`'s layout on `world_size` forked ranks and assert parity with one process."""
-    from optimus.testing.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     reference = reference_run(config, steps)
     candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps))
