@@ -1,7 +1,9 @@
 """The typed config tree: YAML files plus `--section.key=value` overrides, validated by pydantic.
 
 Every section forbids unknown keys, so a typo is an error rather than a silently ignored setting.
-`model.preset` fills every model field; fields given beside it win.
+`model.preset` fills every model field; fields given beside it win. Each section's class lives
+beside the code it configures (models/, train/, optim/, data/, parallel/, resilience/config.py);
+this module only assembles them into `Config`, loads YAML and overrides, and raises ConfigError.
 """
 
 from __future__ import annotations

@@ -183,9 +183,10 @@ class CheckpointManager:
             raise self._write_failed(step, tmp, problem)
         writer = CheckpointWriter(tmp, values_json)
         if asynchronous:
-            # the write runs on DCP's thread, where its warning is raised: keep the filter until it is waited for
+            # one process: DCP warns from its writer thread, so the filter is held until the write is waited for
             quiet = ExitStack()
-            quiet.enter_context(_single_process_dcp_quiet())
+            if not dist.is_initialized():
+                quiet.enter_context(_single_process_dcp_quiet())
             try:
                 write = dcp.async_save(tensors, storage_writer=writer, process_group=self._background_group())
             except (Exception, CheckpointException) as err:
