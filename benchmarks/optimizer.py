@@ -2,7 +2,7 @@
 
     python benchmarks/optimizer.py [--json out.json] [--steps N] [--rounds R] [--mula 20b,100b,220b]
 
-1. Measured, on 4 gloo ranks (optimus.testing.distributed.run_distributed), a tiny MoE scaled so
+1. Measured, on 4 gloo ranks (tests.helpers.distributed.run_distributed), a tiny MoE scaled so
    that the optimizer matters (d_model 128, 8 experts of ffn 256, vocab 4096, 2 micro-batches of
    2 x 32 tokens per rank), in two layouts: dp 2 x ep 2 (dp_shard 4, ep 2) and pp 2 x ep 2
    (pp 2, dp_shard 2 = ep 2, 1F1B). For every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2
@@ -55,8 +55,8 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json)
-from optimus.testing.distributed import run_distributed  # noqa: E402
-from optimus.testing.parity import tiny_config  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=256)
 BATCH, SEQ, MICRO = 2, 32, 2
@@ -85,7 +85,7 @@ def zero_analytic_bytes(model, mesh, ep_aware: bool) -> dict[str, int]:
     total = ep_shard = 0
     for param in model.parameters():
         local = _local(param)
-        group = "dp_mod_ep" if (param in experts or not ep_aware) else "dp"
+        group = "expert_dp" if (param in experts or not ep_aware) else "dp"
         size = mesh.size(group)
         rows = local.shape[0] if local.ndim else 1
         padded = math.ceil(rows / size) * size * (local.numel() // max(rows, 1)) * 4
@@ -115,8 +115,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
 
-    dims = ParallelDims(parallel.get("dp_replicate", 1), parallel["dp_shard"], 1, parallel.get("pp", 1),
-                        parallel["ep"], world_size=world)
+    dims = ParallelDims(dp_replicate=parallel.get("dp_replicate", 1), dp_shard=parallel["dp_shard"],
+                        pp=parallel.get("pp", 1), ep=parallel["ep"], world_size=world)
     mesh = dims.build_mesh("cpu")
     counter = CollectiveCounter()
     counter.install()

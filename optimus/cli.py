@@ -146,7 +146,8 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
     kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
     out = Path(args.out or f"runs/chaos-{Path(args.config).stem}")
     report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,
-                       hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds)
+                       hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds,
+                       env=os.environ)
     print(format_report(report))
     print(f"report: {out / 'report.json'}; logs: {out}/reference.log, {out}/chaos.log")
     return 0 if report.survived else 1

@@ -21,7 +21,9 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,6 @@ from optimus.checkpoint.values import (
 )
 from optimus.checkpoint.writer import CheckpointWriter
 
-# DCP warns on every single-process save/load that it assumes one process; that is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
 META = "meta.json"
 INDEX = ".metadata"
 DAMAGED_PREFIX = "damaged-"
@@ -51,6 +50,15 @@ _MESSAGE_BYTES = 480  # a problem's text as exchanged between ranks
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message is one line naming the problem and the fix."""
+
+
+@contextmanager
+def _single_process_dcp_quiet() -> Iterator[None]:
+    """Around a DCP call: DCP warns on every single-process save/load that it assumes one process,
+    which is intended here; the filter is scoped to the call so importing this module changes nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _is_rank0() -> bool:
@@ -79,6 +87,14 @@ class _PendingSave:
     tmp: Path
     meta: dict[str, Any]
     write: Future
+    quiet: ExitStack  # DCP's single-process warning filter, held until the background write is over
+
+    def wait(self) -> None:
+        """Block until the background write is done (re-raising its error), then drop the warning filter."""
+        try:
+            self.write.result()
+        finally:
+            self.quiet.close()
 
 
 class CheckpointManager:
@@ -167,15 +183,21 @@ class CheckpointManager:
             raise self._write_failed(step, tmp, problem)
         writer = CheckpointWriter(tmp, values_json)
         if asynchronous:
+            # one process: DCP warns from its writer thread, so the filter is held until the write is waited for
+            quiet = ExitStack()
+            if not dist.is_initialized():
+                quiet.enter_context(_single_process_dcp_quiet())
             try:
                 write = dcp.async_save(tensors, storage_writer=writer, process_group=self._background_group())
             except (Exception, CheckpointException) as err:
+                quiet.close()
                 raise self._write_failed(step, tmp, _describe(err)) from None
-            self._pending = _PendingSave(step, tmp, meta, write)
+            self._pending = _PendingSave(step, tmp, meta, write, quiet)
             return self.step_dir(step)
         failure = None
         try:
-            dcp.save(tensors, storage_writer=writer)
+            with _single_process_dcp_quiet():
+                dcp.save(tensors, storage_writer=writer)
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             failure = _describe(err)
         if failure is None and _is_rank0():
@@ -246,7 +268,7 @@ class CheckpointManager:
             return None
         failure = None
         try:
-            pending.write.result()
+            pending.wait()
         except (Exception, CheckpointException) as err:
             failure = _describe(err)
         if failure is None and _is_rank0():
@@ -270,7 +292,7 @@ class CheckpointManager:
         if pending is None:
             return None
         try:
-            pending.write.result()
+            pending.wait()
         except (Exception, CheckpointException):
             return None
         if not _is_rank0():
@@ -393,7 +415,8 @@ class CheckpointManager:
             tensors, _ = split_values(live)
             # checkpoints from before values.json keep non-tensor values as byte items (read weights-only)
             target = tensors if saved_values is not None else live
-            dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            with _single_process_dcp_quiet():
+                dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
             if saved_values is not None:
                 restore_values(live, saved_values)
             for key, value in state.items():

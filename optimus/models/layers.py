@@ -22,9 +22,6 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 def rotary_cos_sin(
     seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype

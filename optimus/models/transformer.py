@@ -17,7 +17,7 @@ from optimus.models.attention import Attention
 from optimus.models.config import ModelConfig
 from optimus.models.init import initial_rows
 from optimus.models.layers import LMHead, RMSNorm, SwiGLUMLP, rotary_cos_sin
-from optimus.models.moe import MoE, RouterStats
+from optimus.models.moe import MoE, RouterStats, combine_router_stats, training_objective
 
 
 class Block(nn.Module):
@@ -91,12 +91,10 @@ class Transformer(nn.Module):
     def _assemble_loss(self, ce_loss: torch.Tensor, router_stats: list[RouterStats]) -> ModelOutput:
         if not router_stats:
             return ModelOutput(loss=ce_loss, ce_loss=ce_loss)
-        # Sum over the layers present, divided by all layers: a pipeline stage's share adds up exactly.
-        aux_loss = torch.stack([s.aux_loss for s in router_stats]).sum() / self.config.n_layers
-        z_loss = torch.stack([s.z_loss for s in router_stats]).sum() / self.config.n_layers
-        loss = ce_loss + self.config.aux_loss_coef * aux_loss + self.config.z_loss_coef * z_loss
-        counts = torch.stack([s.expert_counts for s in router_stats])
-        return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, z_loss=z_loss, expert_counts=counts)
+        total = combine_router_stats(router_stats, self.config.n_layers)
+        loss = training_objective(ce_loss, total.aux_loss, total.z_loss, self.config)
+        return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=total.aux_loss, z_loss=total.z_loss,
+                           expert_counts=total.expert_counts)
 
     def initial_std(self, name: str) -> float | None:
         """The init of parameter `name`: normal(0, std), or None for ones (norm weights)."""

@@ -15,10 +15,10 @@ keeps fp32 master weights and AdamW moments for its blocks only. A step:
 Sharding groups (EP-aware, the default): non-expert parameters are replicated over every
 data-parallel rank, expert parallel ones included, so their state is sharded over mesh["dp"]
 (DP x EP); expert weights are already split by EP, so theirs is sharded over the ranks holding the
-same experts, mesh["dp_mod_ep"]. ep_aware=False is the ablation baseline: non-expert state sharded
-over dp_mod_ep only and replicated across EP (each EP rank repeats the same update); their
-gradients are reduce-scattered over dp_mod_ep and then all-reduced over ep.
-Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over dp_mod_ep
+same experts, mesh["expert_dp"]. ep_aware=False is the ablation baseline: non-expert state sharded
+over expert_dp only and replicated across EP (each EP rank repeats the same update); their
+gradients are reduce-scattered over expert_dp and then all-reduced over ep.
+Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over expert_dp
 (expert_parallel already scaled them by 1/ep in the forward).
 
 Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from optimus.config import OptimConfig
+from optimus.optim.config import OptimConfig
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -149,7 +149,7 @@ def _join_from_ranks(slot: "_Slot", blocks: torch.Tensor, local: torch.Tensor) -
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The routed experts' weights (MoE layers' `experts` modules): split by EP, sharded over dp_mod_ep."""
+    """The routed experts' weights (MoE layers' `experts` modules): split by EP, sharded over expert_dp."""
     from optimus.models.moe import MoE
 
     return {p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
@@ -175,11 +175,11 @@ class ShardedOptimizer:
         ep = mesh.size("ep")
         dp = mesh.size("dp")
         experts = expert_parameters(model)
-        expert_group = _ShardGroup("expert", mesh["dp_mod_ep"], None, mesh.size("dp_mod_ep"), ())
+        expert_group = _ShardGroup("expert", mesh["expert_dp"], None, mesh.size("expert_dp"), ())
         if plan.ep_aware or ep == 1:
             dense_group = _ShardGroup("non_expert", mesh["dp"], None, dp, ())
         else:
-            dense_group = _ShardGroup("non_expert", mesh["dp_mod_ep"], mesh["ep"], dp, ("ep",))
+            dense_group = _ShardGroup("non_expert", mesh["expert_dp"], mesh["ep"], dp, ("ep",))
         self._mesh = mesh
         decay_of = {p: g["weight_decay"] for g in param_groups(model, config.weight_decay) for p in g["params"]}
         named = [(single_process_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -477,17 +477,17 @@ class ShardedOptimizer:
         return counts
 
 
-def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, dp_mod_ep: int,
+def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, expert_dp: int,
                 ep_aware: bool) -> int:
     """Elements of optimizer state (per state tensor) the largest-holding rank owns for `params` (works on meta).
 
-    Non-expert rows are cut over dp (EP-aware) or dp_mod_ep; expert rows over dp_mod_ep; ceil-sized
+    Non-expert rows are cut over dp (EP-aware) or expert_dp; expert rows over expert_dp; ceil-sized
     blocks as ShardedOptimizer cuts them. For the dry run's memory table.
     """
     total = 0
     for param in params:
         local = _local(param)
-        ranks = dp_mod_ep if (param in experts or not ep_aware) else dp
+        ranks = expert_dp if (param in experts or not ep_aware) else dp
         rows = local.shape[_shard_dim(local, ranks, param in experts)] if local.ndim else 1
         total += math.ceil(rows / ranks) * (local.numel() // max(rows, 1))
     return total

@@ -54,7 +54,6 @@ def apply_fsdp(
     *,
     dtype: str = "fp32",
     experts_mesh: DeviceMesh | None = None,
-    experts_gradient_divide_factor: int | None = None,
     reshard_after_forward: bool = True,
     ignore_experts: bool = False,
 ) -> nn.Module:
@@ -63,9 +62,9 @@ def apply_fsdp(
     experts_mesh: when expert parallelism is on, MoE expert weights are already split over ep, and
     are sharded by FSDP over this other mesh (dp_shard_mod_ep, or (dp_replicate, dp_shard_mod_ep)).
     They get their own FSDP group, applied before their block's.
-    experts_gradient_divide_factor: FSDP averages expert gradients over experts_mesh only, but
-    their tokens came from every data-parallel rank; pass the full dp degree so they are divided
-    like every other gradient (torchtitan does the same).
+    FSDP averages expert gradients over experts_mesh only, though their tokens came from every
+    data-parallel rank: expert_parallel.py scales them by 1/ep in the forward, so plain averaging is
+    exact (a gradient divide factor would need PREMUL_SUM, which gloo lacks).
     ignore_experts: with an experts_mesh of one rank there is nothing to shard or average: leave the
     expert weights (DTensors over ep already) out of FSDP (ignored_params) instead of giving them a
     group of their own. Op-level selective checkpointing needs this: a one-rank FSDP group unshards
@@ -85,8 +84,6 @@ def apply_fsdp(
         if experts_mesh is not None and isinstance(moe, MoE) and ignored is None:
             fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=partial(_expert_shard_dim, experts_mesh.size()))
-            if experts_gradient_divide_factor is not None:
-                moe.experts.set_gradient_divide_factor(float(experts_gradient_divide_factor))
         # The last block's weights are needed again at once by backward: keep them gathered.
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,

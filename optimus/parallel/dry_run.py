@@ -147,7 +147,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     elif mode == "selective":
         kept, recomputing = _selective_layer(config, dims, attn_full, mlp_full)
         per_token = layers * kept + recomputing
-    elif mode == "ops":
+    elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
@@ -178,7 +178,7 @@ def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_f
 
 def checkpointing_modes(config: Config) -> dict[str, Config]:
     """The config under each activation-checkpointing mode, keyed by a label (selective names its mask)."""
-    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "ops": "ops",
+    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "selective_ops": "selective_ops",
              "full": "full"}
     return {label: config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
             for label, mode in modes.items()}
@@ -203,19 +203,12 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> i
     return min(n_micro, dims.pp - stage)
 
 
-def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int, notes: list[str]) -> RankMemory:
+def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int) -> RankMemory:
     params = list(model.parameters())
     local = sum(_local_numel(p) for p in params)
     layers = len(model.layers)
-    stage = rank // (dims.world_size // dims.pp)
-    pp_applied = dims.pp == 1 or layers < config.model.n_layers
+    stage = rank // (dims.world_size // dims.pp)  # the model is this stage's part: parallelize_model split it
     has_head = getattr(model, "lm_head", None) is not None
-    if not pp_applied:  # analytic: the blocks of one stage, embedding on the first, head on the last
-        share = 1.0 / dims.pp
-        notes.append(f"pipeline split not applied by parallelize_model: rank {rank}'s blocks counted as 1/{dims.pp}")
-        block_params = sum(_local_numel(p) for p in model.layers.parameters())
-        local = int(local - block_params * (1 - share))
-        layers = -(-config.model.n_layers // dims.pp)
     width = 2 if config.train.dtype == "bf16" else 4
     blocks = [sum(_gathered_numel(p) for p in block.parameters()) for block in model.layers.values()]
     largest_block = max(blocks, default=0)
@@ -232,14 +225,14 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
     if getattr(model, "zero_plan", None) is not None:
-        memory.bytes = {**_zero_bytes(model, config, dims, pp_applied), **{
+        memory.bytes = {**_zero_bytes(model, config, dims), **{
             k: v for k, v in memory.bytes.items() if k.startswith("activations")}}
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
-def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied: bool) -> dict[str, float]:
+def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, float]:
     """zero1/zero2 (optim/sharded.py): whole parameters and gradients in the compute dtype, a reduced fp32
     gradient shard, and fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
     from optimus.optim.sharded import expert_parameters, owned_numel
@@ -247,12 +240,7 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
     local = sum(_local_numel(p) for p in params)
-    owned = owned_numel(params, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep, config.parallel.ep_aware)
-    if not pp_applied:  # as _measure_rank: one stage's share of the blocks
-        blocks = list(model.layers.parameters())
-        local -= int(sum(_local_numel(p) for p in blocks) * (1 - 1 / dims.pp))
-        owned -= int(owned_numel(blocks, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep,
-                                 config.parallel.ep_aware) * (1 - 1 / dims.pp))
+    owned = owned_numel(params, experts, dims.dp, dims.expert_dp, config.parallel.ep_aware)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
     mode = config.parallel.shard_mode
     return {
@@ -297,7 +285,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
     for rank in ranks_to_show:
         try:
             model = _build_rank(config, dims, rank)
-            ranks.append(_measure_rank(model, config, dims, rank, notes))
+            ranks.append(_measure_rank(model, config, dims, rank))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

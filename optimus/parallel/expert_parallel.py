@@ -17,7 +17,7 @@ Gradient convention: an expert's weight gradient receives the tokens of every EP
 dispatch, i.e. the sum of ep ranks' local-batch gradients. We scale it by 1/ep inside the forward
 (`_ScaleGrad`), so that afterwards *every* parameter's gradient is this rank's share, to be averaged
 over the ranks that replicate it: non-expert weights over mesh["dp"], expert weights over
-mesh["dp_mod_ep"] -- plain FSDP/DDP averaging. (torchtitan instead leaves the sum and sets FSDP's
+mesh["expert_dp"] -- plain FSDP/DDP averaging. (torchtitan instead leaves the sum and sets FSDP's
 gradient divide factor to dp; that needs ReduceOp.PREMUL_SUM, which gloo lacks.)
 """
 

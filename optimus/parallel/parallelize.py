@@ -151,11 +151,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
             apply_fsdp(
                 root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
                 # op-level checkpointing cannot replay a one-rank experts group: leave experts out of FSDP
-                ignore_experts=train.activation_checkpointing == "ops" and experts_mesh is not None
+                ignore_experts=train.activation_checkpointing == "selective_ops" and experts_mesh is not None
                 and experts_mesh.size() == 1,
-                # expert_parallel scales expert grads by 1/ep itself: plain averaging over dp_mod_ep
-                # is then exact (a divide factor needs PREMUL_SUM, which gloo lacks)
-                experts_gradient_divide_factor=None,
             )
     return model
 
@@ -171,7 +168,7 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
         return mesh["dp_replicate", "dp_shard"]
 
 
-# Ops whose outputs op-level ("ops") checkpointing keeps (the expensive ones to recompute).
+# Ops whose outputs op-level ("selective_ops") checkpointing keeps (the expensive ones to recompute).
 def _ops_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -230,7 +227,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     selective: inside every block, only the sub-modules named in `recompute` ("attention", "moe", "mlp"
         (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
         activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
-    ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
+    selective_ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
         cheap elementwise ops (norms, activations) recomputed. Its replay needs every FSDP group in a
         block to unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
     """
@@ -243,7 +240,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     kwargs = {"preserve_rng_state": False}
-    if mode == "ops":
+    if mode == "selective_ops":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _ops_policy)
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, **kwargs)

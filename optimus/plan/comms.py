@@ -146,7 +146,7 @@ def send_time(link: Link, nbytes: float) -> float:
 
 # the groups the trainer communicates over (optimus/parallel/mesh.py's dims and flattened views)
 GROUPS = (("tp", ("tp",)), ("ep", ("ep",)), ("dp_shard", ("dp_shard_mod_ep", "ep")),
-          ("dp_mod_ep", ("dp_replicate", "dp_shard_mod_ep")), ("dp", ("dp_replicate", "dp_shard_mod_ep", "ep")),
+          ("expert_dp", ("dp_replicate", "dp_shard_mod_ep")), ("dp", ("dp_replicate", "dp_shard_mod_ep", "ep")),
           ("dp_replicate", ("dp_replicate",)), ("pp", ("pp",)))
 
 

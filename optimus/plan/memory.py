@@ -8,8 +8,8 @@ the unsplit model (ModelShape) and the layout's degrees:
                   weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
                   plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit)
     zero1/zero2   whole parameters and gradients in the compute dtype, an fp32 gradient shard, fp32 master
-                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or dp_mod_ep,
-                  experts over dp_mod_ep
+                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or expert_dp,
+                  experts over expert_dp
     activations   dry_run.activation_bytes (the same formula) times the micro-batches the schedule keeps in flight
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
@@ -85,8 +85,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         transient = (2 * gathered_block + root_dense) * width + 4 * gathered_block if dims.is_parallel else 0.0
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     else:
-        dp_mod_ep = dims.dp_replicate * dims.dp_shard_mod_ep
-        owned = dense / (dims.dp if config.parallel.ep_aware else dp_mod_ep) + experts / dp_mod_ep
+        expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
+        owned = dense / (dims.dp if config.parallel.ep_aware else expert_dp) + experts / expert_dp
         local = dense + experts
         master = 4 * owned if width == 2 else 0.0
         held = {"parameters": width * local, "gradients": width * local + 4 * owned, "optimizer": master + 8 * owned}

@@ -200,7 +200,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
     fsdp_mb = step_sync = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
-    dp_mod_ep_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
+    expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
@@ -213,9 +213,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
         # parameters (compute dtype) after the update; zero2 starts each bucket's reduce-scatter as soon as the last
         # micro-batch's backward has produced it, so that backward (about 2/3 of its compute) hides it
-        dense_link = dp_link if p.ep_aware else dp_mod_ep_link
-        reduce = 4 * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
-        gather = width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+        dense_link = dp_link if p.ep_aware else expert_dp_link
+        reduce = 4 * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
+        gather = width * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
         if p.shard_mode == "zero2":
             reduce = max(0.0, reduce - 2 / 3 * compute_mb)
         step_sync = reduce + gather

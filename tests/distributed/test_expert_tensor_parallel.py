@@ -3,7 +3,7 @@
 One MoE layer against one process (output, router statistics, the gradients of the input, the router
 and every expert weight), with and without sequence parallelism, both moe_impl paths, and under
 ep x tp; each tp rank must compute only its own experts' token copies. Then whole training runs
-through the Trainer's code path (optimus.testing.parity tolerances).
+through the Trainer's code path (tests.helpers.parity tolerances).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from optimus.models.config import ModelConfig
 from optimus.models.moe import MoE
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import GRAD_ATOL, GRAD_RTOL, check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import GRAD_ATOL, GRAD_RTOL, check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -164,7 +164,7 @@ def test_tp_2_moe_model_matches_one_process():
 def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_resumes_at_tp_1(tmp_path):
     """Steps 1-2 at tp=2 (zero2, selective recompute of the MoE, the reference expert loop) match one
     process, losses and every gradient; their DCP checkpoint then resumes in one process (tp=1)."""
-    from optimus.testing.parity import (
+    from tests.helpers.parity import (
         LOSS_RTOL_LATER_STEPS,
         CheckpointPlan,
         RunRecord,
@@ -191,7 +191,7 @@ def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_re
     (dict(tp=2, dp_shard=2, ep=2, ep_dispatch="allgather", shard_mode="zero1"), {}),
     (dict(tp=2, dp_replicate=2), {}),
     (dict(tp=2, pp=2, pp_schedule="1f1b"), {}),
-    (dict(tp=2), dict(activation_checkpointing="ops")),
+    (dict(tp=2), dict(activation_checkpointing="selective_ops")),
     (dict(tp=2), dict(activation_checkpointing="full")),
 ], ids=["ep2-allgather-zero1", "hsdp", "pp2", "ops-checkpointing", "full-checkpointing"])
 def test_tp_2_moe_extra_layouts_match_one_process(parallel, train):

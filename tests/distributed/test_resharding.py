@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import (
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import (
     LOSS_RTOL_LATER_STEPS,
     CheckpointPlan,
     reference_run,

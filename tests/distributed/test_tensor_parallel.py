@@ -3,7 +3,7 @@
 Covers the head-split attention with full-width QK-norm (ShardedRMSNorm), the column/row-split
 dense MLP, MoE blocks whose experts the tp ranks split (expert_tensor_parallel.py; its own tests in
 test_expert_tensor_parallel.py), and sequence-parallel norms. Tolerances are those of
-optimus.testing.parity.
+tests.helpers.parity.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 

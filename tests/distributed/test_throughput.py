@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -15,7 +15,7 @@ def _train_two_steps(rank: int, world: int, run_dir: str, token_dir: str, parall
     import os
 
     from optimus.config import build_config
-    from optimus.testing.runs import tiny_run_config
+    from tests.helpers.runs import tiny_run_config
     from optimus.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would

@@ -3,7 +3,7 @@
 The op and the head alone (uneven vocabularies, a rank with no rows, ignored tokens, several chunks,
 with and without sequence parallelism), whole models at tp=2 with a vocabulary tp does not divide,
 and a check that no rank ever holds full-vocabulary logits in the loss path. Layout tolerances are
-those of optimus.testing.parity; the op's own are fp32 rounding of a 23 x 37 problem.
+those of tests.helpers.parity; the op's own are fp32 rounding of a 23 x 37 problem.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -120,7 +120,7 @@ def _widest_logits(rank: int, world: int, config, chunk_rows: int) -> dict:
 
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
-    from optimus.testing.parity import global_batches
+    from tests.helpers.parity import global_batches
 
     vocab = config.model.vocab_size
 

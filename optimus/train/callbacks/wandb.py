@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from optimus.config import Config, ConfigError, WandbConfig
+from optimus.config import Config, ConfigError
+from optimus.train.config import WandbConfig
 from optimus.train.callbacks.base import Callback
 from optimus.train.callbacks.scalars import checkpoint_scalars, eval_scalars, step_scalars
 

@@ -6,7 +6,7 @@ import pytest
 
 from optimus.config import build_config
 from optimus.parallel.dry_run import dry_run
-from optimus.testing import in_forked_process
+from tests.helpers import in_forked_process
 
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 
@@ -14,7 +14,7 @@ TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf
 @in_forked_process  # builds a fake process group: keep it out of this process
 def test_zero1_counts_whole_parameters_and_ep_aware_owned_state():
     """mula-20b-a2b at dp_shard 384 x ep 12: zero1 keeps whole bf16 weights; EP-aware sharding of the
-    non-expert state over all 384 ranks (not the 32 of dp_mod_ep) holds less optimizer state per rank."""
+    non-expert state over all 384 ranks (not the 32 of expert_dp) holds less optimizer state per rank."""
     optimizer_bytes, parameter_bytes = {}, {}
     for aware in (True, False):
         parallel = dict(dp_shard=384, ep=12, shard_mode="zero1", ep_aware=aware)

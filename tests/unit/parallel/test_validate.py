@@ -58,7 +58,8 @@ def test_an_explicit_micro_batch_is_kept():
      {}, None, "cannot split 5 micro-batches"),
     ({"dp_shard": 3}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "not divisible by the 3 data-parallel ranks"),
     ({"dp_shard": 2}, {"micro_batch_size": 8}, {}, None, "gets 4 samples"),
-    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "ops"}, {}, None, "activation_checkpointing=ops"),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "selective_ops"}, {}, None,
+     "activation_checkpointing=selective_ops"),
     ({"pp": 2}, {"eval_tasks": ["arc_easy"]}, {}, None, "train.eval_tasks is not supported with parallel.pp > 1"),
 ])
 def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):

@@ -12,7 +12,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster, cluster_names, load_cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.step_time import bubble_fraction
-from optimus.testing.distributed import run_forked
+from tests.helpers.distributed import run_forked
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -140,7 +140,7 @@ def test_placement_names_which_groups_stay_inside_a_node():
     aurora = load_cluster("aurora")  # 12 tiles per node: the published EP 12 x PP 8 on 3,072 tiles
     where = placement(ParallelDims(dp_shard=384, ep=12, pp=8, world_size=3072), aurora)
     assert where["ep"] == "intra-node (12)"  # ep innermost (tp = 1) fills the node
-    assert where["dp_mod_ep"] == "1 per node x 32 nodes"  # so each expert shard's replicas are one per node
+    assert where["expert_dp"] == "1 per node x 32 nodes"  # so each expert shard's replicas are one per node
     assert where["dp"] == "12 per node x 32 nodes" and where["pp"] == "1 per node x 8 nodes"
     assert "tp" not in where  # size 1: no collective
 

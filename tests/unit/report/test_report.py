@@ -12,7 +12,7 @@ import pytest
 
 from optimus.cli import main
 from optimus.config import build_config
-from optimus.testing.runs import tiny_run_config
+from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, RunReport, read_metrics
 from optimus.report.panels import MAX_HEATMAP_COLUMNS, RunRecords, expert_load_data
 from optimus.train.trainer import Trainer

@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from optimus.cli import main
-from optimus.config import WandbConfig, build_config
-from optimus.testing.runs import tiny_run_config
+from optimus.config import build_config
+from optimus.train.config import WandbConfig
+from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.callbacks.scalars import checkpoint_scalars, eval_scalars, step_scalars
 from optimus.train.trainer import Trainer
