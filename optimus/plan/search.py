@@ -63,7 +63,7 @@ class Candidate:
     def dims(self) -> ParallelDims:
         """The layout's degrees."""
         p = self.config.parallel
-        return ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, self.config_world())
+        return ParallelDims.from_config(p, self.config_world())
 
     def config_world(self) -> int:
         """Devices of the layout (the product of its degrees)."""
