@@ -50,7 +50,7 @@ from optimus.config import OptimConfig
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
-SHARD_MODES = ("fsdp", "zero1", "zero2")
+SHARD_MODES = ("fsdp", "zero1", "zero2", "ddp")
 
 
 @dataclass(frozen=True)

@@ -225,11 +225,14 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # one process has no FSDP: nothing is gathered
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
+        **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
     if getattr(model, "zero_plan", None) is not None:
         memory.bytes = {**_zero_bytes(model, config, dims, pp_applied), **{
             k: v for k, v in memory.bytes.items() if k.startswith("activations")}}
+    if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
+        memory.bytes.pop("FSDP transient")
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
