@@ -5,9 +5,13 @@ unchanged: we work on their local tensors). Each rank owns a dim-0 row block of 
 cut as torch.chunk / FSDP2's Shard(0) cut it (ceil-sized blocks, the last ones short or empty), and
 keeps fp32 master weights and AdamW moments for its blocks only. A step:
 
-    gradients accumulate whole over the micro-batches
-    -> reduce-scatter in flat buckets (zero1: at the step; zero2: each bucket as soon as the last
-       micro-batch's backward has produced all its gradients, and the whole gradients are freed)
+    zero1: gradients accumulate whole over the micro-batches, then are reduce-scattered in flat
+           buckets at the step (one reduce-scatter per bucket and step; whole gradients held until then)
+    zero2: in every micro-batch's backward, each bucket is reduce-scattered as soon as backward has
+           produced all its gradients (post-accumulate-grad hooks), the result summed into a fp32
+           shard accumulator and the whole gradients freed: between backwards a rank holds only its
+           gradient shards (1/group of zero1's whole gradients), during one the buckets in flight;
+           the price is a reduce-scatter per micro-batch instead of per step
     -> global gradient norm from the shards (one all-reduce), clipping
     -> torch AdamW on the owned blocks (the same elementwise math as one process)
     -> all-gather of the updated blocks back into the whole parameters.
@@ -104,11 +108,14 @@ class _Bucket:
     group: _ShardGroup
     slots: list[_Slot]
     segment: int  # elements per rank
-    grad_shard: torch.Tensor | None = None  # reduced fp32 [segment], this rank's blocks
-    work: object = None  # pending async reduce-scatter
-    packed: torch.Tensor | None = None  # its input, kept alive until it completes
+    grad_shard: torch.Tensor | None = None  # fp32 [segment], this rank's blocks summed over ranks (and micro-batches)
+    # reduce-scatters in flight: (work, packed input kept alive until it completes, output to add to grad_shard)
+    pending: list = None
     finished: bool = False  # grad_shard averaged and handed to the masters as .grad
-    ready: int = 0  # zero2: parameters whose last micro-batch gradient has arrived
+    arrived: set = None  # zero2: parameters whose gradient this backward has produced
+
+    def __post_init__(self) -> None:
+        self.pending, self.arrived = [], set()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,9 +165,9 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
 class ShardedOptimizer:
     """AdamW with ZeRO-1/2 sharded state over EP-aware groups; the interface train_step uses.
 
-    zero_grad, begin_step(n_micro_batches), clip_grad_norm_(max_norm) -> global norm, step(),
-    param_groups (for the learning rate), state_dict()/load_state_dict() (DCP), full_gradients()
-    (tests) and state_numel() (per-rank optimizer-state elements by kind).
+    zero_grad, clip_grad_norm_(max_norm) -> global norm, step(), param_groups (for the learning
+    rate), state_dict()/load_state_dict() (DCP), full_gradients() (tests), state_numel() (per-rank
+    optimizer-state elements by kind) and gradient_bytes() (gradient memory held now).
     """
 
     def __init__(self, model: nn.Module, config: OptimConfig, plan: ZeroPlan,
@@ -208,8 +215,8 @@ class ShardedOptimizer:
                 self.inner.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=master.device),
                     "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
-        self._n_micro: int | None = None
-        self._counts: dict[nn.Parameter, int] = {}
+        self._in_flight: list[_Bucket] = []  # buckets with a reduce-scatter in flight, oldest first
+        self._flush_queued = False  # zero2: the end-of-backward callback is queued for the running backward
         if self.mode == "zero2":
             for param in self._slots:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -254,21 +261,16 @@ class ShardedOptimizer:
         """The inner AdamW's groups (set_lr writes the learning rate here)."""
         return self.inner.param_groups
 
-    def begin_step(self, n_micro_batches: int) -> None:
-        """Tell zero2 how many backward passes make this step (it reduces buckets after the last one)."""
-        self._n_micro = n_micro_batches
-        self._counts = {}
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop whole gradients and reduced shards (the next step starts from nothing)."""
+        self._land_all()  # a collective in flight must still complete on every rank
         for param in self._slots:
             param.grad = None
         for bucket in self.buckets:
-            self._wait(bucket)  # a pending collective must still complete on every rank
-            bucket.grad_shard, bucket.ready, bucket.finished = None, 0, False
+            bucket.grad_shard, bucket.finished = None, False
+            bucket.arrived.clear()
         for slot, _ in self._slots.values():
             slot.master.grad = None
-        self._counts = {}
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Reduce what is not reduced yet, then the global L2 norm from the shards (returned), clipped
@@ -322,25 +324,36 @@ class ShardedOptimizer:
         return self._mesh.local_rank("tp") == 0
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        # zero2: the last micro-batch's gradient of `param` is in; reduce its bucket once all are in
-        if self._n_micro is None:
-            return
-        self._counts[param] = self._counts.get(param, 0) + 1
-        if self._counts[param] != self._n_micro:
-            return
+        # zero2: `param`'s gradient of this backward is complete; reduce its bucket once all of them are
+        if not self._flush_queued:  # the first gradient of a backward: settle everything when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._flush_queued = True
         _, bucket = self._slots[param]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.slots):
-            self._reduce_bucket(bucket, async_op=True)
+        bucket.arrived.add(param)
+        if len(bucket.arrived) == len(bucket.slots):
+            self._reduce_bucket(bucket)
+
+    def _end_of_backward(self) -> None:
+        # a bucket some of whose parameters got no gradient in this backward: reduce what it got (the
+        # others add zeros, as one process would see); then wait, so only the shards outlive the backward
+        self._flush_queued = False
+        for bucket in self.buckets:
+            if bucket.arrived:
+                self._reduce_bucket(bucket)
+        self._land_all()
 
     def _reduce_all(self) -> None:
+        """At the step: reduce-scatter what is not reduced yet (zero1: everything), then finish every bucket."""
         for bucket in self.buckets:
-            if bucket.grad_shard is None:
-                self._reduce_bucket(bucket, async_op=False)
-            self._wait(bucket)
+            if bucket.grad_shard is None and not bucket.pending:
+                self._reduce_bucket(bucket)
+        for bucket in self.buckets:
+            self._finish(bucket)
 
     @torch.no_grad()
-    def _reduce_bucket(self, bucket: _Bucket, async_op: bool) -> None:
+    def _reduce_bucket(self, bucket: _Bucket) -> None:
+        """Pack the bucket's whole gradients (fp32, each rank's blocks side by side), free them, and start
+        their reduce-scatter; its output is summed into grad_shard when it lands (_land)."""
         group = bucket.group
         size = group.mesh.size()
         packed = torch.zeros(size, bucket.segment, dtype=torch.float32, device=self._device)
@@ -353,24 +366,45 @@ class ShardedOptimizer:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
             packed[:, slot.offset:slot.offset + slot.padded].copy_(_split_for_ranks(slot, grad, size))
-            # the whole gradient is no longer needed (zero2 frees it during backward: its memory saving)
+            # the whole gradient is no longer needed (zero2 frees it in every backward: its memory saving)
             slot.param.grad = None
-        shard = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
-        if size > 1:
-            bucket.packed = packed
-            bucket.work = dist.reduce_scatter_tensor(shard, packed.view(-1), group=group.mesh.get_group(),
-                                                     async_op=async_op)
-        else:
-            shard.copy_(packed.view(-1))
-        bucket.grad_shard = shard
-
-    def _wait(self, bucket: _Bucket) -> None:
-        """Finish a pending reduce-scatter: EP-unaware all-reduce over ep, averaging, master grads."""
-        if bucket.grad_shard is None or bucket.finished:
+        bucket.arrived.clear()
+        if size == 1:
+            self._accumulate(bucket, packed.view(-1))
             return
-        if bucket.work is not None:
-            bucket.work.wait()
-            bucket.work, bucket.packed = None, None
+        out = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
+        work = dist.reduce_scatter_tensor(out, packed.view(-1), group=group.mesh.get_group(), async_op=True)
+        bucket.pending.append((work, packed, out))
+        self._in_flight.append(bucket)
+        # two buckets in flight: the next one travels while this one is packed, and no more fp32 copies of
+        # whole gradients are held at once
+        if len(self._in_flight) > 2:
+            self._land(self._in_flight.pop(0))
+
+    @staticmethod
+    def _accumulate(bucket: _Bucket, reduced: torch.Tensor) -> None:
+        if bucket.grad_shard is None:
+            bucket.grad_shard = reduced
+        else:
+            bucket.grad_shard.add_(reduced)
+
+    def _land(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's oldest reduce-scatter and add its output to grad_shard."""
+        work, _, out = bucket.pending.pop(0)
+        work.wait()
+        self._accumulate(bucket, out)
+
+    def _land_all(self) -> None:
+        while self._in_flight:
+            self._land(self._in_flight.pop(0))
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """Once per step: the EP-unaware all-reduce over ep, averaging, and the shards as the masters' grads."""
+        if bucket.finished:
+            return
+        while bucket.pending:
+            self._in_flight.remove(bucket)
+            self._land(bucket)
         group, shard = bucket.group, bucket.grad_shard
         if group.extra_sum is not None and group.extra_sum.size() > 1:
             dist.all_reduce(shard, group=group.extra_sum.get_group())
@@ -439,6 +473,12 @@ class ShardedOptimizer:
                     out[f"param_groups.{slot.name}.{key}"] = value
         return out
 
+    def master_weight_keys(self) -> dict[str, str]:
+        """state_dict() keys of separate fp32 master weights (bf16 parameters), each with its parameter's name."""
+        if self.plan.compute_dtype == torch.float32:
+            return {}
+        return {f"state.{slot.name}.master": slot.name for slot, _, _ in self._each_state()}
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         """Copy a (DCP-loaded) state_dict() into the optimizer; masters follow the loaded model unless saved."""
@@ -465,6 +505,15 @@ class ShardedOptimizer:
             for slot, bucket, _ in self._each_state():
                 out[slot.name] = self._as_dtensor(slot, bucket, slot.master.grad.contiguous()).full_tensor()
         return out
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient memory this rank holds now: whole parameter gradients (zero1 until the step),
+        reduced fp32 shards, and reduce-scatter buffers in flight."""
+        held = [_local(p.grad) for p in self._slots if p.grad is not None]
+        for bucket in self.buckets:
+            held += [] if bucket.grad_shard is None else [bucket.grad_shard]
+            held += [t for _, packed, out in bucket.pending for t in (packed, out)]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def state_numel(self) -> dict[str, int]:
         """Optimizer-state elements on this rank by kind: fp32 moments plus separate fp32 master copies."""

@@ -239,9 +239,11 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
 
 
 def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied: bool) -> dict[str, float]:
-    """zero1/zero2 (optim/sharded.py): whole parameters and gradients in the compute dtype, a reduced fp32
-    gradient shard, and fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
-    from optimus.optim.sharded import expert_parameters, owned_numel
+    """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
+    dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
+    backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
+    fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters, owned_numel
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
@@ -256,7 +258,9 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied
     mode = config.parallel.shard_mode
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
-        f"gradients (whole + fp32 shard, {mode})": width * local + 4.0 * owned,
+        **({"gradients (whole + fp32 shard, zero1)": width * local + 4.0 * owned} if mode == "zero1" else
+           {"gradients (fp32 shard + buckets in flight, zero2)":
+            4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)}),
         f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
     }
 
