@@ -34,6 +34,9 @@ Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives f
 ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
 global shape, Shard(0) over the sharding group (combined with the parameter's own EP/TP
 placements as FSDP2 combines them), so DCP reshards between layouts and between shard modes.
+Under bf16 the fp32 master blocks are saved too ("state.<name>.master"). A checkpoint without them
+(fsdp, whose sharded fp32 parameters are its masters, or an fp32 zero run) fills them from the saved
+parameters at full precision: OptimizerState.stand_ins names "model.<name>" for CheckpointManager.
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from optimus.config import OptimConfig
+from optimus.optim.blocks import Slot, join_from_ranks, local_tensor, owned_block, shard_dim, split_for_ranks
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -79,34 +82,9 @@ class _ShardGroup:
 
 
 @dataclass(repr=False, eq=False)
-class _Slot:
-    """One parameter inside a bucket: its place in the per-rank segment and its owned rows."""
-
-    name: str
-    param: nn.Parameter
-    rows: int  # size of the sharded dim of the local (post TP/EP) tensor
-    chunk: int  # of those per rank, ceil(rows / group size)
-    row_numel: int  # elements per unit of the sharded dim
-    offset: int  # start of this parameter's chunk inside a rank's segment of the bucket
-    own_start: int
-    own_rows: int
-    master: torch.Tensor = None  # fp32 [own_rows, ...]
-    aliased: bool = False  # master is a view of the parameter's own rows (fp32 parameters)
-    dim: int = 0  # the sharded dim: 0, or 1 for expert weights whose experts do not divide (as FSDP2)
-
-    @property
-    def padded(self) -> int:
-        return self.chunk * self.row_numel
-
-    @property
-    def owned(self) -> int:
-        return self.own_rows * self.row_numel
-
-
-@dataclass(repr=False, eq=False)
 class _Bucket:
     group: _ShardGroup
-    slots: list[_Slot]
+    slots: list[Slot]
     segment: int  # elements per rank
     grad_shard: torch.Tensor | None = None  # fp32 [segment], this rank's blocks summed over ranks (and micro-batches)
     # reduce-scatters in flight: (work, packed input kept alive until it completes, output to add to grad_shard)
@@ -116,43 +94,6 @@ class _Bucket:
 
     def __post_init__(self) -> None:
         self.pending, self.arrived = [], set()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _shard_dim(local: torch.Tensor, ranks: int, expert: bool) -> int:
-    """Dim 0, except expert weights whose local experts do not divide over the ranks but whose dim 1 does:
-    FSDP2's choice (data_parallel._expert_shard_dim), so that 8 experts over 32 ranks are not 4x padded."""
-    if expert and local.ndim > 1 and local.shape[0] % ranks and local.shape[1] % ranks == 0:
-        return 1
-    return 0
-
-
-def _owned_block(slot: "_Slot", local: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a parameter-shaped tensor (a view; contiguous for dim 0)."""
-    if local.ndim == 0:
-        return local.view(1)
-    return local.narrow(slot.dim, slot.own_start, slot.own_rows)
-
-
-def _split_for_ranks(slot: "_Slot", tensor: torch.Tensor, size: int) -> torch.Tensor:
-    """[size, slot.padded] fp32: row r is rank r's block of `tensor`, flattened and zero-padded."""
-    if slot.dim == 0:
-        flat = F.pad(tensor.reshape(-1).float(), (0, size * slot.padded - tensor.numel()))
-        return flat.view(size, slot.padded)
-    # dim 1 (divides evenly): [d0, size, chunk, ...] -> [size, d0, chunk, ...]
-    shape = tensor.shape
-    return tensor.reshape(shape[0], size, -1).transpose(0, 1).reshape(size, slot.padded).float()
-
-
-def _join_from_ranks(slot: "_Slot", blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Inverse of _split_for_ranks: the whole parameter from every rank's block ([size, slot.padded])."""
-    if slot.dim == 0:
-        return blocks.reshape(-1)[:local.numel()].view_as(local)
-    size = blocks.shape[0]
-    return blocks.reshape(size, local.shape[0], -1).transpose(0, 1).reshape(local.shape)
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -227,13 +168,13 @@ class ShardedOptimizer:
         size, rank = group.mesh.size(), group.mesh.get_local_rank()
         buckets, slots, segment = [], [], 0
         for name, param in named:
-            local = _local(param)
-            dim = _shard_dim(local, size, expert=group.kind == "expert")
+            local = local_tensor(param)
+            dim = shard_dim(local, size, expert=group.kind == "expert")
             rows = local.shape[dim] if local.ndim else 1
             row_numel = local.numel() // rows if rows else 0
             chunk = math.ceil(rows / size)
             start = min(rank * chunk, rows)
-            slot = _Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
+            slot = Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
             slots.append(slot)
             segment += slot.padded
             if segment * size >= bucket_numel:
@@ -246,8 +187,8 @@ class ShardedOptimizer:
     @torch.no_grad()
     def _init_masters(self, compute_dtype: torch.dtype) -> None:
         for slot, _ in self._slots.values():
-            local = _local(slot.param).detach()
-            block = _owned_block(slot, local)
+            local = local_tensor(slot.param).detach()
+            block = owned_block(slot, local)
             if slot.dim == 0 and local.dtype == torch.float32 and compute_dtype == torch.float32:
                 slot.master, slot.aliased = block, True  # fp32 parameters: the owned rows are the masters
             else:
@@ -365,7 +306,7 @@ class ShardedOptimizer:
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            packed[:, slot.offset:slot.offset + slot.padded].copy_(_split_for_ranks(slot, grad, size))
+            packed[:, slot.offset:slot.offset + slot.padded].copy_(split_for_ranks(slot, grad, size))
             # the whole gradient is no longer needed (zero2 frees it in every backward: its memory saving)
             slot.param.grad = None
         bucket.arrived.clear()
@@ -416,7 +357,7 @@ class ShardedOptimizer:
     def _start_gather(self, bucket: _Bucket) -> tuple:
         """Pack this rank's updated blocks (cast to the parameters' dtype) and start their all-gather."""
         size = bucket.group.mesh.size()
-        dtype = _local(bucket.slots[0].param).dtype
+        dtype = local_tensor(bucket.slots[0].param).dtype
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self._device)
         for slot in bucket.slots:
             mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
@@ -431,11 +372,11 @@ class ShardedOptimizer:
         if work is not None:
             work.wait()
         for slot in bucket.slots:
-            local = _local(slot.param)
-            local.copy_(_join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
+            local = local_tensor(slot.param)
+            local.copy_(join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
 
     # --- views for checkpoints and tests ------------------------------------------------------
-    def _as_dtensor(self, slot: _Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
+    def _as_dtensor(self, slot: Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
         """`block` (this rank's rows of a parameter-shaped tensor) as a DTensor of the parameter's global
         shape: Shard(0) over the sharding group, then the parameter's own EP/TP placements (FSDP2's form)."""
         group_mesh, param = bucket.group.mesh, slot.param
@@ -481,16 +422,17 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        """Copy a (DCP-loaded) state_dict() into the optimizer; masters follow the loaded model unless saved."""
+        """Copy a (DCP-loaded) state_dict() into the optimizer; masters missing from it are taken from the
+        loaded whole parameters (CheckpointManager fills them from a checkpoint's fp32 parameters first)."""
         for slot, _, state in self._each_state():
             state["step"].copy_(torch.as_tensor(state_dict[f"state.{slot.name}.step"]))
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(_local(state_dict[f"state.{slot.name}.{key}"]))
+                state[key].copy_(local_tensor(state_dict[f"state.{slot.name}.{key}"]))
             master = state_dict.get(f"state.{slot.name}.master")
             if master is not None:
-                slot.master.copy_(_local(master))
+                slot.master.copy_(local_tensor(master))
             elif not slot.aliased:  # no saved masters: take them from the loaded (whole) parameters
-                slot.master.copy_(_owned_block(slot, _local(slot.param)))
+                slot.master.copy_(owned_block(slot, local_tensor(slot.param)))
             group = self._group_of[id(slot.master)]
             for key in group:
                 if key != "params" and f"param_groups.{slot.name}.{key}" in state_dict:
@@ -509,7 +451,7 @@ class ShardedOptimizer:
     def gradient_bytes(self) -> int:
         """Bytes of gradient memory this rank holds now: whole parameter gradients (zero1 until the step),
         reduced fp32 shards, and reduce-scatter buffers in flight."""
-        held = [_local(p.grad) for p in self._slots if p.grad is not None]
+        held = [local_tensor(p.grad) for p in self._slots if p.grad is not None]
         for bucket in self.buckets:
             held += [] if bucket.grad_shard is None else [bucket.grad_shard]
             held += [t for _, packed, out in bucket.pending for t in (packed, out)]
@@ -524,19 +466,3 @@ class ShardedOptimizer:
                 numel += slot.master.numel()
             counts[bucket.group.kind] += numel
         return counts
-
-
-def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, dp_mod_ep: int,
-                ep_aware: bool) -> int:
-    """Elements of optimizer state (per state tensor) the largest-holding rank owns for `params` (works on meta).
-
-    Non-expert rows are cut over dp (EP-aware) or dp_mod_ep; expert rows over dp_mod_ep; ceil-sized
-    blocks as ShardedOptimizer cuts them. For the dry run's memory table.
-    """
-    total = 0
-    for param in params:
-        local = _local(param)
-        ranks = dp_mod_ep if (param in experts or not ep_aware) else dp
-        rows = local.shape[_shard_dim(local, ranks, param in experts)] if local.ndim else 1
-        total += math.ceil(rows / ranks) * (local.numel() // max(rows, 1))
-    return total

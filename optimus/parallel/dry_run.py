@@ -243,7 +243,8 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied
     dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
     backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
     fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
-    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters, owned_numel
+    from optimus.optim.blocks import owned_numel
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
