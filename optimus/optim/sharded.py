@@ -205,6 +205,7 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop whole gradients and reduced shards (the next step starts from nothing)."""
         self._land_all()  # a collective in flight must still complete on every rank
+        self._flush_queued = False  # (a backward that raised never ran its end-of-backward callback)
         for param in self._slots:
             param.grad = None
         for bucket in self.buckets:
