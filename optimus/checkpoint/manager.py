@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest, seal, write_json_durably
 from optimus.checkpoint.preflight import RunDirError, check_run_dir, human_bytes
-from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_index
 from optimus.checkpoint.values import (
     UnsupportedValue, encode_values, live_state, merge_rank_values, read_values, restore_values, split_values,
 )
@@ -415,8 +416,15 @@ class CheckpointManager:
             tensors, _ = split_values(live)
             # checkpoints from before values.json keep non-tensor values as byte items (read weights-only)
             target = tensors if saved_values is not None else live
+            stand_ins = _take_stand_ins(state, target, path)
             with _single_process_dcp_quiet():
                 dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            if stand_ins:  # read in place into the live tensors, then put back where load_state_dict looks
+                with _single_process_dcp_quiet():
+                    dcp.load({source: tensor for source, (_, _, tensor) in stand_ins.items()},
+                             storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+                for entry, key, tensor in stand_ins.values():
+                    target[entry][key] = tensor
             if saved_values is not None:
                 restore_values(live, saved_values)
             for key, value in state.items():
@@ -426,3 +434,27 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({_describe(err)}): delete it or use another run.dir"
             ) from None
+
+
+def _take_stand_ins(state: dict[str, Stateful | Any], target: dict[str, Any], path: Path) -> dict[str, tuple]:
+    """Entries the checkpoint lacks but can fill from others it holds, taken out of `target`.
+
+    A Stateful may name them with `stand_ins()` -> {its key: checkpoint key to read instead} (a bf16
+    zero1/zero2 optimizer's fp32 master weights are the fp32 parameters an fsdp run saved). Returns
+    {checkpoint key: (entry, key, live tensor)} for a second load; one line on stderr (rank 0) says so.
+    """
+    offered = {entry: value.stand_ins() for entry, value in state.items()
+               if hasattr(value, "stand_ins") and isinstance(target.get(entry), dict)}
+    if not any(offered.values()):
+        return {}
+    saved = set(read_index(path).state_dict_metadata)
+    taken: dict[str, tuple] = {}
+    for entry, stand_ins in offered.items():
+        for key, source in stand_ins.items():
+            if f"{entry}.{key}" not in saved and source in saved and key in target[entry]:
+                taken[source] = (entry, key, target[entry].pop(key))
+    if taken and _is_rank0():
+        source, (entry, key, _) = next(iter(taken.items()))
+        print(f"checkpoint {path.name} lacks {len(taken)} {entry} entries: initialised from the entries it holds in "
+              f"their place (e.g. {entry}.{key} from {source})", file=sys.stderr, flush=True)
+    return taken

@@ -37,8 +37,9 @@ class ParallelConfig(ParallelDegrees):
     defer_grad_sync: Literal["none", "replicate", "all"] = Field(
         "replicate", description="gradient accumulation: reduce only after a step's last micro-batch over dp_replicate "
                                  "(HSDP's all-reduce), over every dp dim (all: unsharded gradients held meanwhile), or none")
-    shard_mode: Literal["fsdp", "zero1", "zero2"] = Field(
+    shard_mode: Literal["fsdp", "zero1", "zero2", "ddp"] = Field(
         "fsdp", description="fsdp: FSDP2 (ZeRO-3); zero1/zero2: whole parameters, sharded fp32 master + AdamW "
-                            "state (optimus/optim/sharded.py), gradients reduce-scattered at the step / per bucket")
+                            "state (optimus/optim/sharded.py), gradients reduce-scattered at the step / per bucket; "
+                            "ddp: nothing sharded, torch DDP (pure data parallel, small models)")
     ep_aware: bool = Field(True, description="zero1/zero2: non-expert state sharded over DP x EP (False: over DP "
                                              "only, replicated across EP: the ablation baseline)")

@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2 (ZeRO-3) over dp_shard, HSDP when dp_replicate > 1.
+"""Data parallelism: FSDP2 (ZeRO-3) over dp_shard, HSDP when dp_replicate > 1; or plain DDP.
 
 `fully_shard` is applied per transformer block, then to the root, so each block's weights are
 all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
@@ -11,6 +11,11 @@ bf16 when it gathers them, which halves all-gather traffic and the unsharded wei
 and reduces gradients in fp32 so summing over many ranks loses nothing. The same policy is used
 on CPU: it ran within 1e-3 of one process there (see CPU-NOTES), and one code path for every
 device is worth more than the small extra rounding compared with fp32 params + autocast alone.
+
+parallel.shard_mode=ddp (`apply_ddp`): nothing sharded. Every data-parallel rank holds the whole
+model, its gradients and its optimizer state, and gradients are all-reduced in buckets as backward
+produces them (torch DDP). For small models on few ranks it moves the fewest bytes (one all-reduce
+of the gradients per step, no parameter all-gathers) and has no per-block hooks on the forward.
 """
 
 from __future__ import annotations
@@ -93,6 +98,29 @@ def apply_fsdp(
     return model
 
 
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: int = 25) -> nn.Module:
+    """Replicate `model` over `dp_mesh` with torch DDP (the composable `replicate`, as torchtitan), in place.
+
+    Parameters stay plain whole tensors with unchanged names (no `module.` prefix: checkpoints keep
+    the single-process keys, so DCP reshards them into FSDP or zero runs and back). Gradients are
+    averaged over dp_mesh in buckets of bucket_cap_mb (DDP's default) while backward runs. DDP itself
+    is built at the first forward (after the weights are materialised) and starts by broadcasting
+    rank 0's weights. Every parameter must get a gradient in every backward (no find_unused_parameters).
+    Pure data parallelism only: validate.check_shard_mode refuses tp, pp or ep with it.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb)
+    return model
+
+
+def is_ddp(model: nn.Module) -> bool:
+    """Whether `model` was replicated by apply_ddp."""
+    from torch.distributed._composable.replicate import DDP
+
+    return isinstance(model, DDP)
+
+
 def set_gradient_sync(model: nn.Module, last_micro_batch: bool, defer: str = "replicate") -> None:
     """Before a micro-batch's backward: whether FSDP reduces gradients now or lets them accumulate.
 
@@ -102,8 +130,15 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool, defer: str = "re
     traffic once per step. "all": neither until the last micro-batch; meanwhile each rank holds the
     unsharded gradients of its FSDP units (more memory, fewest bytes moved). A model without FSDP
     (one rank, TP only) is left alone; pipeline stages defer by themselves (torch's schedules).
+    DDP (apply_ddp): every dp rank is a replica and gradients are whole anyway, so "replicate" and
+    "all" both all-reduce once per step, after the last micro-batch's backward (DDP's no_sync).
     """
-    if defer == "none" or not isinstance(model, FSDPModule):
+    if defer == "none":
+        return
+    if is_ddp(model):
+        model.set_requires_gradient_sync(last_micro_batch)
+        return
+    if not isinstance(model, FSDPModule):
         return
     if defer == "replicate":
         model.set_requires_all_reduce(last_micro_batch, recurse=True)

@@ -222,20 +222,26 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # one process has no FSDP: nothing is gathered
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
+        **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
     if getattr(model, "zero_plan", None) is not None:
         memory.bytes = {**_zero_bytes(model, config, dims), **{
             k: v for k, v in memory.bytes.items() if k.startswith("activations")}}
+    if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
+        memory.bytes.pop("FSDP transient")
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
 def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, float]:
-    """zero1/zero2 (optim/sharded.py): whole parameters and gradients in the compute dtype, a reduced fp32
-    gradient shard, and fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
-    from optimus.optim.sharded import expert_parameters, owned_numel
+    """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
+    dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
+    backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
+    fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
+    from optimus.optim.blocks import owned_numel
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
@@ -245,7 +251,9 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     mode = config.parallel.shard_mode
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
-        f"gradients (whole + fp32 shard, {mode})": width * local + 4.0 * owned,
+        **({"gradients (whole + fp32 shard, zero1)": width * local + 4.0 * owned} if mode == "zero1" else
+           {"gradients (fp32 shard + buckets in flight, zero2)":
+            4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)}),
         f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
     }
 

@@ -40,7 +40,8 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
 
     if str(device) == "meta":
         return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
-    if mesh is None or not dims.is_parallel:
+    if mesh is None or not dims.is_parallel or config.parallel.shard_mode == "ddp":
+        # ddp replicates the whole (small) model: each rank builds it as one process does
         model = build_model(config.model, device=device, seed=config.train.seed)
         return parallelize_model(model, dims, mesh, config)
     model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
@@ -135,7 +136,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     # DTensor and plain tensors) and hands the model plain full weights during forward.
     # zero1/zero2 instead keep parameters whole: the optimizer (optim/sharded.py) shards its state
     # and reduces gradients itself; it works on local tensors, so a mix of DTensors is fine there.
-    if parallel and config.parallel.shard_mode != "fsdp":
+    # ddp replicates everything (torch DDP): plain tensors, pure data parallelism only.
+    if parallel and config.parallel.shard_mode == "ddp":
+        from optimus.parallel.data_parallel import apply_ddp
+
+        apply_ddp(model, mesh["dp"])  # pure data parallel (validate.check_shard_mode): dp is every rank
+    elif parallel and config.parallel.shard_mode != "fsdp":
         from optimus.optim.sharded import ZeroPlan
 
         compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32

@@ -13,6 +13,7 @@ raises LayoutError (a ConfigError) with one line naming the problem and the fix.
                  schedule can split into rounds
     batch        the data-parallel ranks divide the global batch; the micro-batch divides each rank's share
     checkpointing  selective_ops with ep = dp_shard under dp_replicate > 1 is refused (see parallelize.py)
+    shard mode   ddp (torch DDP, whole replicas) only for pure data parallelism: tp = pp = ep = 1
 
 The global batch is the contract; the micro-batch is a memory knob. When train.micro_batch_size is
 not set it is derived: each rank's share in one micro-batch, or, under pipeline parallelism, split
@@ -83,6 +84,7 @@ def validate_layout(config: "Config", world_size: int | None = None) -> Layout:
     if dims.pp > 1:
         check_pipeline_micro_batches(p.pp_schedule, dims.pp, batch.micro_batches)
     check_checkpointing_layout(train.activation_checkpointing, dims)
+    check_shard_mode(p.shard_mode, dims)
     resolved = config
     if batch.derived:
         resolved = config.model_copy(
@@ -161,3 +163,18 @@ def check_checkpointing_layout(mode: str, dims: ParallelDims) -> None:
         raise LayoutError("train.activation_checkpointing=selective_ops does not work with parallel.ep = dp_shard "
                           "under dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
                           "use selective (train.recompute) or full")
+
+
+def check_shard_mode(mode: str, dims: ParallelDims) -> None:
+    """DDP replicates plain whole tensors over every rank: it composes with no model-splitting parallelism.
+
+    (torch DDP does not reduce DTensor parameters over a sub-mesh, and tp/pp/ep ranks hold different
+    pieces of the model, so they are not replicas; torchtitan refuses the same combinations.)
+    """
+    if mode != "ddp":
+        return
+    others = {name: degree for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep)) if degree > 1}
+    if others:
+        got = ", ".join(f"parallel.{name}={degree}" for name, degree in others.items())
+        raise LayoutError(f"parallel.shard_mode=ddp is for pure data parallelism and does not compose with {got}: "
+                          f"use shard_mode=fsdp (or zero1/zero2) with them, or set {' and '.join(others)} to 1")

@@ -30,3 +30,18 @@ def test_zero1_counts_whole_parameters_and_ep_aware_owned_state():
     # the same owned elements as FSDP's shards (12 B each: fp32 master + two moments), up to padding
     fsdp_state = fsdp_rank.bytes["optimizer (AdamW, 2 x fp32)"] + fsdp_rank.bytes["parameters (fp32)"]
     assert optimizer_bytes[True] == pytest.approx(fsdp_state, rel=0.05)
+
+
+@in_forked_process
+def test_ddp_counts_whole_replicas_and_its_gradient_buckets():
+    """shard_mode ddp at dp 4: every rank holds the whole model, its gradients, AdamW state and DDP's bucket copy."""
+    model = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_experts": 0, "ffn_hidden": 128, "vocab_size": 256}
+    train = dict(seq_len=64, global_batch_size=8, dtype="fp32")
+    config = build_config({"model": model, "parallel": dict(dp_shard=4, shard_mode="ddp"), "train": train})
+    rank = dry_run(config, 4).ranks[0]
+    from optimus.models.transformer import build_model
+
+    whole = sum(p.numel() for p in build_model(config.model, device="meta").parameters())
+    assert rank.parameters == whole
+    assert rank.bytes["DDP gradient buckets (fp32)"] == rank.bytes["gradients (fp32)"] == 4 * whole
+    assert "FSDP transient" not in rank.bytes
