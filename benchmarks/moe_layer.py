@@ -40,7 +40,7 @@ from benchmarks._common import (  # noqa: E402
     precision_fields, timing_clock, write_json,
 )
 from optimus.ops import moe_experts_forward  # noqa: E402
-from optimus.ops.testing import relative_error  # noqa: E402
+from tests.helpers.ops import relative_error  # noqa: E402
 from optimus.train.hardware import best_matmul_rate  # noqa: E402
 from optimus.train.precision import Precision  # noqa: E402
 

@@ -6,7 +6,7 @@
 Three models with the same shapes take full training steps (forward, backward, gradient clipping
 at 1.0, AdamW) on the same real-token micro-batches, interleaved round by round (ours share one
 seeded init; HF's is its own random init, as routing balance is what matters for the timing):
-  * optimus    - the default MoE layer (`moe_impl: fast`): fused permute, merged gate+up grouped
+  * optimus    - the default MoE layer (`moe_impl: auto`): fused permute, merged gate+up grouped
                  GEMM, SwiGLU, down grouped GEMM and weighted combine (`ops.moe_experts_forward`);
   * reference  - the same model with `moe_impl: reference`: a Python loop of one matmul per expert
                  over expert-sorted tokens (Megatron-LM's SequentialMLP; the Optimus paper's baseline);
@@ -38,7 +38,7 @@ from _common import (  # noqa: E402
 )
 from train_step import hf_olmoe, same_adamw  # noqa: E402
 
-from optimus.config import OptimConfig  # noqa: E402
+from optimus.optim.config import OptimConfig  # noqa: E402
 from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402
@@ -76,14 +76,14 @@ def hf_step(model, optimizer, inputs, labels, device: torch.device, dtype: str) 
 def make_steppers(args, device: torch.device, batches) -> tuple[dict, dict]:
     """{name: () -> None} running one training step each, and {name: facts} about each model."""
     steppers, facts = {}, {}
-    for name, impl in (("optimus", "fast"), ("reference", "reference")):
+    for name, impl in (("optimus", "auto"), ("reference", "reference")):
         config = model_config(args.shape, args.layers, impl)
         model = build_model(config, device=device, seed=0).train()
         optimizer = build_optimizer(model, OptimConfig())
         facts[name] = {"parameters": count_parameters(model, config), "config": config}
         steppers[name] = _our_stepper(model, optimizer, batches, device, args.dtype)
     if args.hf:
-        config = model_config(args.shape, args.layers, "fast")
+        config = model_config(args.shape, args.layers, "auto")
         model = hf_olmoe(config, seq_len=batches[0][0].shape[1]).to(device)
         optimizer = same_adamw(optimizer, model)  # the reference's AdamW settings and implementation
         facts["hf"] = {"experts_implementation": getattr(model.config, "_experts_implementation", None),

@@ -2,7 +2,7 @@
 
     python benchmarks/optimizer.py [--json out.json] [--steps N] [--rounds R] [--mula 20b,100b,220b]
 
-1. Measured, on 4 gloo ranks (optimus.testing.distributed.run_distributed), a tiny MoE scaled so
+1. Measured, on 4 gloo ranks (tests.helpers.distributed.run_distributed), a tiny MoE scaled so
    that the optimizer matters (d_model 128, 8 experts of ffn 256, vocab 4096, 2 micro-batches of
    2 x 32 tokens per rank), in two layouts: dp 2 x ep 2 (dp_shard 4, ep 2) and pp 2 x ep 2
    (pp 2, dp_shard 2 = ep 2, 1F1B). For every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2
@@ -11,11 +11,14 @@
    for zero1 that includes the gradient reduce-scatter, for zero2 and fsdp it ran in backward),
    in wall time and in process CPU time (steadier when 4 ranks share 2 cores: a rank waiting
    for a descheduled peer costs wall time but no CPU time; gloo's threads are included),
-   bytes per step and rank by collective (_common.CollectiveCounter, averaged over ranks), and
-   the optimizer state per rank (fp32 moments, plus fp32 masters where they are copies).
+   bytes per step and rank by collective (_common.CollectiveCounter, averaged over ranks), the
+   optimizer state per rank (fp32 moments, plus fp32 masters where they are copies), and the
+   gradient bytes per rank held when backward is done (before clipping: fsdp's sharded gradients,
+   zero1's whole ones, zero2's reduced fp32 shards).
    Ratios are against the EP-unaware variant of the same zero mode (fsdp: against zero1 EP-unaware).
    Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each parameter's
-   local rows padded to a multiple of its sharding group) and parameter all-gather, and EP's
+   local rows padded to a multiple of its sharding group; zero1 once per step, zero2 once per
+   micro-batch, its price for holding only shards) and parameter all-gather, and EP's
    all_to_all (per MoE layer and micro-batch: the [T*k, D] token rows out and back, forward and
    backward, plus the [E] counts). EP-unaware also all-reduces the reduced non-expert gradient shard
    over ep: counted too, but the measured all_reduce adds a few scalars (gradient norm, losses).
@@ -35,7 +38,10 @@
    the analytic count: per FSDP unit (a block; the root's embedding, norm and head) padded to a
    multiple of dp_shard rows, a fp32 gradient reduce-scatter per micro-batch (once per step
    under "all") and an all-reduce of the shard over dp_replicate per micro-batch (once per step
-   under "replicate" and "all").
+   under "replicate" and "all"). Beside them, the same model and ranks under parallel.shard_mode=ddp
+   (torch DDP over all 4 ranks, nothing sharded): one all-reduce of the whole fp32 gradient per step
+   (no_sync on the first micro-batch), counted by a comm hook on DDP's buckets (DDP's reducer calls
+   the process group from C++, past the Python wrappers), against 4 bytes x parameters.
 On a shared 2-core machine 4 ranks oversubscribe the cores: timings are informational.
 """
 
@@ -55,8 +61,8 @@ import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json)
-from optimus.testing.distributed import run_distributed  # noqa: E402
-from optimus.testing.parity import tiny_config  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=256)
 BATCH, SEQ, MICRO = 2, 32, 2
@@ -76,16 +82,17 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def zero_analytic_bytes(model, mesh, ep_aware: bool) -> dict[str, int]:
-    """The zero modes' optimizer collectives per step and rank: fp32 gradient reduce-scatter input and
-    parameter all-gather output, each parameter's local rows padded to a multiple of its group's size."""
+def zero_analytic_bytes(model, mesh, ep_aware: bool, scatters_per_step: int = 1) -> dict[str, int]:
+    """The zero modes' optimizer collectives per step and rank: fp32 gradient reduce-scatter input (zero1: once
+    per step; zero2: once per micro-batch, pass scatters_per_step) and parameter all-gather output, each
+    parameter's local rows padded to a multiple of its group's size."""
     from optimus.optim.sharded import expert_parameters
 
     experts = expert_parameters(model)
     total = ep_shard = 0
     for param in model.parameters():
         local = _local(param)
-        group = "dp_mod_ep" if (param in experts or not ep_aware) else "dp"
+        group = "expert_dp" if (param in experts or not ep_aware) else "dp"
         size = mesh.size(group)
         rows = local.shape[0] if local.ndim else 1
         padded = math.ceil(rows / size) * size * (local.numel() // max(rows, 1)) * 4
@@ -93,7 +100,7 @@ def zero_analytic_bytes(model, mesh, ep_aware: bool) -> dict[str, int]:
             total += padded
         if param not in experts and not ep_aware:
             ep_shard += padded // size  # EP-unaware: the reduced non-expert shard is all-reduced over ep
-    out = {"reduce_scatter_single": total, "all_gather_single": total}
+    out = {"reduce_scatter_single": scatters_per_step * total, "all_gather_single": total}
     if ep_shard and mesh.size("ep") > 1:
         out["all_reduce"] = ep_shard  # measured all_reduce adds a few scalars (gradient norm, losses)
     return out
@@ -115,8 +122,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
 
-    dims = ParallelDims(parallel.get("dp_replicate", 1), parallel["dp_shard"], 1, parallel.get("pp", 1),
-                        parallel["ep"], world_size=world)
+    dims = ParallelDims(dp_replicate=parallel.get("dp_replicate", 1), dp_shard=parallel["dp_shard"],
+                        pp=parallel.get("pp", 1), ep=parallel["ep"], world_size=world)
     mesh = dims.build_mesh("cpu")
     counter = CollectiveCounter()
     counter.install()
@@ -132,7 +139,18 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
                 opt_time[1] += time.process_time() - start_cpu
         return call
 
-    step_module.clip_gradients = timed(step_module.clip_gradients)  # fsdp's clipping (this process only)
+    grad_held = [0]  # gradient bytes this rank holds when backward is done (recorded as clipping starts)
+
+    def recording(fn, held):
+        def call(*args, **kwargs):
+            grad_held[0] = held(*args)
+            return fn(*args, **kwargs)
+        return call
+
+    def sharded_grad_bytes(params, *_):
+        return sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in params if p.grad is not None)
+
+    step_module.clip_gradients = recording(timed(step_module.clip_gradients), sharded_grad_bytes)  # fsdp
     gen = torch.Generator().manual_seed(100 + mesh.local_rank("dp"))
     tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, BATCH, SEQ + 1), generator=gen)
     micro = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)]
@@ -146,7 +164,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
         optimizer = build_optimizer(model, config.optim)
         optimizer.step = timed(optimizer.step)
         if hasattr(optimizer, "clip_grad_norm_"):
-            optimizer.clip_grad_norm_ = timed(optimizer.clip_grad_norm_)
+            optimizer.clip_grad_norm_ = recording(timed(optimizer.clip_grad_norm_),
+                                                  lambda *_, opt=optimizer: opt.gradient_bytes())
         opt_samples: list[tuple[float, float]] = []
 
         def one_step(model=model, optimizer=optimizer, samples=opt_samples):
@@ -164,13 +183,13 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
         counter.active = False
         analytic = {}
         if mode != "fsdp":
-            analytic = zero_analytic_bytes(model, mesh, aware)
+            analytic = zero_analytic_bytes(model, mesh, aware, MICRO if mode == "zero2" else 1)
         if parallel["ep"] > 1 and config.parallel.ep_dispatch == "all_to_all":
             moe_layers = sum(isinstance(block.mlp, MoE) for block in model.layers.values())
             analytic["all_to_all_single"] = MICRO * ep_all_to_all_bytes(
                 moe_layers, BATCH * SEQ, MODEL["top_k"], MODEL["d_model"], MODEL["n_experts"])
         out[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "analytic": analytic,
-                     "state_bytes": _optimizer_state_bytes(optimizer)}
+                     "state_bytes": _optimizer_state_bytes(optimizer), "grad_bytes": grad_held[0]}
         opt_samples.clear()
         runs[name] = (one_step, opt_samples)
     full = time_interleaved({name: fn for name, (fn, _) in runs.items()}, rounds, steps, warmup=0)
@@ -190,6 +209,7 @@ def _merge(ranks: list[dict]) -> dict:
         merged[name] = {"step_s": max(r["step_s"] for r in per), "opt_s": max(r["opt_s"] for r in per),
                         "opt_cpu_s": max(r["opt_cpu_s"] for r in per),
                         "state_bytes": max(r["state_bytes"] for r in per),
+                        "grad_bytes": max(r["grad_bytes"] for r in per),
                         "bytes": {k: sum(r["bytes"].get(k, 0) for r in per) / len(per) for k in sorted(kinds)},
                         # pipeline stages hold different parameters: the analytic count averaged as the bytes are
                         "analytic": {k: sum(r["analytic"][k] for r in per) / len(per) for k in per[0]["analytic"]}}
@@ -227,6 +247,39 @@ def _hsdp_rank(rank: int, world: int, defer: str) -> dict:
         step_module.train_step(model, optimizer, micro, device=torch.device("cpu"), dtype="fp32",
                                dp_mesh=mesh["dp"], defer_grad_sync=defer)
     return {"bytes": dict(counter.bytes), "analytic": hsdp_analytic_bytes(config, defer)}
+
+
+def _ddp_rank(rank: int, world: int) -> dict:
+    """Section 3's ddp row: DDP's all-reduced bucket bytes over one counted step of MICRO micro-batches."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import optimus.train.step as step_module
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    config = tiny_config(model=dict(vocab_size=4096), parallel=dict(HSDP, shard_mode="ddp"),
+                         train=dict(seq_len=SEQ, micro_batch_size=BATCH, dtype="fp32", global_batch_size=BATCH * 2 * 2))
+    dims = ParallelDims(world_size=world, **HSDP)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, "cpu")
+    optimizer = build_optimizer(model, config.optim)
+    group, counted = mesh["dp"].get_group(), {"all_reduce": 0}
+    active = [False]
+
+    def counting(state, bucket):
+        if active[0]:
+            counted["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(group, bucket)
+
+    model.register_comm_hook(None, counting)
+    tokens = torch.randint(0, config.model.vocab_size, (MICRO, BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(rank))
+    micro = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)]
+    for counting_now in (False, True):
+        active[0] = counting_now
+        step_module.train_step(model, optimizer, micro, device=torch.device("cpu"), dtype="fp32", dp_mesh=mesh["dp"])
+    return {"bytes": counted, "analytic": {"all_reduce": 4 * sum(p.numel() for p in model.parameters())}}
 
 
 def hsdp_analytic_bytes(config, defer: str) -> dict[str, int]:
@@ -311,12 +364,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\n{name} (4 gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
               "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware)")
         print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
-              f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'bytes/step':>11} {'bytes r':>7}")
+              f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'grads/rank':>11} {'bytes/step':>11} {'bytes r':>7}")
         for variant, row in merged.items():
             print(f"{variant:<17} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} "
                   f"{row['opt_cpu_s'] * 1e3:>10.1f} {row['opt_cpu_speedup']:>6.2f} {row['step_s'] * 1e3:>8.1f} "
                   f"{row['step_speedup']:>6.2f} {row['state_bytes'] / 1e6:>8.2f} MB {row['state_ratio']:>7.2f} "
-                  f"{row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
+                  f"{row['grad_bytes'] / 1e6:>8.2f} MB {row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
+        print("  grads/rank: gradient bytes held when backward is done (zero1 whole, zero2 fp32 shards, fsdp shards)")
         print("  bytes per step and rank by collective: measured / analytic (where exact)")
         for variant, row in merged.items():
             cells = [f"{kind} {got:,.0f}" + (f" / {row['analytic'][kind]:,.0f}" if kind in row["analytic"] else "")
@@ -345,6 +399,11 @@ def main(argv: list[str] | None = None) -> dict:
             cells = [f"{k} {v:,.0f}" + (f" / {ranks[0]['analytic'][k]:,}" if k in ranks[0]["analytic"] else "")
                      for k, v in measured.items()]
             print(f"  {defer:<10} " + "; ".join(cells))
+        ranks = run_distributed(_ddp_rank, 4, timeout=300)
+        measured = {"all_reduce": sum(r["bytes"]["all_reduce"] for r in ranks) / len(ranks)}
+        payload["ddp"] = {"bytes": measured, "analytic": ranks[0]["analytic"]}
+        print(f"  {'ddp':<10} all_reduce {measured['all_reduce']:,.0f} / {ranks[0]['analytic']['all_reduce']:,} "
+              "(shard_mode=ddp over the same 4 ranks: whole replicas, one all-reduce per step)")
     write_json(args.json, payload)
     print(f"\nwrote {args.json}")
     return payload

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import machine_info  # noqa: E402
 from optimus.config import load_config  # noqa: E402
-from optimus.testing.distributed import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--train.dtype=fp32", "--train.seq_len=128", "--train.global_batch_size=8", "--train.log_every=1",

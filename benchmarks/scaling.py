@@ -40,8 +40,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import CollectiveCounter, ep_all_to_all_bytes  # noqa: E402
-from optimus.testing.distributed import run_distributed  # noqa: E402
-from optimus.testing.parity import tiny_config  # noqa: E402
+from tests.helpers.distributed import run_distributed  # noqa: E402
+from tests.helpers.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=64, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=64)
 BATCH, SEQ = 4, 64

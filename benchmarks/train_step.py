@@ -37,7 +37,7 @@ from _common import (  # noqa: E402
     precision_fields, real_token_batches, time_interleaved, timing_clock, write_json,
 )
 
-from optimus.config import OptimConfig  # noqa: E402
+from optimus.optim.config import OptimConfig  # noqa: E402
 from optimus.models.flops import count_parameters, flops_per_token  # noqa: E402
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402

@@ -146,7 +146,8 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
     kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
     out = Path(args.out or f"runs/chaos-{Path(args.config).stem}")
     report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,
-                       hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds)
+                       hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds,
+                       env=os.environ)
     print(format_report(report))
     print(f"report: {out / 'report.json'}; logs: {out}/reference.log, {out}/chaos.log")
     return 0 if report.survived else 1
@@ -275,6 +276,18 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     save_config(config, out / "config.yaml")
     CheckpointManager(out).save(0, {"model": ModelState(model)}, {"model": config.model.model_dump(), "contents": ["model"]})
     print(f"imported {args.hf_dir} into {out} (step 0): continue with optimus train {out}/config.yaml")
+    return 0
+
+
+# --------------------------------------------------------------------------------------- report
+def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.report import ReportError, write_report
+
+    try:
+        path = write_report(args.run, args.out)
+    except ReportError as err:
+        raise UsageError(str(err)) from None
+    print(f"report: {path}")
     return 0
 
 
@@ -518,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("hf_dir")
     imp.add_argument("--out", required=True)
     imp.set_defaults(func=cmd_import)
+
+    report = verbs.add_parser("report", help="one HTML page of a run's curves (loss, throughput, MFU, expert load, "
+                                             "memory, checkpoints...), written at the end of every run too")
+    report.add_argument("run")
+    report.add_argument("--out", default=None, help="the HTML file to write (default RUN/report.html)")
+    report.set_defaults(func=cmd_report)
 
     verify = verbs.add_parser("verify", help="check every checkpoint of a run (sizes, hashes, index); exit 2 if any is bad")
     verify.add_argument("run")

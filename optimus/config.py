@@ -1,20 +1,33 @@
 """The typed config tree: YAML files plus `--section.key=value` overrides, validated by pydantic.
 
 Every section forbids unknown keys, so a typo is an error rather than a silently ignored setting.
-`model.preset` fills every model field; fields given beside it win.
+`model.preset` fills every model field; fields given beside it win. Each section's class lives
+beside the code it configures (models/, train/, optim/, data/, parallel/, resilience/config.py);
+this module only assembles them into `Config`, loads YAML and overrides, and raises ConfigError.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from optimus.data.config import DataConfig, DataSource
 from optimus.models.config import ModelConfig
 from optimus.models.presets import PRESETS
+from optimus.optim.config import OptimConfig
+from optimus.parallel.config import ParallelConfig, ParallelDegrees
 from optimus.resilience.config import ResilienceConfig
+from optimus.train.config import TrainConfig
+
+# the sections live beside what they configure; re-exported so `from optimus.config import TrainConfig` works
+__all__ = [
+    "Config", "ConfigError", "DataConfig", "DataSource", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "ParallelDegrees", "ResilienceConfig", "RunConfig", "TrainConfig", "build_config", "load_config",
+    "parse_overrides", "save_config",
+]
 
 
 class ConfigError(ValueError):
@@ -25,125 +38,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class TrainConfig(_Section):
-    seq_len: int = Field(256, gt=0)
-    micro_batch_size: int | None = Field(
-        None, gt=0, description="samples per forward on a rank (a memory knob); unset: derived from the global "
-                                "batch and the data-parallel ranks (see optimus/parallel/validate.py)")
-    global_batch_size: int = Field(8, gt=0, description="samples per optimizer step over all ranks (the contract)")
-    max_steps: int = Field(100, gt=0)
-    seed: int = 0
-    log_every: int = Field(1, gt=0)
-    eval_every: int = Field(0, ge=0, description="0 = only at the end")
-    eval_batches: int = Field(8, gt=0)
-    eval_tasks: list[str] = Field(
-        default_factory=list, description="downstream tasks scored at every evaluation (see optimus/eval/tasks.py); "
-                                          "not under pipeline parallelism")
-    eval_tasks_limit: int | None = Field(None, gt=0, description="the first N questions of each task; unset: all")
-    ckpt_every: int = Field(50, ge=0, description="0 = only at the end")
-    keep_last_k: int = Field(2, gt=0)
-    async_checkpoint: bool = Field(
-        False, description="write checkpoints in the background while training goes on (DCP async_save); "
-                           "each is committed before the next save, a load, or the end of training")
-    dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 where the device computes it natively, fp32 elsewhere (see train/precision.py)")
-    compile: bool = False
-    activation_checkpointing: Literal["none", "full", "selective", "ops"] = Field(
-        "none", description="full: whole blocks; selective: the sub-modules in recompute; ops: op-level policy")
-    recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
-        default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
-    tensorboard: bool = False
-
-    @field_validator("eval_tasks")
-    @classmethod
-    def _known_tasks(cls, names: list[str]) -> list[str]:
-        from optimus.eval.tasks import check_task_names  # stdlib-only module: no torch at config time
-
-        return check_task_names(names)
-
-    @field_validator("recompute")
-    @classmethod
-    def _recompute_named(cls, recompute: list[str], info: ValidationInfo) -> list[str]:
-        if not recompute and info.data.get("activation_checkpointing") == "selective":
-            raise ValueError("train.activation_checkpointing=selective needs at least one of attention, moe, mlp, "
-                             "norms in train.recompute")
-        return recompute
-
-
-class OptimConfig(_Section):
-    lr: float = Field(4e-4, gt=0)
-    min_lr: float = Field(4e-5, ge=0)
-    warmup_steps: int = Field(10, ge=0)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: fraction of steps spent decaying")
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
-    clip_after_warmup: bool = Field(
-        False, description="clip only once warm-up is over (the published Mula runs); the norm is logged throughout")
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError("each beta must be in [0, 1)")
-        return betas
-
-
-class DataSource(_Section):
-    """One corpus of the mixture: a packaged corpus by `name`, tokenized memmaps at `path`, or a `glob`
-    of OLMo/Dolma token files (flat .npy arrays; `dtype` and `eos_id` default from the tokenizer)."""
-
-    name: str | None = None
-    path: str | None = None
-    glob: str | None = None
-    weight: float = Field(1.0, gt=0)
-    dtype: Literal["uint16", "uint32"] | None = None
-    eos_id: int | None = Field(None, ge=0)
-
-    @model_validator(mode="after")
-    def _exactly_one_location(self) -> "DataSource":
-        if sum(x is not None for x in (self.name, self.path, self.glob)) != 1:
-            raise ValueError(
-                "give exactly one of 'name' (a packaged corpus), 'path' (tokenized data) or 'glob' (OLMo .npy files)"
-            )
-        return self
-
-
-class DataConfig(_Section):
-    sources: list[DataSource] = Field(
-        default_factory=lambda: [
-            DataSource(name="sotu", weight=1.0),
-            DataSource(name="wiki-offline", weight=1.0),
-            DataSource(name="stdlib", weight=0.5),
-        ]
-    )
-    # A mixture recipe (e.g. configs/data/olmoe-mix-0924.yaml) replaces `sources`: its sources are found
-    # under `root` or at `paths[source]`; `weights[source]` overrides its token-count weight.
-    recipe: str | None = None
-    root: str | None = None
-    paths: dict[str, str] = Field(default_factory=dict)
-    weights: dict[str, float] = Field(default_factory=dict)
-    tokenizer: str = "olmoe"
-    heldout_fraction: float = Field(0.02, gt=0, lt=1)
-    cache_dir: str = "data"
-
-    @field_validator("sources")
-    @classmethod
-    def _not_empty(cls, sources: list[DataSource]) -> list[DataSource]:
-        if not sources:
-            raise ValueError("at least one source is needed")
-        return sources
-
-    @model_validator(mode="after")
-    def _recipe_or_sources(self) -> "DataConfig":
-        if self.recipe is not None and "sources" in self.model_fields_set:
-            raise ValueError("give either 'recipe' or 'sources', not both")
-        return self
-
-
 class RunConfig(_Section):
+    """Where the run directory is: runs/NAME unless `dir` is given."""
+
     name: str = "default"
     dir: str | None = None
 
@@ -152,26 +49,9 @@ class RunConfig(_Section):
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
 
-class ParallelConfig(_Section):
-    dp_replicate: int = Field(1, gt=0)
-    dp_shard: int = Field(1, gt=0)
-    tp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)
-    ep: int = Field(1, gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    pp_virtual_stages: int = Field(1, gt=0)
-    ep_dispatch: Literal["all_to_all", "allgather"] = "all_to_all"
-    defer_grad_sync: Literal["none", "replicate", "all"] = Field(
-        "replicate", description="gradient accumulation: reduce only after a step's last micro-batch over dp_replicate "
-                                 "(HSDP's all-reduce), over every dp dim (all: unsharded gradients held meanwhile), or none")
-    shard_mode: Literal["fsdp", "zero1", "zero2"] = Field(
-        "fsdp", description="fsdp: FSDP2 (ZeRO-3); zero1/zero2: whole parameters, sharded fp32 master + AdamW "
-                            "state (optimus/optim/sharded.py), gradients reduce-scattered at the step / per bucket")
-    ep_aware: bool = Field(True, description="zero1/zero2: non-expert state sharded over DP x EP (False: over DP "
-                                             "only, replicated across EP: the ablation baseline)")
-
-
 class Config(_Section):
+    """The whole config tree: one section per concern, each defined beside the code it configures."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -274,7 +154,7 @@ def _format_validation_error(err: ValidationError) -> str:
     given = first.get("input")
     if isinstance(given, dict):  # a check across keys (a section's or the whole config's validator)
         return first["msg"].removeprefix("Value error, ")
-    return f"bad value for '{where}' ({given!r}): {first['msg']}"
+    return f"bad value for '{where}' ({given!r}): {first['msg'].removeprefix('Value error, ')}"
 
 
 def build_config(raw: dict[str, Any]) -> Config:

@@ -25,6 +25,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def small_token_dir(tmp_path_factory):
     """Three State of the Union speeches tokenized with the OLMoE tokenizer, once per test session."""
-    from optimus.testing.runs import tokenize_small_corpus
+    from tests.helpers.runs import tokenize_small_corpus
 
     return tokenize_small_corpus(tmp_path_factory.mktemp("small-tokens"))

@@ -20,8 +20,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +37,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest, seal, write_json_durably
 from optimus.checkpoint.preflight import RunDirError, check_run_dir, human_bytes
-from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_index
 from optimus.checkpoint.values import (
     UnsupportedValue, encode_values, live_state, merge_rank_values, read_values, restore_values, split_values,
 )
 from optimus.checkpoint.writer import CheckpointWriter
-
-# DCP warns on every single-process save/load that it assumes one process; that is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 META = "meta.json"
 INDEX = ".metadata"
@@ -51,6 +51,15 @@ _MESSAGE_BYTES = 480  # a problem's text as exchanged between ranks
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message is one line naming the problem and the fix."""
+
+
+@contextmanager
+def _single_process_dcp_quiet() -> Iterator[None]:
+    """Around a DCP call: DCP warns on every single-process save/load that it assumes one process,
+    which is intended here; the filter is scoped to the call so importing this module changes nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _is_rank0() -> bool:
@@ -79,6 +88,14 @@ class _PendingSave:
     tmp: Path
     meta: dict[str, Any]
     write: Future
+    quiet: ExitStack  # DCP's single-process warning filter, held until the background write is over
+
+    def wait(self) -> None:
+        """Block until the background write is done (re-raising its error), then drop the warning filter."""
+        try:
+            self.write.result()
+        finally:
+            self.quiet.close()
 
 
 class CheckpointManager:
@@ -167,15 +184,21 @@ class CheckpointManager:
             raise self._write_failed(step, tmp, problem)
         writer = CheckpointWriter(tmp, values_json)
         if asynchronous:
+            # one process: DCP warns from its writer thread, so the filter is held until the write is waited for
+            quiet = ExitStack()
+            if not dist.is_initialized():
+                quiet.enter_context(_single_process_dcp_quiet())
             try:
                 write = dcp.async_save(tensors, storage_writer=writer, process_group=self._background_group())
             except (Exception, CheckpointException) as err:
+                quiet.close()
                 raise self._write_failed(step, tmp, _describe(err)) from None
-            self._pending = _PendingSave(step, tmp, meta, write)
+            self._pending = _PendingSave(step, tmp, meta, write, quiet)
             return self.step_dir(step)
         failure = None
         try:
-            dcp.save(tensors, storage_writer=writer)
+            with _single_process_dcp_quiet():
+                dcp.save(tensors, storage_writer=writer)
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             failure = _describe(err)
         if failure is None and _is_rank0():
@@ -246,7 +269,7 @@ class CheckpointManager:
             return None
         failure = None
         try:
-            pending.write.result()
+            pending.wait()
         except (Exception, CheckpointException) as err:
             failure = _describe(err)
         if failure is None and _is_rank0():
@@ -270,7 +293,7 @@ class CheckpointManager:
         if pending is None:
             return None
         try:
-            pending.write.result()
+            pending.wait()
         except (Exception, CheckpointException):
             return None
         if not _is_rank0():
@@ -393,7 +416,15 @@ class CheckpointManager:
             tensors, _ = split_values(live)
             # checkpoints from before values.json keep non-tensor values as byte items (read weights-only)
             target = tensors if saved_values is not None else live
-            dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            stand_ins = _take_stand_ins(state, target, path)
+            with _single_process_dcp_quiet():
+                dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+            if stand_ins:  # read in place into the live tensors, then put back where load_state_dict looks
+                with _single_process_dcp_quiet():
+                    dcp.load({source: tensor for source, (_, _, tensor) in stand_ins.items()},
+                             storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+                for entry, key, tensor in stand_ins.values():
+                    target[entry][key] = tensor
             if saved_values is not None:
                 restore_values(live, saved_values)
             for key, value in state.items():
@@ -403,3 +434,27 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({_describe(err)}): delete it or use another run.dir"
             ) from None
+
+
+def _take_stand_ins(state: dict[str, Stateful | Any], target: dict[str, Any], path: Path) -> dict[str, tuple]:
+    """Entries the checkpoint lacks but can fill from others it holds, taken out of `target`.
+
+    A Stateful may name them with `stand_ins()` -> {its key: checkpoint key to read instead} (a bf16
+    zero1/zero2 optimizer's fp32 master weights are the fp32 parameters an fsdp run saved). Returns
+    {checkpoint key: (entry, key, live tensor)} for a second load; one line on stderr (rank 0) says so.
+    """
+    offered = {entry: value.stand_ins() for entry, value in state.items()
+               if hasattr(value, "stand_ins") and isinstance(target.get(entry), dict)}
+    if not any(offered.values()):
+        return {}
+    saved = set(read_index(path).state_dict_metadata)
+    taken: dict[str, tuple] = {}
+    for entry, stand_ins in offered.items():
+        for key, source in stand_ins.items():
+            if f"{entry}.{key}" not in saved and source in saved and key in target[entry]:
+                taken[source] = (entry, key, target[entry].pop(key))
+    if taken and _is_rank0():
+        source, (entry, key, _) = next(iter(taken.items()))
+        print(f"checkpoint {path.name} lacks {len(taken)} {entry} entries: initialised from the entries it holds in "
+              f"their place (e.g. {entry}.{key} from {source})", file=sys.stderr, flush=True)
+    return taken

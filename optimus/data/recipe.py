@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from optimus.config import DataConfig, DataSource
+from optimus.data.config import DataConfig, DataSource
 from optimus.data.errors import DataError
 
 # Recipes ship in the repository's configs/data/; a bare relative path is also looked up there.

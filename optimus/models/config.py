@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ModelConfig(BaseModel):
@@ -32,7 +32,16 @@ class ModelConfig(BaseModel):
     aux_loss_coef: float = Field(0.01, ge=0)
     z_loss_coef: float = Field(0.001, ge=0)
     init_std: float = Field(0.02, gt=0)
-    moe_impl: Literal["fast", "reference"] = Field("fast", description="expert math: fused ops or the plain reference")
+    moe_impl: Literal["auto", "reference"] = Field(
+        "auto", description="expert math: auto (the fastest fused ops for the device, as ops' impl='auto') or "
+                            "reference (a plain per-expert loop, for debugging)")
+
+    @field_validator("moe_impl", mode="before")
+    @classmethod
+    def _renamed_impl(cls, impl: object) -> object:
+        if impl == "fast":  # the old name, refused rather than silently read: one name per behaviour
+            raise ValueError("'fast' is now called 'auto' (as every op's impl): write model.moe_impl: auto")
+        return impl
 
     @property
     def is_moe(self) -> bool:

@@ -1,10 +1,12 @@
-"""Building blocks shared by every decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks shared by every decoder: RMSNorm, rotary embedding, SwiGLU MLP, the LM head."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from optimus.ops.cross_entropy import linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +21,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()  # one upcast (a copy for bf16 input, a no-op for fp32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def rotary_cos_sin(
@@ -53,3 +52,20 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection to vocabulary logits (no bias), and the fused loss on the same weight.
+
+    The loss is a method of the head, not of the model, so that a parallel layout can swap the head
+    for one with its own loss (tensor parallelism: optimus.parallel.vocab_parallel) while the model
+    code stays single-device.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def cross_entropy(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the logits of h [..., D] against labels [...] (-100 ignored), without
+        holding the full logits (ops.cross_entropy)."""
+        return linear_cross_entropy(h.flatten(0, -2), self.weight, labels.flatten())

@@ -29,6 +29,22 @@ class RouterStats:
     expert_counts: torch.Tensor  # [n_experts] token copies routed to each expert (no grad)
 
 
+def combine_router_stats(stats: list[RouterStats], n_layers: int) -> RouterStats:
+    """The layers' router stats as one: aux and z-loss summed over the layers given and divided by all
+    `n_layers` (so the shares of pipeline stages add up exactly), expert counts stacked [layers, n_experts]."""
+    return RouterStats(
+        aux_loss=torch.stack([s.aux_loss for s in stats]).sum() / n_layers,
+        z_loss=torch.stack([s.z_loss for s in stats]).sum() / n_layers,
+        expert_counts=torch.stack([s.expert_counts for s in stats]),
+    )
+
+
+def training_objective(ce_loss: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor,
+                       config: ModelConfig) -> torch.Tensor:
+    """The loss training minimises: cross-entropy + aux_loss_coef * load-balancing loss + z_loss_coef * z-loss."""
+    return ce_loss + config.aux_loss_coef * aux_loss + config.z_loss_coef * z_loss
+
+
 class Router(nn.Module):
     """Token-choice top-k router; its weight has the HF layout [n_experts, d_model]."""
 
@@ -51,7 +67,7 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """All experts' SwiGLU weights as stacked tensors: w_gate_up [E, D, 2F], w_down [E, F, D]."""
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int, impl: str = "fast"):
+    def __init__(self, n_experts: int, d_model: int, hidden: int, impl: str = "auto"):
         super().__init__()
         self.impl = impl
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
@@ -59,8 +75,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """tokens [T, D], expert_ids [T, k], weights [T, k] -> [T, D]: sum_s weights[t, s] * MLP_ids[t, s](x[t])."""
-        impl = "reference" if self.impl == "reference" else "auto"
-        return ops.moe_experts_forward(tokens, expert_ids, weights, self.w_gate_up, self.w_down, impl=impl)
+        return ops.moe_experts_forward(tokens, expert_ids, weights, self.w_gate_up, self.w_down, impl=self.impl)
 
 
 class MoE(nn.Module):

@@ -16,9 +16,8 @@ from torch import nn
 from optimus.models.attention import Attention
 from optimus.models.config import ModelConfig
 from optimus.models.init import initial_rows
-from optimus.models.layers import RMSNorm, SwiGLUMLP, rotary_cos_sin
-from optimus.models.moe import MoE, RouterStats
-from optimus.ops.cross_entropy import linear_cross_entropy
+from optimus.models.layers import LMHead, RMSNorm, SwiGLUMLP, rotary_cos_sin
+from optimus.models.moe import MoE, RouterStats, combine_router_stats, training_objective
 
 
 class Block(nn.Module):
@@ -70,7 +69,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.d_model, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, S] -> logits [B, S, V]; with labels [B, S], the losses instead of logits."""
@@ -86,18 +85,16 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is None:
             return ModelOutput(logits=self.lm_head(h))
-        ce_loss = linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        ce_loss = self.lm_head.cross_entropy(h, labels)
         return self._assemble_loss(ce_loss, router_stats)
 
     def _assemble_loss(self, ce_loss: torch.Tensor, router_stats: list[RouterStats]) -> ModelOutput:
         if not router_stats:
             return ModelOutput(loss=ce_loss, ce_loss=ce_loss)
-        # Sum over the layers present, divided by all layers: a pipeline stage's share adds up exactly.
-        aux_loss = torch.stack([s.aux_loss for s in router_stats]).sum() / self.config.n_layers
-        z_loss = torch.stack([s.z_loss for s in router_stats]).sum() / self.config.n_layers
-        loss = ce_loss + self.config.aux_loss_coef * aux_loss + self.config.z_loss_coef * z_loss
-        counts = torch.stack([s.expert_counts for s in router_stats])
-        return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=aux_loss, z_loss=z_loss, expert_counts=counts)
+        total = combine_router_stats(router_stats, self.config.n_layers)
+        loss = training_objective(ce_loss, total.aux_loss, total.z_loss, self.config)
+        return ModelOutput(loss=loss, ce_loss=ce_loss, aux_loss=total.aux_loss, z_loss=total.z_loss,
+                           expert_counts=total.expert_counts)
 
     def initial_std(self, name: str) -> float | None:
         """The init of parameter `name`: normal(0, std), or None for ones (norm weights)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from optimus.config import OptimConfig
+from optimus.optim.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from optimus.config import OptimConfig
+from optimus.optim.config import OptimConfig
 
 
 def lr_at(step: int, max_steps: int, config: OptimConfig) -> float:

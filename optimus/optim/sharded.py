@@ -5,9 +5,13 @@ unchanged: we work on their local tensors). Each rank owns a dim-0 row block of 
 cut as torch.chunk / FSDP2's Shard(0) cut it (ceil-sized blocks, the last ones short or empty), and
 keeps fp32 master weights and AdamW moments for its blocks only. A step:
 
-    gradients accumulate whole over the micro-batches
-    -> reduce-scatter in flat buckets (zero1: at the step; zero2: each bucket as soon as the last
-       micro-batch's backward has produced all its gradients, and the whole gradients are freed)
+    zero1: gradients accumulate whole over the micro-batches, then are reduce-scattered in flat
+           buckets at the step (one reduce-scatter per bucket and step; whole gradients held until then)
+    zero2: in every micro-batch's backward, each bucket is reduce-scattered as soon as backward has
+           produced all its gradients (post-accumulate-grad hooks), the result summed into a fp32
+           shard accumulator and the whole gradients freed: between backwards a rank holds only its
+           gradient shards (1/group of zero1's whole gradients), during one the buckets in flight;
+           the price is a reduce-scatter per micro-batch instead of per step
     -> global gradient norm from the shards (one all-reduce), clipping
     -> torch AdamW on the owned blocks (the same elementwise math as one process)
     -> all-gather of the updated blocks back into the whole parameters.
@@ -15,10 +19,10 @@ keeps fp32 master weights and AdamW moments for its blocks only. A step:
 Sharding groups (EP-aware, the default): non-expert parameters are replicated over every
 data-parallel rank, expert parallel ones included, so their state is sharded over mesh["dp"]
 (DP x EP); expert weights are already split by EP, so theirs is sharded over the ranks holding the
-same experts, mesh["dp_mod_ep"]. ep_aware=False is the ablation baseline: non-expert state sharded
-over dp_mod_ep only and replicated across EP (each EP rank repeats the same update); their
-gradients are reduce-scattered over dp_mod_ep and then all-reduced over ep.
-Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over dp_mod_ep
+same experts, mesh["expert_dp"]. ep_aware=False is the ablation baseline: non-expert state sharded
+over expert_dp only and replicated across EP (each EP rank repeats the same update); their
+gradients are reduce-scattered over expert_dp and then all-reduced over ep.
+Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over expert_dp
 (expert_parallel already scaled them by 1/ep in the forward).
 
 Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
@@ -30,6 +34,9 @@ Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives f
 ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
 global shape, Shard(0) over the sharding group (combined with the parameter's own EP/TP
 placements as FSDP2 combines them), so DCP reshards between layouts and between shard modes.
+Under bf16 the fp32 master blocks are saved too ("state.<name>.master"). A checkpoint without them
+(fsdp, whose sharded fp32 parameters are its masters, or an fp32 zero run) fills them from the saved
+parameters at full precision: OptimizerState.stand_ins names "model.<name>" for CheckpointManager.
 """
 
 from __future__ import annotations
@@ -40,17 +47,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from optimus.config import OptimConfig
+from optimus.optim.blocks import Slot, join_from_ranks, local_tensor, owned_block, shard_dim, split_for_ranks
+from optimus.optim.config import OptimConfig
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
-SHARD_MODES = ("fsdp", "zero1", "zero2")
+SHARD_MODES = ("fsdp", "zero1", "zero2", "ddp")
 
 
 @dataclass(frozen=True)
@@ -75,81 +82,22 @@ class _ShardGroup:
 
 
 @dataclass(repr=False, eq=False)
-class _Slot:
-    """One parameter inside a bucket: its place in the per-rank segment and its owned rows."""
-
-    name: str
-    param: nn.Parameter
-    rows: int  # size of the sharded dim of the local (post TP/EP) tensor
-    chunk: int  # of those per rank, ceil(rows / group size)
-    row_numel: int  # elements per unit of the sharded dim
-    offset: int  # start of this parameter's chunk inside a rank's segment of the bucket
-    own_start: int
-    own_rows: int
-    master: torch.Tensor = None  # fp32 [own_rows, ...]
-    aliased: bool = False  # master is a view of the parameter's own rows (fp32 parameters)
-    dim: int = 0  # the sharded dim: 0, or 1 for expert weights whose experts do not divide (as FSDP2)
-
-    @property
-    def padded(self) -> int:
-        return self.chunk * self.row_numel
-
-    @property
-    def owned(self) -> int:
-        return self.own_rows * self.row_numel
-
-
-@dataclass(repr=False, eq=False)
 class _Bucket:
     group: _ShardGroup
-    slots: list[_Slot]
+    slots: list[Slot]
     segment: int  # elements per rank
-    grad_shard: torch.Tensor | None = None  # reduced fp32 [segment], this rank's blocks
-    work: object = None  # pending async reduce-scatter
-    packed: torch.Tensor | None = None  # its input, kept alive until it completes
+    grad_shard: torch.Tensor | None = None  # fp32 [segment], this rank's blocks summed over ranks (and micro-batches)
+    # reduce-scatters in flight: (work, packed input kept alive until it completes, output to add to grad_shard)
+    pending: list = None
     finished: bool = False  # grad_shard averaged and handed to the masters as .grad
-    ready: int = 0  # zero2: parameters whose last micro-batch gradient has arrived
+    arrived: set = None  # zero2: parameters whose gradient this backward has produced
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _shard_dim(local: torch.Tensor, ranks: int, expert: bool) -> int:
-    """Dim 0, except expert weights whose local experts do not divide over the ranks but whose dim 1 does:
-    FSDP2's choice (data_parallel._expert_shard_dim), so that 8 experts over 32 ranks are not 4x padded."""
-    if expert and local.ndim > 1 and local.shape[0] % ranks and local.shape[1] % ranks == 0:
-        return 1
-    return 0
-
-
-def _owned_block(slot: "_Slot", local: torch.Tensor) -> torch.Tensor:
-    """This rank's block of a parameter-shaped tensor (a view; contiguous for dim 0)."""
-    if local.ndim == 0:
-        return local.view(1)
-    return local.narrow(slot.dim, slot.own_start, slot.own_rows)
-
-
-def _split_for_ranks(slot: "_Slot", tensor: torch.Tensor, size: int) -> torch.Tensor:
-    """[size, slot.padded] fp32: row r is rank r's block of `tensor`, flattened and zero-padded."""
-    if slot.dim == 0:
-        flat = F.pad(tensor.reshape(-1).float(), (0, size * slot.padded - tensor.numel()))
-        return flat.view(size, slot.padded)
-    # dim 1 (divides evenly): [d0, size, chunk, ...] -> [size, d0, chunk, ...]
-    shape = tensor.shape
-    return tensor.reshape(shape[0], size, -1).transpose(0, 1).reshape(size, slot.padded).float()
-
-
-def _join_from_ranks(slot: "_Slot", blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Inverse of _split_for_ranks: the whole parameter from every rank's block ([size, slot.padded])."""
-    if slot.dim == 0:
-        return blocks.reshape(-1)[:local.numel()].view_as(local)
-    size = blocks.shape[0]
-    return blocks.reshape(size, local.shape[0], -1).transpose(0, 1).reshape(local.shape)
+    def __post_init__(self) -> None:
+        self.pending, self.arrived = [], set()
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The routed experts' weights (MoE layers' `experts` modules): split by EP, sharded over dp_mod_ep."""
+    """The routed experts' weights (MoE layers' `experts` modules): split by EP, sharded over expert_dp."""
     from optimus.models.moe import MoE
 
     return {p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
@@ -158,9 +106,9 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
 class ShardedOptimizer:
     """AdamW with ZeRO-1/2 sharded state over EP-aware groups; the interface train_step uses.
 
-    zero_grad, begin_step(n_micro_batches), clip_grad_norm_(max_norm) -> global norm, step(),
-    param_groups (for the learning rate), state_dict()/load_state_dict() (DCP), full_gradients()
-    (tests) and state_numel() (per-rank optimizer-state elements by kind).
+    zero_grad, clip_grad_norm_(max_norm) -> global norm, step(), param_groups (for the learning
+    rate), state_dict()/load_state_dict() (DCP), full_gradients() (tests), state_numel() (per-rank
+    optimizer-state elements by kind) and gradient_bytes() (gradient memory held now).
     """
 
     def __init__(self, model: nn.Module, config: OptimConfig, plan: ZeroPlan,
@@ -175,11 +123,11 @@ class ShardedOptimizer:
         ep = mesh.size("ep")
         dp = mesh.size("dp")
         experts = expert_parameters(model)
-        expert_group = _ShardGroup("expert", mesh["dp_mod_ep"], None, mesh.size("dp_mod_ep"), ())
+        expert_group = _ShardGroup("expert", mesh["expert_dp"], None, mesh.size("expert_dp"), ())
         if plan.ep_aware or ep == 1:
             dense_group = _ShardGroup("non_expert", mesh["dp"], None, dp, ())
         else:
-            dense_group = _ShardGroup("non_expert", mesh["dp_mod_ep"], mesh["ep"], dp, ("ep",))
+            dense_group = _ShardGroup("non_expert", mesh["expert_dp"], mesh["ep"], dp, ("ep",))
         self._mesh = mesh
         decay_of = {p: g["weight_decay"] for g in param_groups(model, config.weight_decay) for p in g["params"]}
         named = [(single_process_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
@@ -208,8 +156,8 @@ class ShardedOptimizer:
                 self.inner.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=master.device),
                     "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
-        self._n_micro: int | None = None
-        self._counts: dict[nn.Parameter, int] = {}
+        self._in_flight: list[_Bucket] = []  # buckets with a reduce-scatter in flight, oldest first
+        self._flush_queued = False  # zero2: the end-of-backward callback is queued for the running backward
         if self.mode == "zero2":
             for param in self._slots:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -220,13 +168,13 @@ class ShardedOptimizer:
         size, rank = group.mesh.size(), group.mesh.get_local_rank()
         buckets, slots, segment = [], [], 0
         for name, param in named:
-            local = _local(param)
-            dim = _shard_dim(local, size, expert=group.kind == "expert")
+            local = local_tensor(param)
+            dim = shard_dim(local, size, expert=group.kind == "expert")
             rows = local.shape[dim] if local.ndim else 1
             row_numel = local.numel() // rows if rows else 0
             chunk = math.ceil(rows / size)
             start = min(rank * chunk, rows)
-            slot = _Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
+            slot = Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
             slots.append(slot)
             segment += slot.padded
             if segment * size >= bucket_numel:
@@ -239,8 +187,8 @@ class ShardedOptimizer:
     @torch.no_grad()
     def _init_masters(self, compute_dtype: torch.dtype) -> None:
         for slot, _ in self._slots.values():
-            local = _local(slot.param).detach()
-            block = _owned_block(slot, local)
+            local = local_tensor(slot.param).detach()
+            block = owned_block(slot, local)
             if slot.dim == 0 and local.dtype == torch.float32 and compute_dtype == torch.float32:
                 slot.master, slot.aliased = block, True  # fp32 parameters: the owned rows are the masters
             else:
@@ -254,21 +202,17 @@ class ShardedOptimizer:
         """The inner AdamW's groups (set_lr writes the learning rate here)."""
         return self.inner.param_groups
 
-    def begin_step(self, n_micro_batches: int) -> None:
-        """Tell zero2 how many backward passes make this step (it reduces buckets after the last one)."""
-        self._n_micro = n_micro_batches
-        self._counts = {}
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop whole gradients and reduced shards (the next step starts from nothing)."""
+        self._land_all()  # a collective in flight must still complete on every rank
+        self._flush_queued = False  # (a backward that raised never ran its end-of-backward callback)
         for param in self._slots:
             param.grad = None
         for bucket in self.buckets:
-            self._wait(bucket)  # a pending collective must still complete on every rank
-            bucket.grad_shard, bucket.ready, bucket.finished = None, 0, False
+            bucket.grad_shard, bucket.finished = None, False
+            bucket.arrived.clear()
         for slot, _ in self._slots.values():
             slot.master.grad = None
-        self._counts = {}
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Reduce what is not reduced yet, then the global L2 norm from the shards (returned), clipped
@@ -322,25 +266,36 @@ class ShardedOptimizer:
         return self._mesh.local_rank("tp") == 0
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        # zero2: the last micro-batch's gradient of `param` is in; reduce its bucket once all are in
-        if self._n_micro is None:
-            return
-        self._counts[param] = self._counts.get(param, 0) + 1
-        if self._counts[param] != self._n_micro:
-            return
+        # zero2: `param`'s gradient of this backward is complete; reduce its bucket once all of them are
+        if not self._flush_queued:  # the first gradient of a backward: settle everything when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._flush_queued = True
         _, bucket = self._slots[param]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.slots):
-            self._reduce_bucket(bucket, async_op=True)
+        bucket.arrived.add(param)
+        if len(bucket.arrived) == len(bucket.slots):
+            self._reduce_bucket(bucket)
+
+    def _end_of_backward(self) -> None:
+        # a bucket some of whose parameters got no gradient in this backward: reduce what it got (the
+        # others add zeros, as one process would see); then wait, so only the shards outlive the backward
+        self._flush_queued = False
+        for bucket in self.buckets:
+            if bucket.arrived:
+                self._reduce_bucket(bucket)
+        self._land_all()
 
     def _reduce_all(self) -> None:
+        """At the step: reduce-scatter what is not reduced yet (zero1: everything), then finish every bucket."""
         for bucket in self.buckets:
-            if bucket.grad_shard is None:
-                self._reduce_bucket(bucket, async_op=False)
-            self._wait(bucket)
+            if bucket.grad_shard is None and not bucket.pending:
+                self._reduce_bucket(bucket)
+        for bucket in self.buckets:
+            self._finish(bucket)
 
     @torch.no_grad()
-    def _reduce_bucket(self, bucket: _Bucket, async_op: bool) -> None:
+    def _reduce_bucket(self, bucket: _Bucket) -> None:
+        """Pack the bucket's whole gradients (fp32, each rank's blocks side by side), free them, and start
+        their reduce-scatter; its output is summed into grad_shard when it lands (_land)."""
         group = bucket.group
         size = group.mesh.size()
         packed = torch.zeros(size, bucket.segment, dtype=torch.float32, device=self._device)
@@ -352,25 +307,46 @@ class ShardedOptimizer:
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            packed[:, slot.offset:slot.offset + slot.padded].copy_(_split_for_ranks(slot, grad, size))
-            # the whole gradient is no longer needed (zero2 frees it during backward: its memory saving)
+            packed[:, slot.offset:slot.offset + slot.padded].copy_(split_for_ranks(slot, grad, size))
+            # the whole gradient is no longer needed (zero2 frees it in every backward: its memory saving)
             slot.param.grad = None
-        shard = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
-        if size > 1:
-            bucket.packed = packed
-            bucket.work = dist.reduce_scatter_tensor(shard, packed.view(-1), group=group.mesh.get_group(),
-                                                     async_op=async_op)
-        else:
-            shard.copy_(packed.view(-1))
-        bucket.grad_shard = shard
-
-    def _wait(self, bucket: _Bucket) -> None:
-        """Finish a pending reduce-scatter: EP-unaware all-reduce over ep, averaging, master grads."""
-        if bucket.grad_shard is None or bucket.finished:
+        bucket.arrived.clear()
+        if size == 1:
+            self._accumulate(bucket, packed.view(-1))
             return
-        if bucket.work is not None:
-            bucket.work.wait()
-            bucket.work, bucket.packed = None, None
+        out = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
+        work = dist.reduce_scatter_tensor(out, packed.view(-1), group=group.mesh.get_group(), async_op=True)
+        bucket.pending.append((work, packed, out))
+        self._in_flight.append(bucket)
+        # two buckets in flight: the next one travels while this one is packed, and no more fp32 copies of
+        # whole gradients are held at once
+        if len(self._in_flight) > 2:
+            self._land(self._in_flight.pop(0))
+
+    @staticmethod
+    def _accumulate(bucket: _Bucket, reduced: torch.Tensor) -> None:
+        if bucket.grad_shard is None:
+            bucket.grad_shard = reduced
+        else:
+            bucket.grad_shard.add_(reduced)
+
+    def _land(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's oldest reduce-scatter and add its output to grad_shard."""
+        work, _, out = bucket.pending.pop(0)
+        work.wait()
+        self._accumulate(bucket, out)
+
+    def _land_all(self) -> None:
+        while self._in_flight:
+            self._land(self._in_flight.pop(0))
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """Once per step: the EP-unaware all-reduce over ep, averaging, and the shards as the masters' grads."""
+        if bucket.finished:
+            return
+        while bucket.pending:
+            self._in_flight.remove(bucket)
+            self._land(bucket)
         group, shard = bucket.group, bucket.grad_shard
         if group.extra_sum is not None and group.extra_sum.size() > 1:
             dist.all_reduce(shard, group=group.extra_sum.get_group())
@@ -382,7 +358,7 @@ class ShardedOptimizer:
     def _start_gather(self, bucket: _Bucket) -> tuple:
         """Pack this rank's updated blocks (cast to the parameters' dtype) and start their all-gather."""
         size = bucket.group.mesh.size()
-        dtype = _local(bucket.slots[0].param).dtype
+        dtype = local_tensor(bucket.slots[0].param).dtype
         mine = torch.zeros(bucket.segment, dtype=dtype, device=self._device)
         for slot in bucket.slots:
             mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
@@ -397,11 +373,11 @@ class ShardedOptimizer:
         if work is not None:
             work.wait()
         for slot in bucket.slots:
-            local = _local(slot.param)
-            local.copy_(_join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
+            local = local_tensor(slot.param)
+            local.copy_(join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
 
     # --- views for checkpoints and tests ------------------------------------------------------
-    def _as_dtensor(self, slot: _Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
+    def _as_dtensor(self, slot: Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
         """`block` (this rank's rows of a parameter-shaped tensor) as a DTensor of the parameter's global
         shape: Shard(0) over the sharding group, then the parameter's own EP/TP placements (FSDP2's form)."""
         group_mesh, param = bucket.group.mesh, slot.param
@@ -439,18 +415,25 @@ class ShardedOptimizer:
                     out[f"param_groups.{slot.name}.{key}"] = value
         return out
 
+    def master_weight_keys(self) -> dict[str, str]:
+        """state_dict() keys of separate fp32 master weights (bf16 parameters), each with its parameter's name."""
+        if self.plan.compute_dtype == torch.float32:
+            return {}
+        return {f"state.{slot.name}.master": slot.name for slot, _, _ in self._each_state()}
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        """Copy a (DCP-loaded) state_dict() into the optimizer; masters follow the loaded model unless saved."""
+        """Copy a (DCP-loaded) state_dict() into the optimizer; masters missing from it are taken from the
+        loaded whole parameters (CheckpointManager fills them from a checkpoint's fp32 parameters first)."""
         for slot, _, state in self._each_state():
             state["step"].copy_(torch.as_tensor(state_dict[f"state.{slot.name}.step"]))
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(_local(state_dict[f"state.{slot.name}.{key}"]))
+                state[key].copy_(local_tensor(state_dict[f"state.{slot.name}.{key}"]))
             master = state_dict.get(f"state.{slot.name}.master")
             if master is not None:
-                slot.master.copy_(_local(master))
+                slot.master.copy_(local_tensor(master))
             elif not slot.aliased:  # no saved masters: take them from the loaded (whole) parameters
-                slot.master.copy_(_owned_block(slot, _local(slot.param)))
+                slot.master.copy_(owned_block(slot, local_tensor(slot.param)))
             group = self._group_of[id(slot.master)]
             for key in group:
                 if key != "params" and f"param_groups.{slot.name}.{key}" in state_dict:
@@ -466,6 +449,15 @@ class ShardedOptimizer:
                 out[slot.name] = self._as_dtensor(slot, bucket, slot.master.grad.contiguous()).full_tensor()
         return out
 
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient memory this rank holds now: whole parameter gradients (zero1 until the step),
+        reduced fp32 shards, and reduce-scatter buffers in flight."""
+        held = [local_tensor(p.grad) for p in self._slots if p.grad is not None]
+        for bucket in self.buckets:
+            held += [] if bucket.grad_shard is None else [bucket.grad_shard]
+            held += [t for _, packed, out in bucket.pending for t in (packed, out)]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def state_numel(self) -> dict[str, int]:
         """Optimizer-state elements on this rank by kind: fp32 moments plus separate fp32 master copies."""
         counts = {"non_expert": 0, "expert": 0}
@@ -475,19 +467,3 @@ class ShardedOptimizer:
                 numel += slot.master.numel()
             counts[bucket.group.kind] += numel
         return counts
-
-
-def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, dp_mod_ep: int,
-                ep_aware: bool) -> int:
-    """Elements of optimizer state (per state tensor) the largest-holding rank owns for `params` (works on meta).
-
-    Non-expert rows are cut over dp (EP-aware) or dp_mod_ep; expert rows over dp_mod_ep; ceil-sized
-    blocks as ShardedOptimizer cuts them. For the dry run's memory table.
-    """
-    total = 0
-    for param in params:
-        local = _local(param)
-        ranks = dp_mod_ep if (param in experts or not ep_aware) else dp
-        rows = local.shape[_shard_dim(local, ranks, param in experts)] if local.ndim else 1
-        total += math.ceil(rows / ranks) * (local.numel() // max(rows, 1))
-    return total

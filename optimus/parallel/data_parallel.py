@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2 (ZeRO-3) over dp_shard, HSDP when dp_replicate > 1.
+"""Data parallelism: FSDP2 (ZeRO-3) over dp_shard, HSDP when dp_replicate > 1; or plain DDP.
 
 `fully_shard` is applied per transformer block, then to the root, so each block's weights are
 all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
@@ -11,6 +11,11 @@ bf16 when it gathers them, which halves all-gather traffic and the unsharded wei
 and reduces gradients in fp32 so summing over many ranks loses nothing. The same policy is used
 on CPU: it ran within 1e-3 of one process there (see CPU-NOTES), and one code path for every
 device is worth more than the small extra rounding compared with fp32 params + autocast alone.
+
+parallel.shard_mode=ddp (`apply_ddp`): nothing sharded. Every data-parallel rank holds the whole
+model, its gradients and its optimizer state, and gradients are all-reduced in buckets as backward
+produces them (torch DDP). For small models on few ranks it moves the fewest bytes (one all-reduce
+of the gradients per step, no parameter all-gathers) and has no per-block hooks on the forward.
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ def apply_fsdp(
     *,
     dtype: str = "fp32",
     experts_mesh: DeviceMesh | None = None,
-    experts_gradient_divide_factor: int | None = None,
     reshard_after_forward: bool = True,
     ignore_experts: bool = False,
 ) -> nn.Module:
@@ -63,9 +67,9 @@ def apply_fsdp(
     experts_mesh: when expert parallelism is on, MoE expert weights are already split over ep, and
     are sharded by FSDP over this other mesh (dp_shard_mod_ep, or (dp_replicate, dp_shard_mod_ep)).
     They get their own FSDP group, applied before their block's.
-    experts_gradient_divide_factor: FSDP averages expert gradients over experts_mesh only, but
-    their tokens came from every data-parallel rank; pass the full dp degree so they are divided
-    like every other gradient (torchtitan does the same).
+    FSDP averages expert gradients over experts_mesh only, though their tokens came from every
+    data-parallel rank: expert_parallel.py scales them by 1/ep in the forward, so plain averaging is
+    exact (a gradient divide factor would need PREMUL_SUM, which gloo lacks).
     ignore_experts: with an experts_mesh of one rank there is nothing to shard or average: leave the
     expert weights (DTensors over ep already) out of FSDP (ignored_params) instead of giving them a
     group of their own. Op-level selective checkpointing needs this: a one-rank FSDP group unshards
@@ -85,8 +89,6 @@ def apply_fsdp(
         if experts_mesh is not None and isinstance(moe, MoE) and ignored is None:
             fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=partial(_expert_shard_dim, experts_mesh.size()))
-            if experts_gradient_divide_factor is not None:
-                moe.experts.set_gradient_divide_factor(float(experts_gradient_divide_factor))
         # The last block's weights are needed again at once by backward: keep them gathered.
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,
@@ -94,6 +96,29 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                 ignored_params=ignored)
     return model
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: int = 25) -> nn.Module:
+    """Replicate `model` over `dp_mesh` with torch DDP (the composable `replicate`, as torchtitan), in place.
+
+    Parameters stay plain whole tensors with unchanged names (no `module.` prefix: checkpoints keep
+    the single-process keys, so DCP reshards them into FSDP or zero runs and back). Gradients are
+    averaged over dp_mesh in buckets of bucket_cap_mb (DDP's default) while backward runs. DDP itself
+    is built at the first forward (after the weights are materialised) and starts by broadcasting
+    rank 0's weights. Every parameter must get a gradient in every backward (no find_unused_parameters).
+    Pure data parallelism only: validate.check_shard_mode refuses tp, pp or ep with it.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb)
+    return model
+
+
+def is_ddp(model: nn.Module) -> bool:
+    """Whether `model` was replicated by apply_ddp."""
+    from torch.distributed._composable.replicate import DDP
+
+    return isinstance(model, DDP)
 
 
 def set_gradient_sync(model: nn.Module, last_micro_batch: bool, defer: str = "replicate") -> None:
@@ -105,8 +130,15 @@ def set_gradient_sync(model: nn.Module, last_micro_batch: bool, defer: str = "re
     traffic once per step. "all": neither until the last micro-batch; meanwhile each rank holds the
     unsharded gradients of its FSDP units (more memory, fewest bytes moved). A model without FSDP
     (one rank, TP only) is left alone; pipeline stages defer by themselves (torch's schedules).
+    DDP (apply_ddp): every dp rank is a replica and gradients are whole anyway, so "replicate" and
+    "all" both all-reduce once per step, after the last micro-batch's backward (DDP's no_sync).
     """
-    if defer == "none" or not isinstance(model, FSDPModule):
+    if defer == "none":
+        return
+    if is_ddp(model):
+        model.set_requires_gradient_sync(last_micro_batch)
+        return
+    if not isinstance(model, FSDPModule):
         return
     if defer == "replicate":
         model.set_requires_all_reduce(last_micro_batch, recurse=True)

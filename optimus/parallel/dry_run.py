@@ -103,7 +103,9 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
                     rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
-                    returned rows for the combine); MoE is replicated over tp
+                    returned rows for the combine); with t > 1 the tp ranks split the experts: a rank's
+                    expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
+                    keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time.
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
@@ -113,7 +115,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     recomputes norms and activations:
         attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h).
     Plus the embedding output (w h / t) and, on the rank with the LM head, the fused loss head's
-    saved gradients: w h per token and the fp32 LM-head weight gradient (4 V h).
+    saved gradients: w h per token and the fp32 gradient of the rank's LM-head rows (4 V h / t).
     Checked against the tensors autograd really saves (tiny fp32 and bf16 models on CPU, no
     checkpointing): within 10%.
     """
@@ -131,6 +133,8 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
         experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
+        if t > 1:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
+            experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
         mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         mlp_selective = gathered + w * k * (2 * h + 2 * fe)
     else:
@@ -143,13 +147,13 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     elif mode == "selective":
         kept, recomputing = _selective_layer(config, dims, attn_full, mlp_full)
         per_token = layers * kept + recomputing
-    elif mode == "ops":
+    elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
     total = (per_token + block_input) * tokens
     if has_loss_head:
-        total += tokens * h * w + m.vocab_size * h * 4
+        total += tokens * h * w + m.vocab_size * h * 4 / t
     return total
 
 
@@ -174,7 +178,7 @@ def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_f
 
 def checkpointing_modes(config: Config) -> dict[str, Config]:
     """The config under each activation-checkpointing mode, keyed by a label (selective names its mask)."""
-    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "ops": "ops",
+    modes = {"none": "none", f"selective {'+'.join(config.train.recompute) or '-'}": "selective", "selective_ops": "selective_ops",
              "full": "full"}
     return {label: config.model_copy(update={"train": config.train.model_copy(update={"activation_checkpointing": mode})})
             for label, mode in modes.items()}
@@ -199,19 +203,12 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> i
     return min(n_micro, dims.pp - stage)
 
 
-def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int, notes: list[str]) -> RankMemory:
+def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int) -> RankMemory:
     params = list(model.parameters())
     local = sum(_local_numel(p) for p in params)
     layers = len(model.layers)
-    stage = rank // (dims.world_size // dims.pp)
-    pp_applied = dims.pp == 1 or layers < config.model.n_layers
+    stage = rank // (dims.world_size // dims.pp)  # the model is this stage's part: parallelize_model split it
     has_head = getattr(model, "lm_head", None) is not None
-    if not pp_applied:  # analytic: the blocks of one stage, embedding on the first, head on the last
-        share = 1.0 / dims.pp
-        notes.append(f"pipeline split not applied by parallelize_model: rank {rank}'s blocks counted as 1/{dims.pp}")
-        block_params = sum(_local_numel(p) for p in model.layers.parameters())
-        local = int(local - block_params * (1 - share))
-        layers = -(-config.model.n_layers // dims.pp)
     width = 2 if config.train.dtype == "bf16" else 4
     blocks = [sum(_gathered_numel(p) for p in block.parameters()) for block in model.layers.values()]
     largest_block = max(blocks, default=0)
@@ -225,35 +222,38 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # one process has no FSDP: nothing is gathered
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
+        **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
     }
     if getattr(model, "zero_plan", None) is not None:
-        memory.bytes = {**_zero_bytes(model, config, dims, pp_applied), **{
+        memory.bytes = {**_zero_bytes(model, config, dims), **{
             k: v for k, v in memory.bytes.items() if k.startswith("activations")}}
+    if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
+        memory.bytes.pop("FSDP transient")
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
-def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims, pp_applied: bool) -> dict[str, float]:
-    """zero1/zero2 (optim/sharded.py): whole parameters and gradients in the compute dtype, a reduced fp32
-    gradient shard, and fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
-    from optimus.optim.sharded import expert_parameters, owned_numel
+def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, float]:
+    """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
+    dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
+    backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
+    fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
+    from optimus.optim.blocks import owned_numel
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
     local = sum(_local_numel(p) for p in params)
-    owned = owned_numel(params, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep, config.parallel.ep_aware)
-    if not pp_applied:  # as _measure_rank: one stage's share of the blocks
-        blocks = list(model.layers.parameters())
-        local -= int(sum(_local_numel(p) for p in blocks) * (1 - 1 / dims.pp))
-        owned -= int(owned_numel(blocks, experts, dims.dp, dims.dp_replicate * dims.dp_shard_mod_ep,
-                                 config.parallel.ep_aware) * (1 - 1 / dims.pp))
+    owned = owned_numel(params, experts, dims.dp, dims.expert_dp, config.parallel.ep_aware)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
     mode = config.parallel.shard_mode
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
-        f"gradients (whole + fp32 shard, {mode})": width * local + 4.0 * owned,
+        **({"gradients (whole + fp32 shard, zero1)": width * local + 4.0 * owned} if mode == "zero1" else
+           {"gradients (fp32 shard + buckets in flight, zero2)":
+            4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)}),
         f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
     }
 
@@ -293,7 +293,7 @@ def dry_run(config: Config, world_size: int, device_memory_gb: float = 64.0) -> 
     for rank in ranks_to_show:
         try:
             model = _build_rank(config, dims, rank)
-            ranks.append(_measure_rank(model, config, dims, rank, notes))
+            ranks.append(_measure_rank(model, config, dims, rank))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -17,7 +17,7 @@ Gradient convention: an expert's weight gradient receives the tokens of every EP
 dispatch, i.e. the sum of ep ranks' local-batch gradients. We scale it by 1/ep inside the forward
 (`_ScaleGrad`), so that afterwards *every* parameter's gradient is this rank's share, to be averaged
 over the ranks that replicate it: non-expert weights over mesh["dp"], expert weights over
-mesh["dp_mod_ep"] -- plain FSDP/DDP averaging. (torchtitan instead leaves the sum and sets FSDP's
+mesh["expert_dp"] -- plain FSDP/DDP averaging. (torchtitan instead leaves the sum and sets FSDP's
 gradient divide factor to dp; that needs ReduceOp.PREMUL_SUM, which gloo lacks.)
 """
 
@@ -205,12 +205,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str =
     """Split every MoE layer's experts over `ep_mesh` (1-D, e.g. mesh["ep"]) in place; returns model.
 
     Call after the pipeline split and tensor parallelism, before activation checkpointing, compile and
-    FSDP (see parallelize.py). Works on materialised weights (each rank keeps its slice of the
-    identically seeded full weights) and on the meta device.
+    FSDP (see parallelize.py); experts already split over tp are then split over (ep, tp). Works on
+    materialised weights (each rank keeps its slice of the identically seeded full weights) and on the
+    meta device.
     """
     if ep_mesh.size() == 1:
         return model
+    from optimus.parallel.expert_tensor_parallel import TensorParallelExperts
+
     for module in list(model.modules()):
-        if isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
+        if isinstance(module, MoE) and isinstance(module.experts, TensorParallelExperts):
+            # tensor parallelism split the experts over tp already: split them over (ep, tp)
+            module.experts = module.experts.split_over_ep(ep_mesh, dispatch)
+        elif isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
             module.experts = ExpertParallelExperts(module.experts, ep_mesh, dispatch)
     return model

@@ -5,7 +5,8 @@ borrows its ranks from dp_shard (EP ranks are data-parallel for every non-expert
 Optimus and torchtitan), so dp_shard = dp_shard_mod_ep * ep. Flattened views:
     dp        = dp_replicate x dp_shard_mod_ep x ep   (data loading: who gets which samples)
     dp_shard  = dp_shard_mod_ep x ep                   (FSDP of non-expert weights)
-    dp_mod_ep = dp_replicate x dp_shard_mod_ep          (replicas of one expert shard)
+    expert_dp = dp_replicate x dp_shard_mod_ep          (data parallelism of expert weights: the ranks
+                                                         holding the same experts, which average their grads)
 Nothing else in Optimus creates process groups.
 """
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ConfigDict, Field, ValidationError
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from optimus.config import ConfigError
 from optimus.models.config import ModelConfig
+from optimus.parallel.config import ParallelDegrees
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
@@ -26,30 +29,37 @@ class LayoutError(ConfigError):
     All layout rules are gathered in optimus.parallel.validate.validate_layout."""
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    world_size: int = 1
+class ParallelDims(ParallelDegrees):
+    """The layout degrees (fields of ParallelDegrees, the one list of them) for a job of `world_size` ranks,
+    checked to fit that world. Build it from a config with `ParallelDims.from_config(config.parallel, world)`."""
 
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "world_size"):
-            if getattr(self, name) < 1:
-                raise LayoutError(f"parallel.{name} must be >= 1 (got {getattr(self, name)})")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
-        if product != self.world_size:
+    model_config = ConfigDict(frozen=True)
+
+    world_size: int = Field(1, gt=0)
+
+    def __init__(self, **degrees: int) -> None:
+        try:
+            super().__init__(**degrees)
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise LayoutError(f"parallel.{first['loc'][0]}: {first['msg']} (got {first.get('input')!r})") from None
+        if self.layout_ranks != self.world_size:
             raise LayoutError(
                 f"parallel.dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
-                f"{self.pp} = {product}, but the job has {self.world_size} ranks: make the product equal the world size"
+                f"{self.pp} = {self.layout_ranks}, but the job has {self.world_size} ranks: make the product equal "
+                f"the world size"
             )
         if self.dp_shard % self.ep:
             raise LayoutError(
                 f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({self.dp_shard}): expert-parallel ranks are "
                 f"taken from the sharded data-parallel ranks"
             )
+
+    @classmethod
+    def from_config(cls, parallel: ParallelDegrees, world_size: int | None = None) -> "ParallelDims":
+        """The degrees of `parallel` (a ParallelConfig) for `world_size` ranks (default: the ranks they use)."""
+        degrees = {name: getattr(parallel, name) for name in ParallelDegrees.model_fields}
+        return cls(**degrees, world_size=parallel.layout_ranks if world_size is None else world_size)
 
     @property
     def dp(self) -> int:
@@ -58,6 +68,11 @@ class ParallelDims:
     @property
     def dp_shard_mod_ep(self) -> int:
         return self.dp_shard // self.ep
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (data parallelism of expert weights): dp_replicate x dp_shard_mod_ep."""
+        return self.dp_replicate * self.dp_shard_mod_ep
 
     @property
     def is_parallel(self) -> bool:
@@ -83,6 +98,12 @@ class ParallelDims:
             raise LayoutError(f"parallel.ep ({self.ep}) needs an MoE model (model.n_experts > 0): set parallel.ep=1")
         if model.is_moe and model.n_experts % self.ep:
             raise LayoutError(f"parallel.ep ({self.ep}) must divide model.n_experts ({model.n_experts})")
+        if model.is_moe and self.tp > 1 and model.n_experts % (self.ep * self.tp):
+            raise LayoutError(
+                f"parallel.ep x tp ({self.ep} x {self.tp}) must divide model.n_experts ({model.n_experts}): under "
+                f"tensor parallelism each tp rank owns n_experts / (ep x tp) experts; lower tp or ep, or change "
+                f"model.n_experts"
+            )
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The job's DeviceMesh with every dimension named, plus its flattened views."""
@@ -91,7 +112,7 @@ class ParallelDims:
         flattened = {
             "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
             "dp_shard": world["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
-            "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
+            "expert_dp": world["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_dp"),
         }
         return ParallelMesh(world, flattened)
 

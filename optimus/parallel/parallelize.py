@@ -40,7 +40,8 @@ def build_parallel_model(config: Config, dims: ParallelDims, mesh: ParallelMesh 
 
     if str(device) == "meta":
         return parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
-    if mesh is None or not dims.is_parallel:
+    if mesh is None or not dims.is_parallel or config.parallel.shard_mode == "ddp":
+        # ddp replicates the whole (small) model: each rank builds it as one process does
         model = build_model(config.model, device=device, seed=config.train.seed)
         return parallelize_model(model, dims, mesh, config)
     model = parallelize_model(build_model(config.model, device="meta"), dims, mesh, config)
@@ -135,7 +136,12 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     # DTensor and plain tensors) and hands the model plain full weights during forward.
     # zero1/zero2 instead keep parameters whole: the optimizer (optim/sharded.py) shards its state
     # and reduces gradients itself; it works on local tensors, so a mix of DTensors is fine there.
-    if parallel and config.parallel.shard_mode != "fsdp":
+    # ddp replicates everything (torch DDP): plain tensors, pure data parallelism only.
+    if parallel and config.parallel.shard_mode == "ddp":
+        from optimus.parallel.data_parallel import apply_ddp
+
+        apply_ddp(model, mesh["dp"])  # pure data parallel (validate.check_shard_mode): dp is every rank
+    elif parallel and config.parallel.shard_mode != "fsdp":
         from optimus.optim.sharded import ZeroPlan
 
         compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32
@@ -151,11 +157,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
             apply_fsdp(
                 root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
                 # op-level checkpointing cannot replay a one-rank experts group: leave experts out of FSDP
-                ignore_experts=train.activation_checkpointing == "ops" and experts_mesh is not None
+                ignore_experts=train.activation_checkpointing == "selective_ops" and experts_mesh is not None
                 and experts_mesh.size() == 1,
-                # expert_parallel scales expert grads by 1/ep itself: plain averaging over dp_mod_ep
-                # is then exact (a divide factor needs PREMUL_SUM, which gloo lacks)
-                experts_gradient_divide_factor=None,
             )
     return model
 
@@ -171,7 +174,7 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
         return mesh["dp_replicate", "dp_shard"]
 
 
-# Ops whose outputs op-level ("ops") checkpointing keeps (the expensive ones to recompute).
+# Ops whose outputs op-level ("selective_ops") checkpointing keeps (the expensive ones to recompute).
 def _ops_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -230,7 +233,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     selective: inside every block, only the sub-modules named in `recompute` ("attention", "moe", "mlp"
         (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
         activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
-    ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
+    selective_ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
         cheap elementwise ops (norms, activations) recomputed. Its replay needs every FSDP group in a
         block to unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
     """
@@ -243,7 +246,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     kwargs = {"preserve_rng_state": False}
-    if mode == "ops":
+    if mode == "selective_ops":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _ops_policy)
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, **kwargs)

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from optimus.models.layers import rotary_cos_sin
+from optimus.models.moe import combine_router_stats, training_objective
 from optimus.models.transformer import Transformer
-from optimus.ops.cross_entropy import linear_cross_entropy
 from optimus.parallel.validate import check_pipeline_micro_batches
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -89,9 +89,8 @@ class PipelineStageModule(nn.Module):
             if layer_stats is not None:
                 stats.append(layer_stats)
         if stats:
-            aux = torch.stack([s.aux_loss for s in stats]).sum() / cfg.n_layers
-            z = torch.stack([s.z_loss for s in stats]).sum() / cfg.n_layers
-            counts = torch.stack([s.expert_counts for s in stats])
+            total = combine_router_stats(stats, cfg.n_layers)
+            aux, z, counts = total.aux_loss, total.z_loss, total.expert_counts
             if torch.is_grad_enabled():  # training forward: the backward will carry the aux terms
                 self.records.append((aux.detach(), z.detach(), counts))
                 h = _InjectAuxLoss.apply(h, aux, z, cfg.aux_loss_coef * self.loss_scale, cfg.z_loss_coef * self.loss_scale)
@@ -100,7 +99,7 @@ class PipelineStageModule(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)
-        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return self.lm_head.cross_entropy(h, labels)
 
 
 class PipelineRuntime:
@@ -116,10 +115,13 @@ class PipelineRuntime:
         self._n_microbatches = 1
 
     def refresh_layers(self, model: Transformer) -> None:
-        """Point the stages at model.layers' current blocks (after activation checkpointing wrapped them)."""
+        """Point the stages at model's current blocks (after activation checkpointing wrapped them) and
+        LM head (tensor parallelism swaps in a vocabulary-parallel one)."""
         for stage in self.stages:
             for key in list(stage.layers.keys()):
                 stage.layers[key] = model.layers[key]
+            if stage.lm_head is not None:
+                stage.lm_head = model.lm_head
 
     def _loss(self, ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the last stage's output is already the micro-batch's mean cross-entropy (its labels came as a
@@ -212,7 +214,7 @@ class PipelineRuntime:
         ce, aux, z = packed[0].float(), packed[1].float(), packed[2].float()
         sums = {"ce_loss": ce, "loss": ce}
         if cfg.is_moe:
-            sums.update(loss=ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z, aux_loss=aux, z_loss=z)
+            sums.update(loss=training_objective(ce, aux, z, cfg), aux_loss=aux, z_loss=z)
             sums["expert_counts"] = packed[3:].view(cfg.n_layers, cfg.n_experts).round().long()
         return sums
 

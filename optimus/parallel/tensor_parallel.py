@@ -9,16 +9,22 @@ What is split over the tp mesh, and why:
   sum of squares over tp (autograd-aware) and scales its own slice of the weight. That is the
   exact full-width RMS, and the weight stays one full-width DTensor (checkpoints unchanged).
 - dense MLP: gate/up column-parallel, down row-parallel.
-- MoE blocks stay replicated over tp: their input is gathered, every tp rank computes the same
-  routing and experts (expert parallelism, not TP, is how experts are split).
+- MoE blocks: the tp ranks split the experts (expert_tensor_parallel.py): the input is gathered,
+  every tp rank routes the same tokens but computes only its own experts' token copies, and the
+  partial outputs are reduce-scattered back to sequence shards.
 - sequence parallel: between blocks the residual stream is split along the sequence; norms run
   on the local tokens (SequenceParallel), attention/MLP inputs are all-gathered and their
   outputs reduce-scattered.
 - embedding: vocab-parallel (row-wise), output reduce-scattered to sequence shards.
-- final norm and LM head stay replicated over tp: the fused loss head takes the LM-head weight
-  directly, so the final hidden states are gathered and each tp rank computes the (same) loss.
-  This keeps the loss exactly the single-process one; loss_parallel would save the duplicated
-  vocab matmul and is a later optimisation.
+- final norm: on the local tokens under sequence parallelism (SequenceParallel), like the
+  blocks' norms.
+- LM head and loss: vocab-parallel (`vocab_parallel.VocabParallelLMHead` replaces the model's
+  LMHead, as ShardedRMSNorm replaces QK-norm): the weight is one DTensor Shard(0) over tp, each
+  rank computes the logits and the softmax statistics of its own vocabulary rows, chunk by chunk,
+  and the fused vocab-parallel cross-entropy combines them with one small collective per chunk.
+  No rank holds full-vocabulary logits in training; `model(ids).logits` gathers them.
+  The final hidden states enter the head all-gathered along the sequence (their gradient
+  reduce-scattered back). A vocabulary that tp does not divide is split unevenly, as DTensor splits.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -43,6 +48,8 @@ from torch.distributed.tensor.parallel import (
 from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
 from optimus.ops.cross_entropy import IGNORE_INDEX
+from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+from optimus.parallel.vocab_parallel import VocabParallelLMHead
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -109,21 +116,6 @@ def _dense_mlp_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def _replicate_moe(moe: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Keep an MoE block whole on every tp rank: gather its tokens in, give back the rank's shard.
-
-    Every tp rank then routes the same tokens through the same experts, so outputs, router
-    statistics and gradients are identical across tp (no reduction needed).
-    """
-    residual = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(moe, tp_mesh, PrepareModuleInput(
-        input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True))
-    if sequence_parallel:
-        # MoE returns (output, RouterStats): only the output tensor is re-split along the sequence.
-        parallelize_module(moe, tp_mesh, PrepareModuleOutput(
-            output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None), use_local_output=True))
-
-
 def _pad_sequence_to_tp_multiple(forward, tp: int):
     """Wrap Transformer.forward so any sequence length works under sequence parallelism.
 
@@ -162,11 +154,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if getattr(model, "embed", None) is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if getattr(model, "norm", None) is not None and sequence_parallel:
-        # The loss head needs every token: gather the sequence shards before the final norm.
-        root_plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)
+        # on the local tokens: the vocab-parallel head gathers them itself (after the norm, not before)
+        root_plan["norm"] = SequenceParallel(use_local_output=True)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = VocabParallelLMHead(model.lm_head, tp_mesh, sequence_parallel)
     if sequence_parallel and getattr(model, "embed", None) is not None:
         model.forward = _pad_sequence_to_tp_multiple(model.forward, tp_mesh.size())
     for block in model.layers.values():
@@ -175,7 +168,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             plan.update({"attn_norm": SequenceParallel(use_local_output=True),
                          "mlp_norm": SequenceParallel(use_local_output=True)})
         if isinstance(block.mlp, MoE):
-            _replicate_moe(block.mlp, tp_mesh, sequence_parallel)
+            apply_expert_tensor_parallel(block.mlp, tp_mesh, sequence_parallel)
         else:
             plan.update(_dense_mlp_plan(sequence_parallel))
         parallelize_module(block, tp_mesh, plan)

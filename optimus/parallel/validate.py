@@ -6,12 +6,14 @@ raises LayoutError (a ConfigError) with one line naming the problem and the fix.
 
     degrees      each >= 1; dp_replicate x dp_shard x tp x pp = world size; ep divides dp_shard
     model        tp divides the query and KV heads; ep > 1 needs an MoE model and divides its experts;
+                 ep x tp divides the experts (tp ranks split each ep rank's experts);
                  pp x virtual stages <= layers; tp divides train.seq_len (sequence parallelism)
     pipeline     pp_virtual_stages > 1 exactly with pp_schedule=interleaved_1f1b;
                  1f1b needs at least pp micro-batches per step; interleaved 1F1B a count torch's
                  schedule can split into rounds
     batch        the data-parallel ranks divide the global batch; the micro-batch divides each rank's share
-    checkpointing  ops with ep = dp_shard under dp_replicate > 1 is refused (see parallelize.py)
+    checkpointing  selective_ops with ep = dp_shard under dp_replicate > 1 is refused (see parallelize.py)
+    shard mode   ddp (torch DDP, whole replicas) only for pure data parallelism: tp = pp = ep = 1
 
 The global batch is the contract; the micro-batch is a memory knob. When train.micro_batch_size is
 not set it is derived: each rank's share in one micro-batch, or, under pipeline parallelism, split
@@ -26,7 +28,8 @@ from typing import TYPE_CHECKING
 from optimus.parallel.mesh import LayoutError, ParallelDims
 
 if TYPE_CHECKING:
-    from optimus.config import Config, TrainConfig
+    from optimus.config import Config
+    from optimus.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,7 @@ def validate_layout(config: "Config", world_size: int | None = None) -> Layout:
     """Check every layout and batch rule for a job of `world_size` ranks (default: the product of the
     configured degrees); raise LayoutError with one line, or return the resolved Layout."""
     p, train = config.parallel, config.train
-    if world_size is None:
-        world_size = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    dims = ParallelDims.from_config(p, world_size)
     if dims.pp > 1:
         check_pipeline_schedule(p.pp_schedule, p.pp_virtual_stages)
         if train.eval_tasks:  # ranking needs every logit, and no pipeline rank holds the whole model
@@ -83,6 +84,7 @@ def validate_layout(config: "Config", world_size: int | None = None) -> Layout:
     if dims.pp > 1:
         check_pipeline_micro_batches(p.pp_schedule, dims.pp, batch.micro_batches)
     check_checkpointing_layout(train.activation_checkpointing, dims)
+    check_shard_mode(p.shard_mode, dims)
     resolved = config
     if batch.derived:
         resolved = config.model_copy(
@@ -156,7 +158,23 @@ def resolve_batch(train: "TrainConfig", dims: ParallelDims, schedule: str = "1f1
 
 def check_checkpointing_layout(mode: str, dims: ParallelDims) -> None:
     """Op-level checkpointing replays ops by count, which the experts' one-rank FSDP group breaks under HSDP."""
-    if mode == "ops" and dims.is_parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1 and dims.dp_replicate > 1:
-        raise LayoutError("train.activation_checkpointing=ops does not work with parallel.ep = dp_shard under "
-                          "dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
+    if (mode == "selective_ops" and dims.is_parallel and dims.ep > 1 and dims.dp_shard_mod_ep == 1
+            and dims.dp_replicate > 1):
+        raise LayoutError("train.activation_checkpointing=selective_ops does not work with parallel.ep = dp_shard "
+                          "under dp_replicate > 1 (its op replay conflicts with the experts' one-rank FSDP shard): "
                           "use selective (train.recompute) or full")
+
+
+def check_shard_mode(mode: str, dims: ParallelDims) -> None:
+    """DDP replicates plain whole tensors over every rank: it composes with no model-splitting parallelism.
+
+    (torch DDP does not reduce DTensor parameters over a sub-mesh, and tp/pp/ep ranks hold different
+    pieces of the model, so they are not replicas; torchtitan refuses the same combinations.)
+    """
+    if mode != "ddp":
+        return
+    others = {name: degree for name, degree in (("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep)) if degree > 1}
+    if others:
+        got = ", ".join(f"parallel.{name}={degree}" for name, degree in others.items())
+        raise LayoutError(f"parallel.shard_mode=ddp is for pure data parallelism and does not compose with {got}: "
+                          f"use shard_mode=fsdp (or zero1/zero2) with them, or set {' and '.join(others)} to 1")

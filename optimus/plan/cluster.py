@@ -37,6 +37,7 @@ class Cluster:
     efficiency: Efficiency = field(default_factory=Efficiency)  # per op class: the preset's `efficiency:` block
     auto_dtype: str = "bf16"  # what train.dtype "auto" resolves to: bf16 on accelerators, measured here
     measured_peak_flops: dict[str, float] | None = None  # {"fp32": .., "bf16": ..}: `here`, probed, not a datasheet
+    nics_per_node: int = 1  # network interfaces per node; inter_node_gb_s is their sum
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""

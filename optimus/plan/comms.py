@@ -1,12 +1,24 @@
-"""Alpha-beta cost of collectives on a mesh dimension, with the link level set by the mesh order.
+"""Alpha-beta cost of collectives on mesh dimensions, placed on the device hierarchy (device, node, network).
 
-A collective over g ranks moving S bytes costs (g - 1) alpha + (g - 1) / g * S / beta (ring all-gather and
-reduce-scatter: S is the gathered size; an all-reduce is both, twice that). Which link carries it follows
-from where the group's ranks sit: ranks are numbered along the mesh (pp, dp_replicate, dp_shard_mod_ep, ep,
-tp), outermost first, so tp neighbours are adjacent ranks and pp neighbours are far apart. A group whose
-ranks span at most one node runs on the intra-node link; otherwise k of its members share each node and
-every ring edge leaving a node shares the node's network bandwidth with the node's other rings:
-beta = inter_node_bandwidth * k / devices_per_node (the slower of that and the intra-node link).
+Placement. Ranks are numbered along the mesh (pp, dp_replicate, dp_shard_mod_ep, ep, tp), outermost first, and
+consecutive ranks share a node (devices_per_node of them). A dimension's stride is the product of the sizes inside
+it, so tp neighbours are adjacent ranks and pp neighbours far apart. A group over some dims has `per_node`
+members on each node it touches (its inner dims that fit in a node) and spans `nodes = size / per_node` nodes.
+
+Links. Inside a node a rank talks over the intra-node link (per device, per direction). Off the node every
+device shares the node's NICs: collectives are SPMD, so while one group runs its inter-node phase the node's
+other devices run theirs (the same collective over the other groups of that dim), and each device gets
+inter_node_gb_s / max(devices_per_node, nics_per_node) -- never more than one NIC's worth.
+
+Algorithms (what NCCL/RCCL/oneCCL pick for large messages, and the cheaper of the two where both apply):
+    all-gather, reduce-scatter  hierarchical: intra-node phase over the per_node members, then an inter-node ring
+                 over `nodes` of 1/per_node of the data (each local member carries its slice on its own NIC share);
+                 or one flat ring over all members, paced by its slowest (inter-node) edge
+    all-reduce   reduce-scatter + all-gather
+    all-to-all   the on-node share of what a rank sends over the intra-node link, the off-node share over its NIC
+                 share, concurrently (the slower bounds it)
+    send/recv    one message, intra-node or over the NIC share
+Every step of a ring pays the latency of its link (alpha per hop).
 """
 
 from __future__ import annotations
@@ -20,12 +32,27 @@ from optimus.plan.cluster import Cluster
 
 @dataclass(frozen=True)
 class Link:
-    """What one rank of a group sees: latency per hop (s), bandwidth per rank (B/s), members per node."""
+    """Where a group's members sit and what they talk over.
 
-    alpha: float
-    beta: float
-    per_node: int
+    size: members; per_node: members on one node; nodes: nodes spanned. intra_*: the intra-node link (s, B/s per
+    device); inter_*: the network as one device sees it while every device of its node communicates."""
+
     size: int
+    per_node: int
+    intra_alpha: float
+    intra_beta: float
+    inter_alpha: float
+    inter_beta: float
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the group spans."""
+        return -(-self.size // self.per_node)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when some members are on different nodes."""
+        return self.nodes > 1
 
 
 def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
@@ -34,58 +61,101 @@ def mesh_sizes(dims: ParallelDims) -> dict[str, int]:
             "ep": dims.ep, "tp": dims.tp}
 
 
-def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> Link:
-    """The link a collective over the mesh dims `group` runs on."""
+def members_per_node(dims: ParallelDims, group: tuple[str, ...], devices_per_node: int) -> int:
+    """How many members of a group over the mesh dims `group` share one node: walking the group's dims from the
+    innermost, a dim whose whole extent (stride x size) fits in a node contributes all its members; the first
+    that does not contributes the members that fit (node / stride, when its stride is below a node) and stops."""
     sizes = mesh_sizes(dims)
-    size = math.prod(sizes[d] for d in group)
-    outer = min(group, key=MESH_DIMS.index)
-    stride = math.prod(sizes[d] for d in MESH_DIMS[MESH_DIMS.index(outer) + 1:])
-    span = stride * sizes[outer]  # consecutive ranks the group's members lie in
-    n = cluster.devices_per_node
-    intra = Link(cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9, size, size)
-    if span <= n or size == 1:
-        return intra
-    # members of the group that share a node: the inner dims of the group that fit in a node
     per_node = 1
     for d in reversed(MESH_DIMS):
-        if d in group:
-            inner = math.prod(sizes[x] for x in MESH_DIMS[MESH_DIMS.index(d) + 1:])
-            if inner * sizes[d] <= n:
-                per_node *= sizes[d]
-            else:
-                per_node *= max(1, n // inner) if inner < n else 1
-                break
-    per_node = max(1, min(per_node, size))
-    beta = min(cluster.intra_node_gb_s * 1e9, cluster.inter_node_gb_s * 1e9 * per_node / n)
-    return Link(cluster.inter_node_latency_us * 1e-6, beta, per_node, size)
+        if d not in group or sizes[d] == 1:
+            continue
+        stride = math.prod(sizes[x] for x in MESH_DIMS[MESH_DIMS.index(d) + 1:])
+        if stride * sizes[d] <= devices_per_node:
+            per_node *= sizes[d]
+        else:
+            if stride < devices_per_node:
+                per_node *= max(1, devices_per_node // stride)
+            break
+    size = math.prod(sizes[d] for d in group)
+    return max(1, min(per_node, size))
+
+
+def nic_share(cluster: Cluster) -> float:
+    """Network bandwidth (B/s, per direction) one device gets while all devices of its node use the NICs."""
+    return cluster.inter_node_gb_s * 1e9 / max(cluster.devices_per_node, cluster.nics_per_node)
+
+
+def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> Link:
+    """The placement and links of a collective over the mesh dims `group`."""
+    size = math.prod(mesh_sizes(dims)[d] for d in group)
+    return Link(size, members_per_node(dims, group, cluster.devices_per_node),
+                cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
+                cluster.inter_node_latency_us * 1e-6, nic_share(cluster))
+
+
+def _ring(members: int, alpha: float, beta: float, nbytes: float) -> float:
+    """Ring all-gather / reduce-scatter of `nbytes` (gathered size) over `members` on one link."""
+    if members <= 1:
+        return 0.0
+    return (members - 1) * alpha + (members - 1) / members * nbytes / beta
 
 
 def ring_time(link: Link, gathered_bytes: float) -> float:
-    """All-gather or reduce-scatter of `gathered_bytes` (the full, gathered size) over the group."""
-    g = link.size
-    if g <= 1:
+    """All-gather or reduce-scatter of `gathered_bytes` (the full, gathered size) over the group: the cheaper of
+    the hierarchical algorithm (intra-node phase, then inter-node over 1/per_node of the data) and a flat ring."""
+    if link.size <= 1:
         return 0.0
-    return (g - 1) * link.alpha + (g - 1) / g * gathered_bytes / link.beta
+    intra = _ring(link.per_node, link.intra_alpha, link.intra_beta, gathered_bytes)
+    if not link.spans_nodes:
+        return intra
+    hierarchical = intra + _ring(link.nodes, link.inter_alpha, link.inter_beta, gathered_bytes / link.per_node)
+    # a flat ring crosses each node once per ring: the node's per_node members feed one inter-node edge, so that
+    # edge gets per_node NIC shares (what the per_node local rings of the hierarchical scheme share between them)
+    flat = _ring(link.size, link.inter_alpha, min(link.intra_beta, link.inter_beta * link.per_node), gathered_bytes)
+    return min(hierarchical, flat)
 
 
 def all_reduce_time(link: Link, nbytes: float) -> float:
-    """Ring all-reduce: a reduce-scatter and an all-gather."""
+    """All-reduce: a reduce-scatter and an all-gather."""
     return 2 * ring_time(link, nbytes)
 
 
-def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster) -> float:
-    """All-to-all where each rank sends `send_bytes` in all, spread evenly over the group: the on-node
-    share goes over the intra-node link, the off-node share over the rank's part of the node's network."""
+def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster | None = None) -> float:
+    """All-to-all where each rank sends `send_bytes` in all, spread evenly over the group (itself included): the
+    on-node share over the intra-node link and the off-node share over the NIC share, at the same time.
+    (`cluster` is accepted for older callers; the link carries everything needed.)"""
     g = link.size
     if g <= 1:
         return 0.0
     on_node = send_bytes * (link.per_node - 1) / g
     off_node = send_bytes * (g - link.per_node) / g
-    intra = cluster.intra_node_gb_s * 1e9
-    inter = cluster.inter_node_gb_s * 1e9 / cluster.devices_per_node
-    return (g - 1) * link.alpha + max(on_node / intra, off_node / inter if off_node else 0.0)
+    latency = (link.per_node - 1) * link.intra_alpha + (g - link.per_node) * link.inter_alpha
+    return latency + max(on_node / link.intra_beta, off_node / link.inter_beta if off_node else 0.0)
 
 
-def p2p_time(link_alpha: float, beta: float, nbytes: float) -> float:
-    """One point-to-point send."""
-    return link_alpha + nbytes / beta
+def send_time(link: Link, nbytes: float) -> float:
+    """One point-to-point message to the next member of the group (a pipeline neighbour): over the intra-node link
+    when the group keeps neighbours on one node, else over the NIC share (every stage sends at once)."""
+    if link.size <= 1:
+        return 0.0
+    if link.spans_nodes:
+        return link.inter_alpha + nbytes / link.inter_beta
+    return link.intra_alpha + nbytes / link.intra_beta
+
+
+# the groups the trainer communicates over (optimus/parallel/mesh.py's dims and flattened views)
+GROUPS = (("tp", ("tp",)), ("ep", ("ep",)), ("dp_shard", ("dp_shard_mod_ep", "ep")),
+          ("expert_dp", ("dp_replicate", "dp_shard_mod_ep")), ("dp", ("dp_replicate", "dp_shard_mod_ep", "ep")),
+          ("dp_replicate", ("dp_replicate",)), ("pp", ("pp",)))
+
+
+def placement(dims: ParallelDims, cluster: Cluster) -> dict[str, str]:
+    """Where each communicating group of the layout sits: "intra-node (k)" or "k per node x n nodes" (size > 1)."""
+    out = {}
+    for name, group in GROUPS:
+        link = group_link(dims, group, cluster)
+        if link.size > 1:
+            out[name] = (f"intra-node ({link.size})" if not link.spans_nodes
+                         else f"{link.per_node} per node x {link.nodes} nodes")
+    return out

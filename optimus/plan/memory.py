@@ -5,11 +5,11 @@ thousands of layouts cannot afford that, so this module counts the same terms fr
 the unsplit model (ModelShape) and the layout's degrees:
 
     fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
-                  weights split over tp (matrices only) then dp_shard, experts over ep then dp_shard_mod_ep;
+                  weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
                   plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit)
     zero1/zero2   whole parameters and gradients in the compute dtype, an fp32 gradient shard, fp32 master
-                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or dp_mod_ep,
-                  experts over dp_mod_ep
+                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or expert_dp,
+                  experts over expert_dp
     activations   dry_run.activation_bytes (the same formula) times the micro-batches the schedule keeps in flight
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
@@ -33,9 +33,9 @@ class ModelShape:
     block_tp_split: int  # per block: attention / dense-MLP matrices (split over tp)
     block_replicated: int  # per block: norms and router (whole on every tp rank)
     block_attention: int  # per block: the attention matrices (part of block_tp_split; for the FLOP split)
-    block_experts: int  # per block: expert weights (split over ep, replicated over tp)
+    block_experts: int  # per block: expert weights (split over ep x tp)
     embedding: int
-    head: int  # LM head and final norm (whole on every tp rank)
+    head: int  # LM head (split over tp along the vocabulary) and final norm (whole, negligible)
 
     @classmethod
     def of(cls, config: Config) -> "ModelShape":
@@ -75,18 +75,18 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     width = 2 if config.train.dtype in ("bf16", "auto") else 4
     layers = _ceil_div(shape.n_layers, dims.pp)
     first, last = stage == 0, stage == dims.pp - 1
-    # the embedding is split over tp; the LM head is not (the fused loss head works on whole vocabulary rows)
-    root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head if last else 0)
+    # the embedding and the LM head are split over tp along the vocabulary (parallel/vocab_parallel.py)
+    root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
     dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
-    experts = layers * shape.block_experts / dims.ep
-    gathered_block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / dims.ep
+    experts = layers * shape.block_experts / (dims.ep * dims.tp)
+    gathered_block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / (dims.ep * dims.tp)
     if config.parallel.shard_mode == "fsdp":
         local = dense / dims.dp_shard + experts / dims.dp_shard_mod_ep
         transient = (2 * gathered_block + root_dense) * width + 4 * gathered_block if dims.is_parallel else 0.0
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     else:
-        dp_mod_ep = dims.dp_replicate * dims.dp_shard_mod_ep
-        owned = dense / (dims.dp if config.parallel.ep_aware else dp_mod_ep) + experts / dp_mod_ep
+        expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
+        owned = dense / (dims.dp if config.parallel.ep_aware else expert_dp) + experts / expert_dp
         local = dense + experts
         master = 4 * owned if width == 2 else 0.0
         held = {"parameters": width * local, "gradients": width * local + 4 * owned, "optimizer": master + 8 * owned}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from optimus.config import Config, save_config
 from optimus.plan.cluster import Cluster
+from optimus.plan.energy import energy_table
 from optimus.plan.search import Candidate
 
 
@@ -32,8 +33,16 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
             line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
         lines.append(line)
     if tokens:
-        lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time x PUE {cluster.pue:g}; "
-                     f"carbon at {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
+        lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time (IT energy); carbon = MWh x PUE {cluster.pue:g} "
+                     f"x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
+        best = next((c for c in candidates if c.fits), None)
+        if best is not None:
+            cost = best.entry(cluster, tokens)
+            label = f"this plan: {tokens:.3g} tokens, {cost['days']:.1f} days"
+            hardware = f"{devices} x {cluster.device}"
+            lines += ["", "energy and carbon beside published trainings (LUMI's table, REFERENCE.md):",
+                      energy_table([(label, hardware, cost["energy_mwh"], cost["pue"], cost["kgco2_per_kwh"],
+                                     cost["co2_t"])])]
     return "\n".join(lines)
 
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from optimus.config import Config, ConfigError
-from optimus.parallel.mesh import LayoutError
+from optimus.parallel.mesh import LayoutError, ParallelDims
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
+from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
+from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
 from optimus.plan.memory import ModelShape, peak_memory
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.step_time import step_time
@@ -53,23 +55,20 @@ class Candidate:
         """The JSON entry: layout, fit, memory, time, and with a token budget the days, energy and CO2."""
         out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
                                "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                               "step_parts_s": self.parts}
+                               "step_parts_s": self.parts, "placement": placement(self.dims(), cluster)}
         if tokens:
             out.update(run_cost(cluster, self.config_world(), self.tokens_per_s, tokens))
         return out
+
+    def dims(self) -> ParallelDims:
+        """The layout's degrees."""
+        p = self.config.parallel
+        return ParallelDims.from_config(p, self.config_world())
 
     def config_world(self) -> int:
         """Devices of the layout (the product of its degrees)."""
         p = self.config.parallel
         return p.dp_replicate * p.dp_shard * p.tp * p.pp
-
-
-def run_cost(cluster: Cluster, devices: int, tokens_per_s: float, tokens: float) -> dict[str, float]:
-    """Days to train `tokens`, energy (nodes x node power x time x PUE) in MWh, and tCO2e at the grid's intensity."""
-    seconds = tokens / tokens_per_s
-    energy_mwh = devices / cluster.devices_per_node * cluster.node_power_kw * seconds / 3600 * cluster.pue / 1000
-    return {"days": seconds / 86400, "energy_mwh": energy_mwh, "pue": cluster.pue,
-            "kgco2_per_kwh": cluster.grid_kgco2_per_kwh, "co2_t": energy_mwh * cluster.grid_kgco2_per_kwh}
 
 
 def _divisors(n: int) -> list[int]:

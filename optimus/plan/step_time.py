@@ -1,17 +1,20 @@
 """Step time of a layout: compute from FLOPs, collectives by alpha-beta, the pipeline bubble, and what overlaps.
 
     compute      FLOPs per token by op class (dense GEMM, grouped expert GEMM, attention scores), plus the
-                 forward FLOPs activation checkpointing recomputes, over peak x efficiency of that class,
-                 split evenly over tp x pp (ep moves tokens to experts, it does not change FLOPs per rank);
+                 forward FLOPs activation checkpointing recomputes, over peak x efficiency of that class, for the
+                 slowest pipeline stage (the last: ceil(L / pp) blocks split over tp, plus the whole LM head);
+                 ep moves tokens to experts, it does not change FLOPs per rank;
                  a GEMM class takes at least the time its weights need to stream from HBM (roofline: 3
                  passes per micro-batch, 4 when recomputed), which is what makes experts that see few
                  tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
                  activations before/after attention and MLP, forward and backward, again when recomputed),
-                 ep dispatch and combine (all-to-all, or all-gather + reduce-scatter), pp sends of
-                 activations and their gradients
-    per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward) and
-                 gradient reduce-scatter (fp32); only what exceeds the micro-batch's compute is exposed
+                 ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
+    per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
+                 gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
+                 virtual stage); only what exceeds the micro-batch's compute is exposed. Filling and draining the
+                 pipe waits for 2 (pp - 1) sends
+    collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
@@ -19,9 +22,10 @@
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
                  presets, where launches run ahead of the device; calibrated on a CPU)
-    per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1/zero2's gradient
-                 reduce-scatter and parameter all-gather, and the AdamW update (memory bound: 30 bytes of
-                 HBM traffic per owned element, at the memory_bound efficiency)
+    per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
+                 reduce-scatter (fp32) and the parameter all-gather after the update (zero2 hides its
+                 reduce-scatter behind the last micro-batch's backward, about 2/3 of its compute), and the AdamW
+                 update (memory bound: 30 bytes of HBM traffic per owned element, at the memory_bound efficiency)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -35,7 +39,7 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, p2p_time, ring_time
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape
 
@@ -138,15 +142,20 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     recomputed = _recomputed_flops(config, by_class)
     rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.loss_head,
             "experts": efficiency.grouped_gemm, "attention": efficiency.attention}
-    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) / (dims.tp * dims.pp) / (peak * rate[c])
-              for c in by_class}
     layers = -(-shape.n_layers // dims.pp)
+    # the pipeline runs at the pace of its slowest stage: the last one, which holds ceil(L / pp) blocks AND the
+    # whole LM head and loss (the first holds the embedding, a lookup); with few blocks per stage the head is a
+    # large share of it (220B-A10B at pp 32: 2 blocks + a head worth ~1.5 blocks)
+    share = {c: (1.0 if c == "head" else layers / shape.n_layers) for c in by_class}
+    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) * share[c] / dims.tp / (peak * rate[c])
+              for c in by_class}
     # roofline: a GEMM cannot run faster than its weights stream from HBM, read in the forward, read for the
     # input gradient and written as the weight gradient (3 passes), once more when recomputed; this is what
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
     hbm = cluster.hbm_gb_s * 1e9
-    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.pp
-    expert_weights = layers * shape.block_experts / dims.ep
+    # the last pipeline stage paces the pipe: its blocks plus the whole LM head (split over tp: vocab-parallel)
+    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.tp
+    expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
     dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
@@ -175,19 +184,23 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
             one = ring_time(ep_link, dims.ep * act_bytes / dims.tp)
         ep_mb = layers * exchanges * one
-    pp_mb = 0.0
-    if dims.pp > 1:  # activations forward, their gradients backward, one send each per micro-batch
-        pp_link = group_link(dims, ("pp",), cluster)
-        beta = pp_link.beta if pp_link.size == pp_link.per_node else cluster.inter_node_gb_s * 1e9 / cluster.devices_per_node
-        pp_mb = 2 * p2p_time(pp_link.alpha, beta, act_bytes / dims.tp)
+    pp_mb = pp_fill = 0.0
+    if dims.pp > 1:
+        # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the
+        # schedule posts them asynchronously (isend/irecv), so in the steady state they hide behind the next
+        # micro-batch's compute and only the excess shows; filling and draining the pipe waits for each hop
+        virtual_sends = 2 * (p.pp_virtual_stages if dims.pp > 1 else 1)
+        one_send = send_time(group_link(dims, ("pp",), cluster), act_bytes / dims.tp)
+        pp_mb = max(0.0, virtual_sends * one_send - compute_mb)
+        pp_fill = 2 * (dims.pp - 1) * one_send
 
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
-    root = shape.embedding / dims.tp + shape.head if dims.pp == 1 else max(shape.embedding / dims.tp, shape.head)
+    root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
-    expert_stage = layers * shape.block_experts / dims.ep
+    expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
     fsdp_mb = step_sync = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
-    dp_mod_ep_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
+    expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
@@ -197,9 +210,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             rep_link = group_link(dims, ("dp_replicate",), cluster)
             step_sync = all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-    else:  # zero1/zero2: reduce-scatter the gradients, all-gather the updated parameters, once per step
-        dense_link = dp_link if p.ep_aware else dp_mod_ep_link
-        step_sync = 2 * width * (ring_time(dense_link, dense_stage) + ring_time(dp_mod_ep_link, expert_stage))
+    else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
+        # parameters (compute dtype) after the update; zero2 starts each bucket's reduce-scatter as soon as the last
+        # micro-batch's backward has produced it, so that backward (about 2/3 of its compute) hides it
+        dense_link = dp_link if p.ep_aware else expert_dp_link
+        reduce = 4 * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
+        gather = width * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
+        if p.shard_mode == "zero2":
+            reduce = max(0.0, reduce - 2 / 3 * compute_mb)
+        step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
     optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
@@ -208,7 +227,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
-    pipeline = per_mb * micro_batches / (1 - bubble)
+    pipeline = per_mb * micro_batches / (1 - bubble) + pp_fill
     step = pipeline + step_sync + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
@@ -218,5 +237,5 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     parts = {"compute": (compute_mb - memory_mb - overhead_mb) * micro_batches, "memory_bound": memory_mb * micro_batches,
              "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
-             "bubble": pipeline * bubble, "dp_sync": step_sync, "optimizer": optimizer}
+             "bubble": (pipeline - pp_fill) * bubble + pp_fill, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)

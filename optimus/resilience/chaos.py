@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -350,8 +351,9 @@ def compare_weights(reference: dict, candidate: dict) -> tuple[bool, int, str]:
 
 def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ranks: int, kinds: list[str],
               seed: int = 0, hang_timeout_s: float = 20.0, timeout: float = 600.0,
-              min_step_s: float = 0.0) -> ChaosReport:
-    """The reference run, the run under faults, and the comparison (see the module docstring)."""
+              min_step_s: float = 0.0, env: Mapping[str, str] | None = None) -> ChaosReport:
+    """The reference run, the run under faults, and the comparison (see the module docstring).
+    `env` is the environment the training jobs start from (the CLI passes its own; default: a bare one)."""
     from optimus.config import load_config
 
     if ranks < 2 and any(kind in IN_JOB_KINDS for kind in kinds):
@@ -361,7 +363,7 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
         raise ChaosError(f"unknown fault kind {unknown[0]!r}: choose from {', '.join(FAULT_KINDS)}")
     loaded = load_config(config, overrides)
     max_steps, p = loaded.train.max_steps, loaded.parallel
-    layout_ranks = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    layout_ranks = p.layout_ranks
     if layout_ranks == 1 and ranks > 1:
         overrides = [*overrides, f"--parallel.dp_shard={ranks}"]  # plain data parallelism over the ranks asked
     elif layout_ranks != ranks:
@@ -373,7 +375,9 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
     plan = plan_faults(faults, kinds, max_steps, rng)
     nan_steps = ",".join(str(f.at_step + 1) for f in plan if f.kind == "nan_step")
     overrides = [*overrides, f"--resilience.hang_timeout_s={hang_timeout_s if 'hang_rank' in kinds else 0}"]
-    env = {**os.environ, NAN_STEPS_VARIABLE: nan_steps, MIN_STEP_VARIABLE: str(min_step_s), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = dict(env or {})
+    env.update({NAN_STEPS_VARIABLE: nan_steps, MIN_STEP_VARIABLE: str(min_step_s),
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)

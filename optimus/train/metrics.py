@@ -60,3 +60,24 @@ def expert_load_summary(expert_counts: torch.Tensor) -> dict[str, float]:
     even = counts.sum(dim=1, keepdim=True) / counts.shape[1]
     relative = counts / even.clamp(min=1e-9)
     return {"expert_load_max": relative.max().item(), "expert_load_min": relative.min().item()}
+
+
+def expert_counts_record(expert_counts: torch.Tensor) -> list[list[int]]:
+    """Tokens routed to each expert of each MoE layer ([layers][experts] ints) for a metrics record."""
+    return expert_counts.detach().round().long().cpu().tolist()
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """(the most memory this process has held so far, what was measured).
+
+    On an accelerator, the allocator's peak (max_memory_allocated: tensors, not the cache around them);
+    on CPU, the process's peak resident set size.
+    """
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(backend, "max_memory_allocated"):
+        return int(backend.max_memory_allocated(device)), f"{device.type} max_memory_allocated"
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024), "peak RSS"  # Linux reports KiB, macOS bytes

@@ -36,11 +36,23 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class OptimizerState(Stateful):
-    """Optimizer moments and step counts, keyed by parameter name so they survive resharding."""
+    """Optimizer moments and step counts, keyed by parameter name so they survive resharding.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    model_key: the entry under which the model's ModelState is checkpointed beside it ("model").
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_key: str = "model"):
         self.model = model
         self.optimizer = optimizer
+        self.model_key = model_key
+
+    def stand_ins(self) -> dict[str, str]:
+        """For CheckpointManager.load: keys of state_dict() a checkpoint may lack, with the checkpoint key read
+        instead. A bf16 zero1/zero2 optimizer's fp32 master weights: an fsdp (or fp32) run saved none, but
+        its parameters are those fp32 weights."""
+        if not _is_sharded(self.optimizer):
+            return {}
+        return {key: f"{self.model_key}.{name}" for key, name in self.optimizer.master_weight_keys().items()}
 
     def state_dict(self) -> dict[str, Any]:
         if _is_sharded(self.optimizer):  # zero1/zero2 write the same flattened, per-parameter form

@@ -161,9 +161,6 @@ def train_step(
     for that global loss; it must decide the same on every rank (it sees the same numbers there).
     """
     optimizer.zero_grad(set_to_none=True)
-    begin_step = getattr(optimizer, "begin_step", None)  # zero2 reduces each bucket after its last backward
-    if begin_step is not None:
-        begin_step(len(micro_batches))
     # --- pipeline parallel path (optimus.parallel.pipeline): the schedule runs forward + backward ---
     pipeline = get_pipeline(model)
     if pipeline is not None:

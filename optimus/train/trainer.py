@@ -1,43 +1,41 @@
-"""The training loop: build everything from a config, resume if a checkpoint exists, step, evaluate,
-checkpoint. What a step computes lives in step.py; side concerns are callbacks.
+"""The training loop: build everything from a config, resume if a checkpoint exists, step.
+
+What a step computes lives in step.py. Everything around the step is a callback (callbacks/base.py
+lists the hooks and when they are called): the loop's own side concerns (evaluation, checkpointing,
+throughput, memory and expert-load metrics, skipped-step guard, straggler report, preemption, hang
+watchdog) on every rank, then the reporting ones (metrics.jsonl, console, plots, report, loggers) on rank 0.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
 from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
-from optimus.data.loader import heldout_batches
-from optimus.eval.loop import downstream_accuracies
 from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
 from optimus.optim.build import build_optimizer, set_lr
 from optimus.optim.schedule import lr_at
 from optimus.parallel.launch import cpu_speed_cache, detect_launch_env, device_for, init_distributed
-from optimus.parallel.pipeline import get_pipeline
 from optimus.parallel.parallelize import build_parallel_model
 from optimus.parallel.validate import validate_layout
 from optimus.resilience.guards import ConsecutiveSkips, LossSpikeGuard
-from optimus.resilience.signals import PreemptionSignals, signal_name
-from optimus.resilience.stragglers import Straggler, StragglerMonitor
-from optimus.resilience.watchdog import HangWatchdog
-from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot
-from optimus.train.evaluate import evaluate
+from optimus.resilience.stragglers import StragglerMonitor
+from optimus.train.callbacks import Callback, ConsoleProgress, EventLines, JsonlMetrics, LossPlot, RunReport
+from optimus.train.callbacks.checkpointing import Checkpointing
+from optimus.train.callbacks.evaluation import Evaluation
+from optimus.train.callbacks.resilience import HangWatch, PreemptionCheckpoint, SkippedSteps, StragglerReport
+from optimus.train.callbacks.step_metrics import ExpertLoadMetrics, MemoryMetrics, ThroughputMetrics
 from optimus.train.hardware import cpu_speed, device_peak_flops
-from optimus.train.metrics import Throughput, expert_load_summary
 from optimus.train.precision import Precision, choose_precision
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
-from optimus.train.step import StepResult, autocast_context, train_step
+from optimus.train.step import StepResult, train_step
 
 # Model fields that do not change the weights' meaning: a checkpoint may be resumed across them.
 _MODEL_FIELDS_FREE_TO_CHANGE = {"preset", "moe_impl", "aux_loss_coef", "z_loss_coef", "init_std"}
@@ -120,19 +118,40 @@ class Trainer:
         self.spike_guard = LossSpikeGuard(r.spike_zscore, r.spike_window) if r.spike_zscore > 0 else None
         if self.spike_guard is not None:
             self.state["loss_spike_guard"] = self.spike_guard  # an older checkpoint without it starts it empty
-        self.stragglers = (StragglerMonitor(r.straggler_every, r.straggler_factor, self.device)
-                           if r.straggler_every and launch.world_size > 1 else None)
         self.flops_per_token = flops_per_token(params, config.model, config.train.seq_len)
         self.peak_flops = peak
-        self.throughput = Throughput(self.flops_per_token, peak, replicas=self.dims.dp, world_size=launch.world_size)
-        self._warned_impossible_mfu = False
-        self._logged_first_row = False
-        if not self.is_rank0:
-            callbacks = []
-        self.callbacks = callbacks if callbacks is not None else self._default_callbacks(progress_bar)
-        self._heldout = None
-        self._signals: PreemptionSignals | None = None  # set while fit() runs
-        self._watchdog: HangWatchdog | None = None
+        self.stop_reason: str | None = None  # set by a callback that stops the run early (a preemption signal)
+        self.callbacks = self._side_concerns(launch.rank, launch.world_size)
+        if self.is_rank0:  # reporting callbacks write files and print: rank 0 only
+            self.callbacks += callbacks if callbacks is not None else self._default_callbacks(progress_bar)
+
+    def _side_concerns(self, rank: int, world_size: int) -> list[Callback]:
+        """The loop's own side concerns, on every rank (their hooks may be collective), in calling order:
+        the record's fields, then after a step: the skip guard, a preemption stop, evaluation, checkpoint."""
+        r = self.config.resilience
+        monitor = (StragglerMonitor(r.straggler_every, r.straggler_factor, self.device)
+                   if r.straggler_every and world_size > 1 else None)
+        self.straggler_report = StragglerReport(monitor)
+        self.evaluation = Evaluation(self)
+        self.checkpointing = Checkpointing(self)
+        side: list[Callback] = [
+            self.straggler_report, ThroughputMetrics(self), MemoryMetrics(self.device), ExpertLoadMetrics(),
+            SkippedSteps(self.consecutive_skips, self.spike_guard),
+        ]
+        if r.checkpoint_on_signal:
+            side.append(PreemptionCheckpoint(self))
+        if r.hang_timeout_s > 0:
+            side.append(HangWatch(r.hang_timeout_s, rank))
+        return side + [self.evaluation, self.checkpointing]
+
+    @property
+    def stragglers(self) -> StragglerMonitor | None:
+        """The straggler monitor (None: one process, or resilience.straggler_every=0)."""
+        return self.straggler_report.monitor
+
+    @stragglers.setter
+    def stragglers(self, monitor) -> None:
+        self.straggler_report.monitor = monitor
 
     def _default_callbacks(self, progress_bar: bool) -> list[Callback]:
         callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir), EventLines()]
@@ -142,7 +161,21 @@ class Trainer:
             from optimus.train.callbacks.tensorboard import TensorBoardLogger
 
             callbacks.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        if self.config.train.wandb is not None:
+            from optimus.train.callbacks.wandb import WandbLogger
+
+            callbacks.append(WandbLogger(self.config.train.wandb, self.requested_config, self.run_dir))
+        callbacks.append(RunReport(self.run_dir, written_unless=lambda: self.stop_reason is not None))
         return callbacks
+
+    def dispatch(self, hook: str, *args) -> None:
+        """Call `hook` of every callback, in order."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
+
+    def stop(self, reason: str) -> None:
+        """End the run after the current step's side work (a callback's request, e.g. on a preemption signal)."""
+        self.stop_reason = reason
 
     def _choose_precision(self, requested: str) -> tuple[Precision, float, str]:
         """(training precision, peak FLOP/s of this device in it, the peak's source)."""
@@ -167,50 +200,13 @@ class Trainer:
         state = {key: value for key, value in self.state.items() if key in meta.get("contents", self.state)}
         self.checkpoints.load(self.resume_step, state)
 
-    def _save(self, step: int) -> None:
-        self._commit_pending_checkpoint()
-        meta = {"model": self.config.model.model_dump(), "contents": sorted(self.state)}
-        asynchronous = self.config.train.async_checkpoint
-        self.checkpoints.save(step, self.state, meta, asynchronous=asynchronous)
-        if not asynchronous:
-            self._announce_checkpoint(step)
-
-    def _commit_pending_checkpoint(self) -> None:
-        step = self.checkpoints.finish_pending()
-        if step is not None:
-            self._announce_checkpoint(step)
-
-    def _commit_pending_checkpoint_on_error(self) -> None:
-        # training already failed: keep a checkpoint that finished writing, but report the first error
-        try:
-            step = self.checkpoints.finish_pending_on_exit()
-            if step is not None:
-                self._announce_checkpoint(step)
-        except Exception as err:
-            warnings.warn(f"after training failed, keeping the checkpoint it was writing failed too: {err}",
-                          stacklevel=2)
-
-    def _announce_checkpoint(self, step: int) -> None:
-        """Callbacks hear of a checkpoint once it is committed, i.e. once a rerun would resume from it."""
-        for callback in self.callbacks:
-            callback.on_checkpoint(step)
-
     def heldout(self):
         """The fixed held-out batches used for every evaluation of this run."""
-        if self._heldout is None:
-            t = self.config.train
-            self._heldout = heldout_batches(self.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches)
-        return self._heldout
+        return self.evaluation.heldout()
 
     def evaluate(self) -> float | None:
         """Held-out loss of the current weights (None when no source has a held-out split)."""
-        batches = self.heldout()
-        if not batches:
-            return None
-        pipeline = get_pipeline(self.model)  # PP: each rank holds only its stages' layers
-        if pipeline is not None:
-            return pipeline.evaluate_loss(batches, self.device, autocast_context(self.device, self.config.train.dtype))
-        return evaluate(self.model, batches, self.device, self.config.train.dtype).loss
+        return self.evaluation.heldout_loss()
 
     def fit(self) -> TrainSummary:
         """Train from the latest checkpoint (or from scratch) to train.max_steps."""
@@ -223,147 +219,73 @@ class Trainer:
             if self.precision.warning:
                 self._say(self.precision.warning, warning=True)
             self._say(f"peak for MFU: {self.peak_flops / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
-        start = self.progress.step
-        for callback in self.callbacks:
-            callback.on_train_start(start, cfg.train.max_steps)
-        self.throughput.report()  # start the throughput window now, not at construction
-        heldout_loss = None
-        step = start
-        stopped_by_signal = None
-        resilience = contextlib.ExitStack()
+        start = step = self.progress.step
+        self.stop_reason = None
         try:
-            self._start_resilience(resilience)
+            self.dispatch("on_train_start", start, cfg.train.max_steps)
             for step in range(start + 1, cfg.train.max_steps + 1):
                 self._one_step(step)
-                self._beat(step)
-                at_end = step == cfg.train.max_steps
-                stopped_by_signal = None if at_end else self._checkpoint_if_signalled(step)
-                if stopped_by_signal:
+                self.dispatch("on_progress", step)
+                for callback in self.callbacks:  # guards, a preemption stop, evaluation, checkpoint
+                    callback.after_step(step)
+                    if self.stop_reason is not None:
+                        break
+                    self.dispatch("on_progress", step)
+                if self.stop_reason is not None:
                     break
-                if at_end or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                    heldout_loss = self._log_eval(step)
-                    self._beat(step)
-                if at_end or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0):
-                    self._save(step)
-                    self._beat(step)
-            self._commit_pending_checkpoint()
+            heldout_loss = self.evaluation.last_loss
             if start == cfg.train.max_steps:
                 heldout_loss = self.evaluate()
-        except BaseException:
-            self._commit_pending_checkpoint_on_error()
+        except BaseException as error:
+            self.dispatch("on_error", error)
             raise
         finally:
-            resilience.close()
-            for callback in self.callbacks:
-                callback.on_train_end(step)
-        return TrainSummary(self.run_dir, step, heldout_loss, self.resume_step, stopped_by_signal)
-
-    def _start_resilience(self, resilience: contextlib.ExitStack) -> None:
-        """Catch preemption signals and watch for hangs while fit() runs, as configured; `resilience` undoes both."""
-        cfg = self.config.resilience
-        self._signals = resilience.enter_context(PreemptionSignals()) if cfg.checkpoint_on_signal else None
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self._watchdog = (resilience.enter_context(HangWatchdog(cfg.hang_timeout_s, rank))
-                          if cfg.hang_timeout_s > 0 else None)
-
-    def _beat(self, step: int) -> None:
-        if self._watchdog is not None:
-            self._watchdog.beat(step)
-
-    def _checkpoint_if_signalled(self, step: int) -> str | None:
-        """At a step boundary: when any rank got a preemption signal, commit a checkpoint of `step` on every
-        rank and return the signal's name (then fit stops; this step's scheduled evaluation is skipped)."""
-        signum = self._signals.received_on_any_rank(self.device) if self._signals is not None else 0
-        if not signum:
-            return None
-        self._save(step)
-        self._commit_pending_checkpoint()  # an asynchronous save must be on disk before the process ends
-        self._beat(step)
-        name = signal_name(signum)
-        if self.is_rank0:
-            print(f"{name} at step {step}: checkpoint saved, exiting; rerun the same command to resume",
-                  file=sys.stderr, flush=True)
-        return name
+            self.dispatch("on_train_end", step)
+        return TrainSummary(self.run_dir, step, heldout_loss, self.resume_step, self.stop_reason)
 
     def _one_step(self, step: int) -> None:
         cfg = self.config
         lr = lr_at(step - 1, cfg.train.max_steps, cfg.optim)
         set_lr(self.optimizer, lr)
-        for callback in self.callbacks:
-            callback.on_step_start(step)
-        with self.stragglers.timed_step() if self.stragglers is not None else contextlib.nullcontext():
-            result = train_step(
-                self.model,
-                self.optimizer,
-                self.data.loader.next_batch(),
-                device=self.device,
-                dtype=cfg.train.dtype,
-                grad_clip=self.grad_clip_at(step),
-                dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
-                skip_step=self.spike_guard,
-                defer_grad_sync=cfg.parallel.defer_grad_sync,
-            )
+        self.dispatch("on_step_start", step)
+        result = train_step(
+            self.model,
+            self.optimizer,
+            self.data.loader.next_batch(),
+            device=self.device,
+            dtype=cfg.train.dtype,
+            grad_clip=self.grad_clip_at(step),
+            dp_mesh=self.mesh["dp"] if self.mesh is not None else None,
+            skip_step=self.spike_guard,
+            defer_grad_sync=cfg.parallel.defer_grad_sync,
+        )
         self.progress.step = step
         self.progress.tokens_seen += result.tokens * self.dims.dp  # result.tokens: this data-parallel rank's share
-        self.throughput.add(result.tokens)
-        stragglers = self.stragglers.check(step) if self.stragglers is not None else None
-        # a skipped step or a straggler report is logged whatever the cadence: it is rare and telling
-        if result.skipped or stragglers or step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-            self._log_step(step, lr, result, stragglers)
-        detail = self._describe_skip(result) if result.skipped else ""
-        self.consecutive_skips.update(step, result.skip_reason, detail)  # raises after too many in a row
+        # every callback hears of the result; a skipped step or a straggler report is logged whatever the cadence
+        wanted = [callback.on_step_result(step, result) for callback in self.callbacks]
+        if any(wanted) or step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            self._log_step(step, lr, result)
 
     def grad_clip_at(self, step: int) -> float:
         """The clipping threshold of `step` (0 = none): off during warm-up with optim.clip_after_warmup."""
         optim = self.config.optim
         return 0.0 if optim.clip_after_warmup and step <= optim.warmup_steps else optim.grad_clip
 
-    def _describe_skip(self, result: StepResult) -> str:
-        if result.skip_reason == "loss spike" and self.spike_guard is not None:
-            return self.spike_guard.describe(result.loss)
-        return f"loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g}"
-
-    def _log_step(self, step: int, lr: float, result: StepResult, stragglers: list[Straggler] | None) -> None:
-        throughput = self.throughput.report()
-        if throughput.impossible_mfu is not None and not self._warned_impossible_mfu:
-            self._warned_impossible_mfu = True
-            self._say(f"warning: MFU computed as {100 * throughput.impossible_mfu:.0f}%, above 100%: the peak of "
-                      f"{self.peak_flops / 1e12:.4g} TFLOP/s ({self.peak_source}) is too low, so MFU is not reported", warning=True)
-        metrics = {
+    def _log_step(self, step: int, lr: float, result: StepResult) -> None:
+        """The step's record: its own losses here, the callbacks' fields (throughput, memory, ...) added by them."""
+        record = {
             "step": step,
             "loss": result.loss,
             "ce_loss": result.ce_loss,
             "lr": lr,
             "grad_norm": result.grad_norm,
             "tokens_seen": self.progress.tokens_seen,
-            "tokens_per_s": throughput.tokens_per_s,
-            "tokens_per_s_per_device": throughput.tokens_per_s_per_device,
-            "mfu": throughput.mfu,
             "skipped": result.skipped,
         }
-        if not self._logged_first_row:
-            # how the figures above were obtained, once per run segment: the first row of metrics.jsonl
-            self._logged_first_row = True
-            metrics.update(dtype=self.precision.dtype, dtype_requested=self.precision.requested,
-                           dtype_reason=self.precision.reason, peak_flops_per_device=self.peak_flops,
-                           peak_source=self.peak_source, world_size=self.dims.world_size)
         if result.skipped:
-            metrics["skip_reason"] = result.skip_reason
+            record["skip_reason"] = result.skip_reason
         if result.aux_loss is not None:
-            metrics.update(aux_loss=result.aux_loss, z_loss=result.z_loss)
-            metrics.update(expert_load_summary(result.expert_counts))
-        if stragglers:
-            metrics["stragglers"] = [s.as_record() for s in stragglers]
+            record.update(aux_loss=result.aux_loss, z_loss=result.z_loss)
         for callback in self.callbacks:
-            callback.on_step_end(step, metrics)
-
-    def _log_eval(self, step: int) -> float | None:
-        loss = self.evaluate()
-        record = {"step": step} if loss is None else {"step": step, "eval_loss": loss}
-        downstream = downstream_accuracies(self.model, self.config, self.device, self.mesh)
-        if downstream:
-            record["downstream"] = downstream
-        if len(record) > 1:
-            for callback in self.callbacks:
-                callback.on_eval(step, record)
-        return loss
+            callback.on_log(step, result, record)
+        self.dispatch("on_step_end", step, record)

@@ -37,6 +37,8 @@ def test_optimizer_benchmark_measures_bytes_and_state_as_counted(tmp_path, load_
     aware, unaware = rows["zero1 ep-aware"], rows["zero1 ep-unaware"]
     assert aware["state_ratio"] == aware["state_bytes"] / unaware["state_bytes"]
     assert rows["fsdp"]["bytes"]["all_gather_single"] > rows["zero1 ep-aware"]["bytes"]["all_gather_single"]
+    # zero2 reduce-scatters in every micro-batch and holds only shards; zero1 holds whole gradients
+    assert rows["zero2 ep-aware"]["grad_bytes"] < rows["zero1 ep-aware"]["grad_bytes"] / 2
     (mula,) = payload["mula"]
     assert (mula["model"], mula["layout"], mula["opt_speedup_published"]) == ("mula-20b-a2b", "ep 12", 1.36)
     assert mula["state_bytes_unaware"] > mula["state_bytes_aware"] > 0
@@ -48,3 +50,4 @@ def test_optimizer_benchmark_measures_bytes_and_state_as_counted(tmp_path, load_
             assert row["bytes"][kind] == row["analytic"][kind] > 0, (mode, kind)
     assert defer["all"]["bytes"]["reduce_scatter_single"] * 2 == defer["none"]["bytes"]["reduce_scatter_single"]
     assert defer["replicate"]["bytes"]["all_reduce"] * 2 == defer["none"]["bytes"]["all_reduce"]
+    assert payload["ddp"]["bytes"]["all_reduce"] == payload["ddp"]["analytic"]["all_reduce"] > 0

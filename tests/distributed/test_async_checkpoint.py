@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -42,11 +42,12 @@ def _async_and_sync_checkpoints_load_equal(rank: int, world: int, run_dir: str) 
     import torch
 
     from optimus.checkpoint.manager import CheckpointManager
-    from optimus.testing import parity
+    from tests.helpers import parity
 
     config = parity.tiny_config(parallel=dict(dp_shard=world))
     model, optimizer, mesh, state = _build(config, world)
-    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, rank, world)
+    micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                              dp_rank=rank, dp_size=world)
     parity.train_model(model, optimizer, config, 1, micro, mesh["dp"], keep_grads=False)
     sync, background = CheckpointManager(f"{run_dir}/sync"), CheckpointManager(f"{run_dir}/async")
     sync.save(1, state, {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 

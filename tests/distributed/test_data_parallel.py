@@ -1,6 +1,6 @@
 """FSDP2 (ZeRO-3) and HSDP layouts against one process: 5 steps of losses and the step-1 gradients.
 
-Tolerances are those of optimus.testing.parity (fp32: loss rel 1e-5 at step 1, 1e-4 later; grads
+Tolerances are those of tests.helpers.parity (fp32: loss rel 1e-5 at step 1, 1e-4 later; grads
 atol 1e-5 / rtol 1e-4).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -40,22 +40,23 @@ def _train_with_experts_in_their_own_fsdp_group(rank: int, world: int, config):
     from optimus.optim.build import build_optimizer
     from optimus.parallel.data_parallel import apply_fsdp
     from optimus.parallel.mesh import ParallelDims
-    from optimus.testing import parity
+    from tests.helpers import parity
 
     mesh = ParallelDims(dp_shard=world, world_size=world).build_mesh("cpu")
     model = build_model(config.model, "cpu", seed=config.train.seed)
     apply_fsdp(model, mesh["dp_shard"], experts_mesh=mesh["dp_shard"])
     # 6 experts over 4 ranks do not divide: expert weights are sharded along d_model instead
     assert model.layers["0"].mlp.experts.w_gate_up.placements[0].dim == 1
-    micro = functools.partial(parity.rank_micro_batches_of, config.train.micro_batch_size, rank, world)
+    micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                              dp_rank=rank, dp_size=world)
     return parity.train_model(model, build_optimizer(model, config.optim), config, 5, micro, mesh["dp"],
                               keep_grads=rank == 0)
 
 
 @pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_fsdp_experts_group_sharded_along_d_model_matches_one_process():
-    from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import assert_parity, merge_rank_records, reference_run
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import assert_parity, merge_rank_records, reference_run
 
     config = tiny_config(moe=True, model=dict(n_experts=6))
     results = run_distributed(_train_with_experts_in_their_own_fsdp_group, 4, config)
@@ -67,8 +68,8 @@ def test_fsdp_bf16_mixed_precision_tracks_one_process_bf16():
 
     Different but both legitimate roundings: losses agree to 5e-3 relative over 3 steps.
     """
-    from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import merge_rank_records, reference_run, run_parallel_rank
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import merge_rank_records, reference_run, run_parallel_rank
 
     config = tiny_config(parallel=dict(dp_shard=2), train=dict(dtype="bf16"))
     want = reference_run(config, 3).losses
@@ -86,5 +87,5 @@ def test_fsdp_ep_with_selective_moe_and_norms_recompute_matches_one_process(disp
 
 def test_fsdp_ep_with_op_level_checkpointing_matches_one_process():
     # ep = dp_shard: experts left out of FSDP under ops (see apply_fsdp's ignore_experts)
-    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="ops"))
+    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="selective_ops"))
     check_layout(config, world_size=2, steps=3)

@@ -22,7 +22,7 @@ def _score_on_rank(rank: int, world: int, strength: float):
 
 
 def test_ranks_split_the_requests_and_agree():
-    from optimus.testing.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     for strength, expected in [(10.0, 1.0), (-10.0, 0.0)]:
         for world in (2, 3):
@@ -47,8 +47,8 @@ def test_the_training_loops_downstream_eval_under_fsdp_and_ep_matches_one_proces
     """The trainer's path: an FSDP + EP MoE model, the real tokenizer and packaged questions, dp slices."""
     from optimus.eval.loop import downstream_accuracies
     from optimus.models.transformer import build_model
-    from optimus.testing.distributed import run_distributed
-    from optimus.testing.parity import tiny_config
+    from tests.helpers.distributed import run_distributed
+    from tests.helpers.parity import tiny_config
 
     config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2),
                          train=dict(eval_tasks=["copa", "arc_easy"], eval_tasks_limit=5))

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from optimus.models.config import ModelConfig
 from optimus.models.moe import MoE
 from optimus.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import GRAD_ATOL, GRAD_RTOL
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import GRAD_ATOL, GRAD_RTOL
 
 pytestmark = pytest.mark.distributed
 
@@ -69,7 +69,7 @@ def _check_layer(rank: int, world: int, dispatch: str) -> dict:
         for name in ("w_gate_up", "w_down"):
             local_grad = getattr(parallel.experts, name).grad.to_local()
             full_grad = getattr(reference.experts, name).grad[rank * n_local : (rank + 1) * n_local]
-            # every rank holds its 1/ep share, averaged later over the expert replicas (dp_mod_ep);
+            # every rank holds its 1/ep share, averaged later over the expert replicas (expert_dp);
             # the fused single-process experts sum the weight gradient in another order
             torch.testing.assert_close(local_grad * world, full_grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
         seen[routing] = stats.expert_counts.tolist()
@@ -89,7 +89,7 @@ def test_moe_layer_matches_single_process(world, dispatch):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dispatch", ["all_to_all", "allgather"])
 def test_ep_layout_matches_one_process(world, dispatch):
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     config = tiny_config(moe=True, model={"n_layers": 4}, parallel=dict(dp_shard=world, ep=world, ep_dispatch=dispatch))
     check_layout(config, world_size=world)
@@ -97,7 +97,7 @@ def test_ep_layout_matches_one_process(world, dispatch):
 
 def test_ep_2_within_dp_shard_4_layout_matches_one_process():
     """dp_shard_mod_ep = 2: each expert shard has a replica that FSDP averages with (1/ep scaling)."""
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     config = tiny_config(moe=True, model={"n_layers": 4}, parallel=dict(dp_shard=4, ep=2))
     check_layout(config, world_size=4)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ def _count_gradient_collectives(rank: int, world: int, defer: str) -> dict[str, 
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
-    from optimus.testing.parity import global_batches, rank_micro_batches
+    from tests.helpers.parity import global_batches, rank_micro_batches
     from optimus.train.step import train_step
 
     config = tiny_config(parallel=dict(HSDP, defer_grad_sync=defer), train=dict(micro_batch_size=1))

@@ -11,15 +11,15 @@ from torch.distributed.tensor import DTensor
 
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.parallelize import build_parallel_model, single_process_name
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import tiny_config
 
 pytestmark = pytest.mark.distributed
 
 
 def _gathered_weights(rank: int, world: int, config) -> dict[str, torch.Tensor]:
     p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world)
+    dims = ParallelDims.from_config(p, world)
     model = build_parallel_model(config, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     weights = {}
     for name, param in model.named_parameters():

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from optimus.models.config import ModelConfig
 from optimus.models.transformer import build_model
 from optimus.parallel.pipeline import apply_pipeline, split_layers
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 from optimus.train.evaluate import evaluate
 from optimus.train.step import forward_backward
 
@@ -77,14 +77,14 @@ def test_split_layers():
 @pytest.mark.parametrize("moe,schedule,virtual", [(False, "gpipe", 1), (True, "1f1b", 1), (True, "interleaved_1f1b", 2)],
                          ids=["dense-gpipe", "moe-1f1b", "moe-interleaved"])
 def test_pp_layout_matches_one_process(moe, schedule, virtual):
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     parallel = dict(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual)
     check_layout(tiny_config(moe=moe, model={"n_layers": 4}, parallel=parallel), world_size=2)
 
 
 def test_pp_2_ep_2_layout_matches_one_process():
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     parallel = dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel), world_size=4)
@@ -92,7 +92,7 @@ def test_pp_2_ep_2_layout_matches_one_process():
 
 def test_pp_2_interleaved_with_selective_recompute_matches_one_process():
     # the stages share the model's blocks: the recomputed sub-modules are swapped in place, seen by both
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     parallel = dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
     train = dict(activation_checkpointing="selective", recompute=["attention", "moe", "norms"])
@@ -101,7 +101,7 @@ def test_pp_2_interleaved_with_selective_recompute_matches_one_process():
 
 @pytest.mark.parametrize("moe,schedule,virtual", [(False, "1f1b", 1), (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
 def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
-    from optimus.testing.parity import check_layout, tiny_config
+    from tests.helpers.parity import check_layout, tiny_config
 
     parallel = dict(pp=2, tp=2, pp_schedule=schedule, pp_virtual_stages=virtual)
     check_layout(tiny_config(moe=moe, model={"n_layers": 4}, parallel=parallel), world_size=4)
@@ -110,7 +110,7 @@ def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
 def test_pp_2_ep_2_checkpoint_resumes_in_one_process(tmp_path):
     """DCP keys under PP and EP are the single-process ones: a pp=2 x ep=2 checkpoint (model and
     optimizer) resumes in one process and the loss curve goes on as if never stopped."""
-    from optimus.testing.parity import (
+    from tests.helpers.parity import (
         LOSS_RTOL_LATER_STEPS, CheckpointPlan, reference_run, run_parallel_rank, run_single_process, tiny_config,
     )
 
@@ -128,7 +128,7 @@ def test_pp_2_ep_2_checkpoint_resumes_in_one_process(tmp_path):
 
 def test_pp_2_checkpoint_resumes_at_pp_2(tmp_path):
     """Each pp rank saves and reloads its own stages' optimizer state (flattened, keyed by parameter)."""
-    from optimus.testing.parity import (
+    from tests.helpers.parity import (
         LOSS_RTOL_LATER_STEPS, CheckpointPlan, reference_run, run_parallel_rank, tiny_config,
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -16,7 +16,7 @@ def _train_until_signalled(rank: int, world: int, run_dir: str, token_dir: str):
     import signal
 
     from optimus.config import build_config
-    from optimus.testing.runs import tiny_run_config
+    from tests.helpers.runs import tiny_run_config
     from optimus.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import (
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import (
     LOSS_RTOL_LATER_STEPS,
     CheckpointPlan,
     reference_run,
@@ -96,3 +96,14 @@ def test_trainer_resumes_one_process_checkpoint_at_tp_2_dp_shard_2(tmp_path):
     assert [step for step, _ in got] == [1, 2, 3, 4]
     for (step, loss), (_, reference) in zip(got[2:], want[2:]):
         assert loss == pytest.approx(reference, rel=LOSS_RTOL_LATER_STEPS), (step, got, want)
+
+
+def test_tp_2_checkpoint_with_a_vocab_parallel_head_resumes_in_one_process(tmp_path):
+    """The LM head (and embedding) split over the vocabulary at tp=2, unevenly (50,287 rows), is one DTensor
+    per key: DCP gathers it back for one process and the curve goes on."""
+    before = tiny_config(model=dict(vocab_size=50287), parallel=dict(tp=2))
+    after = tiny_config(model=dict(vocab_size=50287))
+    reference = reference_run(after, STEPS)
+    saved = run_distributed(run_parallel_rank, 2, before, SAVE_AT, CheckpointPlan(str(tmp_path), save=True))
+    resumed = run_single_process(after, STEPS, CheckpointPlan(str(tmp_path), load_step=SAVE_AT))
+    _assert_curve_continues(reference.losses, saved[0].losses, resumed.losses)

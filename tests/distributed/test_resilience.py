@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -20,7 +20,7 @@ def _train_with_a_spike_on_rank_1(rank: int, world: int, layout: str):
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
     from optimus.resilience.guards import LossSpikeGuard
-    from optimus.testing.parity import rank_micro_batches, tiny_config
+    from tests.helpers.parity import rank_micro_batches, tiny_config
     from optimus.train.step import train_step
 
     config = tiny_config(parallel={layout: world})

@@ -1,8 +1,9 @@
 """Tensor + sequence parallel layouts (alone and with FSDP) against one process.
 
 Covers the head-split attention with full-width QK-norm (ShardedRMSNorm), the column/row-split
-dense MLP, MoE blocks kept whole over tp, and sequence-parallel norms. Tolerances are those of
-optimus.testing.parity.
+dense MLP, MoE blocks whose experts the tp ranks split (expert_tensor_parallel.py; its own tests in
+test_expert_tensor_parallel.py), and sequence-parallel norms. Tolerances are those of
+tests.helpers.parity.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.testing.distributed import run_distributed
-from optimus.testing.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +31,7 @@ def test_tp_2_dp_shard_2_moe_matches_one_process():
 
 @pytest.mark.slow  # extra coverage beyond the required layouts; CI runs it
 def test_tp_2_with_expert_parallel_2_matches_one_process():
-    # MoE blocks are whole on each tp rank; their experts are split over ep (dp_shard = ep = 2)
+    # experts split over ep x tp: each rank owns 2 of the 8 (dp_shard = ep = 2)
     check_layout(tiny_config(moe=True, parallel=dict(tp=2, dp_shard=2, ep=2)), world_size=4)
 
 

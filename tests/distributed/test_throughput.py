@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from optimus.testing.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -15,7 +15,7 @@ def _train_two_steps(rank: int, world: int, run_dir: str, token_dir: str, parall
     import os
 
     from optimus.config import build_config
-    from optimus.testing.runs import tiny_run_config
+    from tests.helpers.runs import tiny_run_config
     from optimus.train.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would
@@ -38,5 +38,7 @@ def test_mfu_is_per_device_under_model_parallelism(tmp_path, small_token_dir, pa
     for row in steps:
         # both ranks compute the same replica's tokens: each device did half the job's work
         assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / 2)
+        # rank 0 gathered every rank's peak memory
+        assert len(row["memory_peak_gib"]) == 2 and min(row["memory_peak_gib"]) > 0
         if row["mfu"] is not None:  # None only when the peak was wrong (a >100% figure)
             assert row["mfu"] == pytest.approx(row["tokens_per_s_per_device"] * flops_per_token / peak)

@@ -32,7 +32,7 @@ import pytest
 import zstandard
 
 from optimus.data.sources import iter_packaged_documents
-from optimus.testing import run_forked
+from tests.helpers import run_forked
 from tests.e2e.conftest import REPO, cli_env
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -20,7 +20,7 @@ from optimus.ops import (
     unpermute_tokens_reference,
 )
 from optimus.ops._device import torch_grouped_mm_fast_on, triton_installed
-from optimus.ops.testing import ROUTINGS, check_against_reference, moe_inputs
+from tests.helpers.ops import ROUTINGS, check_against_reference, moe_inputs
 
 pytestmark = [
     pytest.mark.gpu,

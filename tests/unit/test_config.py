@@ -70,3 +70,37 @@ def test_precision_defaults_to_auto_in_the_code_and_in_every_shipped_config():
     assert TrainConfig().dtype == "auto"
     for path in sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml")):
         assert load_config(path).train.dtype == "auto", path.name
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"model": {"moe_impl": "fast"}},
+         "bad value for 'model.moe_impl' ('fast'): 'fast' is now called 'auto' (as every op's impl): "
+         "write model.moe_impl: auto"),
+        ({"train": {"activation_checkpointing": "ops"}},
+         "bad value for 'train.activation_checkpointing' ('ops'): 'ops' is now called 'selective_ops': "
+         "write train.activation_checkpointing: selective_ops"),
+    ],
+)
+def test_renamed_values_are_refused_in_one_line_naming_the_new_name(raw, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(raw)
+    assert str(err.value) == message
+
+
+def test_sections_live_beside_what_they_configure_and_are_re_exported():
+    import optimus.config as tree
+    from optimus.data.config import DataConfig
+    from optimus.optim.config import OptimConfig
+    from optimus.parallel.config import ParallelConfig, ParallelDegrees
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.train.config import TrainConfig
+
+    assert (tree.TrainConfig, tree.OptimConfig, tree.ParallelConfig, tree.DataConfig) == (
+        TrainConfig, OptimConfig, ParallelConfig, DataConfig)
+    # one list of layout degrees: the config's and the mesh's are the same fields
+    assert set(ParallelDegrees.model_fields) == {"dp_replicate", "dp_shard", "tp", "pp", "ep"}
+    assert set(ParallelDims.model_fields) == set(ParallelDegrees.model_fields) | {"world_size"}
+    dims = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=4, ep=2))
+    assert (dims.world_size, dims.dp, dims.dp_shard_mod_ep, dims.expert_dp) == (8, 8, 2, 4)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from optimus.config import load_config
-from optimus.testing.distributed import run_forked
+from tests.helpers.distributed import run_forked
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the published layouts on 3,072 Aurora tiles (REFERENCE.md): (dp_shard, ep, pp, recompute)

@@ -1,4 +1,5 @@
-"""metrics.jsonl: one JSON object per logged step; rewound on resume so no step appears twice."""
+"""metrics.jsonl: one JSON object per logged step, per evaluation and per committed checkpoint;
+rewound on resume so no step appears twice."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ class JsonlMetrics(Callback):
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self._write(metrics)
+
+    def on_checkpoint_timing(self, step: int, record: dict[str, Any]) -> None:
+        self._write(record)
 
     def on_train_end(self, step: int) -> None:
         if self.handle:

@@ -1,32 +1,38 @@
-"""Optional TensorBoard scalars (needs `pip install tensorboard`)."""
+"""Optional TensorBoard scalars under RUN/tensorboard (train.tensorboard=true; `pip install optimus[loggers]`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from optimus.config import ConfigError
 from optimus.train.callbacks.base import Callback
+from optimus.train.callbacks.scalars import checkpoint_scalars, eval_scalars, step_scalars
 
 
 class TensorBoardLogger(Callback):
+    """The metrics of metrics.jsonl as TensorBoard scalars (names: callbacks/scalars.py)."""
+
     def __init__(self, log_dir: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                              "(or pip install 'optimus[loggers]'), or set train.tensorboard=false") from None
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
-        for key, value in metrics.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"train/{key}", value, step)
+        self._write(step, step_scalars(metrics))
 
     def on_eval(self, step: int, metrics: dict[str, Any]) -> None:
-        if "eval_loss" in metrics:
-            self.writer.add_scalar("eval/loss", metrics["eval_loss"], step)
-        for task, score in metrics.get("downstream", {}).items():
-            self.writer.add_scalar(f"downstream/{task}/acc", score["acc"], step)
-            self.writer.add_scalar(f"downstream/{task}/acc_norm", score["acc_norm"], step)
+        self._write(step, eval_scalars(metrics))
+
+    def on_checkpoint_timing(self, step: int, record: dict[str, Any]) -> None:
+        self._write(step, checkpoint_scalars(record))
 
     def on_train_end(self, step: int) -> None:
         self.writer.close()

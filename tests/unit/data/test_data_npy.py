@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from optimus.config import DataConfig, DataSource
+from optimus.data.config import DataConfig, DataSource
 from optimus.data.dataset import open_token_dataset
 from optimus.data.errors import DataError
 from optimus.data.loader import BatchLoader

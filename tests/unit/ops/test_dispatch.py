@@ -34,7 +34,7 @@ def test_cpu_paths_never_import_triton():
     script = """
 import sys, torch
 from optimus.ops import moe_experts_forward, grouped_mm, permute_tokens, unpermute_tokens, swiglu
-from optimus.ops.testing import moe_inputs
+from tests.helpers.ops import moe_inputs
 inputs = moe_inputs(8, 8, 4, 4, 2)
 moe_experts_forward(**inputs).sum().backward()
 rows, order, counts = permute_tokens(inputs["x"], inputs["expert_ids"], 4)

@@ -8,7 +8,7 @@ from optimus.ops import cpu_experts, expert_mlp, expert_mlp_reference, moe_exper
 from optimus.ops.experts import _FusedExperts
 from optimus.ops.grouped_mm import BACKENDS
 from optimus.ops.routing import Routing
-from optimus.ops.testing import ROUTINGS, check_against_reference, moe_inputs
+from tests.helpers.ops import ROUTINGS, check_against_reference, moe_inputs
 
 GRADS = ("x", "weights", "w_gate_up", "w_down")
 # (tokens, d_model, ffn, experts, top_k): odd sizes on purpose

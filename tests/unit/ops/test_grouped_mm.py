@@ -5,7 +5,7 @@ import torch
 
 from optimus.ops import grouped_mm, grouped_mm_reference
 
-from optimus.ops.testing import check_against_reference
+from tests.helpers.ops import check_against_reference
 
 COUNTS = {
     "uneven": [5, 0, 17, 1, 0, 9],

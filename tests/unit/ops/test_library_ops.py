@@ -9,8 +9,8 @@ import torch
 from optimus.models.layers import rotary_cos_sin
 from optimus.models.transformer import build_model
 from optimus.ops.cross_entropy import linear_cross_entropy
-from optimus.ops.testing import moe_inputs
-from optimus.testing.parity import tiny_config
+from tests.helpers.ops import moe_inputs
+from tests.helpers.parity import tiny_config
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from optimus.ops import permute_tokens, permute_tokens_reference, unpermute_tokens, unpermute_tokens_reference
-from optimus.ops.testing import ROUTINGS, assert_close, check_against_reference, moe_inputs
+from tests.helpers.ops import ROUTINGS, assert_close, check_against_reference, moe_inputs
 
 SHAPES = {"top1": (19, 1, 6), "top2": (13, 2, 5), "top8": (11, 8, 16)}
 

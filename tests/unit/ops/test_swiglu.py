@@ -5,7 +5,7 @@ import torch
 
 from optimus.ops import swiglu, swiglu_reference
 from optimus.ops.swiglu import swiglu_backward, swiglu_forward
-from optimus.ops.testing import assert_close, check_against_reference
+from tests.helpers.ops import assert_close, check_against_reference
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 10), (2, 3, 34), (1, 2)])

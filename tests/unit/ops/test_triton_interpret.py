@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not triton_installed(), reason="triton is not in
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[3])  # the script imports tests.helpers
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     script = Path(__file__).with_name("triton_checks.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

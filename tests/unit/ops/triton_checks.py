@@ -23,7 +23,7 @@ from optimus.ops import (
     unpermute_tokens,
     unpermute_tokens_reference,
 )
-from optimus.ops.testing import assert_close, check_against_reference, moe_inputs
+from tests.helpers.ops import assert_close, check_against_reference, moe_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 import pytest
 
-from optimus.config import OptimConfig
+from optimus.optim.config import OptimConfig
 from optimus.optim.schedule import lr_at
 
 

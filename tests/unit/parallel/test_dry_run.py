@@ -10,7 +10,7 @@ import pytest
 from optimus.config import build_config
 from optimus.parallel.dry_run import activation_bytes, dry_run, format_report
 from optimus.parallel.mesh import ParallelDims
-from optimus.testing import in_forked_process
+from tests.helpers import in_forked_process
 
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 
@@ -55,10 +55,10 @@ def test_pipeline_stages_hold_their_share_of_layers():
 def test_activation_estimate_orders_checkpointing_modes():
     dims = ParallelDims(world_size=1)
     sizes = {}
-    for mode in ("none", "ops", "full"):
+    for mode in ("none", "selective_ops", "full"):
         config = build_config({"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": mode}})
         sizes[mode] = activation_bytes(config, dims, layers=16, has_loss_head=False)
-    assert sizes["full"] < sizes["ops"] < sizes["none"]
+    assert sizes["full"] < sizes["selective_ops"] < sizes["none"]
 
 
 def test_activation_estimate_of_the_selective_mask():
@@ -86,7 +86,7 @@ def test_dry_run_lists_every_checkpointing_mode():
     config = build_config({"model": {"preset": "mula-tiny-moe"}, "parallel": dict(dp_shard=2),
                            "train": dict(activation_checkpointing="selective", recompute=["attention", "moe"])})
     report = dry_run(config, 2)
-    assert list(report.ranks[0].activations_per_micro_batch) == ["none", "selective attention+moe", "ops", "full"]
+    assert list(report.ranks[0].activations_per_micro_batch) == ["none", "selective attention+moe", "selective_ops", "full"]
     table = format_report(report)
     assert "ckpt selective attention+moe" in table and "activation checkpointing selective (attention+moe)" in table
 

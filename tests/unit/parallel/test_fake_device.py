@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from fake_device import CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device
-from optimus.testing.parity import tiny_config
+from tests.helpers.parity import tiny_config
 
 
 def _fake_pg(world_size: int) -> None:
@@ -38,7 +39,7 @@ def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **t
     # a small vocabulary: the seeded initial weights are computed for real on the host
     config = tiny_config(moe=moe, parallel=parallel, train=train, model=dict(n_layers=n_layers, vocab_size=512))
     p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    dims = ParallelDims.from_config(p, world_size)
     _fake_pg(world_size)
     mesh = dims.build_mesh(device.type)
     t = config.train
@@ -57,6 +58,9 @@ def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **t
         assert not result.skipped
         for name, param in model.named_parameters():
             assert param.device == device, name
+            if ".experts." in name and dims.tp > 1:  # the tp ranks split the experts (expert_tensor_parallel)
+                tp_dim = param.device_mesh.mesh_dim_names.index("tp")
+                assert param.placements[tp_dim] == Shard(0), (name, param.placements)
             assert param.grad is None or param.grad.device == device, name
             assert param.dtype == torch.float32, name  # fp32 master weights
         for state in optimizer.state.values():

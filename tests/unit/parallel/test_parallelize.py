@@ -1,4 +1,4 @@
-"""parallelize_model in one process: activation checkpointing (full, selective masks, ops) changes memory, not
+"""parallelize_model in one process: activation checkpointing (full, selective masks, selective_ops) changes memory, not
 results or checkpoint keys; the gradient norm and clipping handle plain tensors."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from optimus.models.transformer import build_model
 from optimus.parallel.mesh import ParallelDims
-from optimus.parallel.parallelize import parallelize_model
-from optimus.testing.parity import global_batches, rank_micro_batches, tiny_config
+from optimus.parallel.parallelize import parallelize_model, single_process_name
+from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
 from optimus.train.step import clip_gradients, forward_backward
-from optimus.testing import in_forked_process
+from tests.helpers import in_forked_process
 
 
 def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
@@ -20,12 +20,12 @@ def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
     model = parallelize_model(model, ParallelDims(world_size=1), None, config)
     batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size)
     forward_backward(model, batch, torch.device("cpu"), "fp32")
-    names = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    names = {single_process_name(name): p.grad for name, p in model.named_parameters()}
     return names, model
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("mode", ["full", "ops"])
+@pytest.mark.parametrize("mode", ["full", "selective_ops"])
 def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode):
     want, plain = _grads(tiny_config(moe=moe))
     got, wrapped = _grads(tiny_config(moe=moe, train=dict(activation_checkpointing=mode)))
@@ -159,18 +159,18 @@ def test_ops_checkpointing_with_one_rank_expert_groups():
     from optimus.parallel.mesh import LayoutError
 
     config = tiny_config(moe=True, parallel=dict(dp_shard=8, ep=8),
-                         train=dict(activation_checkpointing="ops", global_batch_size=16))
+                         train=dict(activation_checkpointing="selective_ops", global_batch_size=16))
     model = _meta_model(config, ParallelDims(dp_shard=8, ep=8, world_size=8))
     experts = model.layers["0"]._checkpoint_wrapped_module.mlp.experts
     assert experts.w_gate_up.device_mesh.mesh_dim_names == ("ep",)  # EP's DTensor, not FSDP's
     assert model.layers["0"].attn.q_proj.weight.device_mesh.mesh_dim_names == ("dp_shard",)
 
     hsdp = dict(dp_replicate=2, dp_shard=4, ep=4)
-    with pytest.raises(ConfigError, match="activation_checkpointing=ops") as err:  # refused when the config loads
-        tiny_config(moe=True, parallel=hsdp, train=dict(activation_checkpointing="ops", global_batch_size=16))
+    with pytest.raises(ConfigError, match="activation_checkpointing=selective_ops") as err:  # refused when the config loads
+        tiny_config(moe=True, parallel=hsdp, train=dict(activation_checkpointing="selective_ops", global_batch_size=16))
     assert "\n" not in str(err.value)
     # and by parallelize itself, for a caller that skips the config (the same one line)
     allowed = tiny_config(moe=True, parallel=hsdp, train=dict(global_batch_size=16))
-    config = allowed.model_copy(update={"train": allowed.train.model_copy(update={"activation_checkpointing": "ops"})})
-    with pytest.raises(LayoutError, match="activation_checkpointing=ops"):
+    config = allowed.model_copy(update={"train": allowed.train.model_copy(update={"activation_checkpointing": "selective_ops"})})
+    with pytest.raises(LayoutError, match="activation_checkpointing=selective_ops"):
         _meta_model(config, ParallelDims(**hsdp, world_size=8))

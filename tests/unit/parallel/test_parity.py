@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.testing.parity import (
+from tests.helpers.parity import (
     RunRecord,
     assert_parity,
     global_batches,

@@ -21,6 +21,7 @@ def _config(parallel=None, train=None, model=None):
     ({}, 8, 8, 1),                                  # one rank: the whole batch in one micro-batch
     ({"dp_shard": 2}, 8, 4, 1),                     # the README's two-rank example
     ({"dp_shard": 2, "ep": 2}, 16, 8, 1),
+    ({"dp_replicate": 2, "shard_mode": "ddp"}, 8, 4, 1),  # pure data parallel: ddp is accepted
     ({"pp": 2}, 8, 4, 2),                           # 1F1B needs pp micro-batches
     ({"pp": 4, "dp_shard": 2}, 24, 3, 4),           # 12 per rank: 4 micro-batches of 3
     ({"pp": 2, "pp_schedule": "gpipe"}, 8, 4, 2),
@@ -46,6 +47,8 @@ def test_an_explicit_micro_batch_is_kept():
     ({"tp": 8}, {}, {}, None, "must divide model.n_heads"),
     ({"tp": 2}, {"seq_len": 33}, {}, None, "train.seq_len (33) must be a multiple of parallel.tp (2)"),
     ({"dp_shard": 3, "ep": 3}, {"global_batch_size": 9}, {}, None, "must divide model.n_experts"),
+    ({"dp_shard": 2, "ep": 2, "tp": 4}, {}, {"n_experts": 4, "n_heads": 4}, None,
+     "parallel.ep x tp (2 x 4) must divide model.n_experts (4)"),
     ({"dp_shard": 2, "ep": 2}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "needs an MoE model"),
     ({"pp": 8}, {"global_batch_size": 8}, {}, None, "fewer than the pipeline stages"),
     ({"pp": 2}, {"micro_batch_size": 8}, {}, None, "needs at least pp (2) micro-batches per step, got 1"),
@@ -56,8 +59,11 @@ def test_an_explicit_micro_batch_is_kept():
      {}, None, "cannot split 5 micro-batches"),
     ({"dp_shard": 3}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "not divisible by the 3 data-parallel ranks"),
     ({"dp_shard": 2}, {"micro_batch_size": 8}, {}, None, "gets 4 samples"),
-    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "ops"}, {}, None, "activation_checkpointing=ops"),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "selective_ops"}, {}, None,
+     "activation_checkpointing=selective_ops"),
     ({"pp": 2}, {"eval_tasks": ["arc_easy"]}, {}, None, "train.eval_tasks is not supported with parallel.pp > 1"),
+    ({"dp_shard": 2, "tp": 2, "shard_mode": "ddp"}, {}, {}, None, "shard_mode=ddp is for pure data parallelism"),
+    ({"dp_shard": 2, "ep": 2, "shard_mode": "ddp"}, {}, {}, None, "does not compose with parallel.ep=2"),
 ])
 def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):
     raw = {"model": {**TINY, **model}, "parallel": parallel, "train": {"seq_len": 64, **train}}

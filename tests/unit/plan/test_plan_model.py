@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,9 +10,9 @@ import pytest
 from optimus.config import ConfigError, load_config
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster, cluster_names, load_cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.step_time import bubble_fraction
-from optimus.testing.distributed import run_forked
+from tests.helpers.distributed import run_forked
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -74,23 +75,86 @@ def _toy(n: int = 4) -> Cluster:
 
 
 def test_alpha_beta_on_a_hand_computed_case():
-    cluster = _toy(n=4)
+    cluster = _toy(n=4)  # 4 devices per node, 100 GB/s inside, 40 GB/s of NICs per node: 10 GB/s per device
     # tp = 4 is innermost: one node, the intra-node link. all-gather of 4 GB: 3 x 5 us + 3/4 x 4e9 / 100e9
     tp = group_link(ParallelDims(tp=4, dp_shard=2, world_size=8), ("tp",), cluster)
-    assert (tp.size, tp.per_node) == (4, 4)
+    assert (tp.size, tp.per_node, tp.nodes) == (4, 4, 1)
     assert ring_time(tp, 4e9) == pytest.approx(3 * 5e-6 + 0.75 * 4e9 / 100e9)
     assert all_reduce_time(tp, 4e9) == pytest.approx(2 * ring_time(tp, 4e9))
-    # dp_shard = 2 outside tp = 4: its two members are on different nodes, one per node, and each node's four
-    # rings share its 40 GB/s: 10 GB/s each. 1 x 10 us + 1/2 x 1e9 / 10e9
+    # dp_shard = 2 outside tp = 4: one member per node, every device of the node in its own such group, so each
+    # gets a quarter of the node's 40 GB/s. 1 x 10 us + 1/2 x 1e9 / 10e9
     dp = group_link(ParallelDims(tp=4, dp_shard=2, world_size=8), ("dp_shard_mod_ep", "ep"), cluster)
-    assert (dp.size, dp.per_node) == (2, 1)
+    assert (dp.size, dp.per_node, dp.nodes) == (2, 1, 2)
     assert ring_time(dp, 1e9) == pytest.approx(10e-6 + 0.5 * 1e9 / 10e9)
-    # ep = 8 over two nodes of 4: half of what a rank sends stays on its node (3/8 to 3 peers), half leaves it
+    # ep = 8 over two nodes of 4: 3/8 of what a rank sends goes to its 3 node peers, 4/8 leaves the node
     ep = group_link(ParallelDims(dp_shard=8, ep=8, world_size=8), ("ep",), cluster)
-    assert (ep.size, ep.per_node) == (8, 4)
+    assert (ep.size, ep.per_node, ep.nodes) == (8, 4, 2)
     send = 8e8
-    expected = 7 * 10e-6 + max(send * 3 / 8 / 100e9, send * 4 / 8 / (40e9 / 4))
-    assert all_to_all_time(ep, send, cluster) == pytest.approx(expected)
+    expected = 3 * 5e-6 + 4 * 10e-6 + max(send * 3 / 8 / 100e9, send * 4 / 8 / 10e9)
+    assert all_to_all_time(ep, send) == pytest.approx(expected)
+
+
+def test_a_group_inside_one_node_uses_only_the_intra_node_link():
+    cluster = _toy(n=4)
+    link = group_link(ParallelDims(dp_shard=8, ep=4, world_size=8), ("ep",), cluster)  # ep = 4 innermost: one node
+    assert not link.spans_nodes
+    slower_network = replace(cluster, inter_node_gb_s=1, inter_node_latency_us=1000)
+    same = group_link(ParallelDims(dp_shard=8, ep=4, world_size=8), ("ep",), slower_network)
+    for cost in (lambda l: ring_time(l, 1e9), lambda l: all_to_all_time(l, 1e9), lambda l: send_time(l, 1e9)):
+        assert cost(link) == cost(same) > 0  # the network's numbers do not enter
+
+
+def test_hierarchical_ring_is_intra_phase_then_inter_phase_on_a_slice():
+    cluster = _toy(n=4)
+    # dp_shard = 8 over two nodes, 4 members per node: reduce-scatter inside the node (3 hops at 100 GB/s), then
+    # each local member reduce-scatters its quarter across the 2 nodes on its 10 GB/s NIC share
+    link = group_link(ParallelDims(dp_shard=8, world_size=8), ("dp_shard_mod_ep", "ep"), cluster)
+    assert (link.per_node, link.nodes) == (4, 2)
+    size = 8e9
+    intra = 3 * 5e-6 + 3 / 4 * size / 100e9
+    inter = 1 * 10e-6 + 1 / 2 * (size / 4) / 10e9
+    assert ring_time(link, size) == pytest.approx(intra + inter)
+    # a flat ring over the 8 would pace every byte by the inter-node edge (4 NIC shares: 40 GB/s): slower here
+    assert ring_time(link, size) < 7 * 10e-6 + 7 / 8 * size / 40e9
+
+
+def test_spanning_nodes_is_slower_and_placement_decides_it():
+    cluster = _toy(n=4)
+    dims = ParallelDims(dp_shard=4, tp=2, world_size=8)  # tp inner (on one node), dp_shard outer (spans 2 nodes)
+    inside = group_link(dims, ("tp",), cluster)
+    across = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
+    assert (inside.per_node, inside.nodes) == (2, 1) and (across.per_node, across.nodes) == (2, 2)
+    two = group_link(ParallelDims(dp_shard=2, tp=4, world_size=8), ("dp_shard_mod_ep", "ep"), cluster)
+    assert (two.size, two.per_node, two.nodes) == (2, 1, 2)  # the same 2 members, now on different nodes
+    assert ring_time(two, 1e9) > ring_time(inside, 1e9)
+    assert all_to_all_time(two, 1e9) > all_to_all_time(inside, 1e9)
+    assert send_time(two, 1e9) > send_time(inside, 1e9)
+    # pp outermost over 2 nodes: neighbours on different nodes, at the NIC share (every stage sends at once)
+    pp = group_link(ParallelDims(pp=2, dp_shard=4, world_size=8), ("pp",), cluster)
+    assert send_time(pp, 1e9) == pytest.approx(10e-6 + 1e9 / 10e9)
+
+
+def test_placement_names_which_groups_stay_inside_a_node():
+    from optimus.plan.comms import placement
+
+    aurora = load_cluster("aurora")  # 12 tiles per node: the published EP 12 x PP 8 on 3,072 tiles
+    where = placement(ParallelDims(dp_shard=384, ep=12, pp=8, world_size=3072), aurora)
+    assert where["ep"] == "intra-node (12)"  # ep innermost (tp = 1) fills the node
+    assert where["expert_dp"] == "1 per node x 32 nodes"  # so each expert shard's replicas are one per node
+    assert where["dp"] == "12 per node x 32 nodes" and where["pp"] == "1 per node x 8 nodes"
+    assert "tp" not in where  # size 1: no collective
+
+
+def test_all_to_all_splits_on_node_and_off_node_traffic():
+    cluster = _toy(n=4)
+    send = 1.6e9
+    # ep = 16 over 4 nodes: 3/16 to node peers at 100 GB/s, 12/16 off the node at 10 GB/s: the network bounds it
+    link = group_link(ParallelDims(dp_shard=16, ep=16, world_size=16), ("ep",), cluster)
+    assert (link.per_node, link.nodes) == (4, 4)
+    assert all_to_all_time(link, send) == pytest.approx(3 * 5e-6 + 12 * 10e-6 + send * 12 / 16 / 10e9)
+    # more NICs than devices do not give a device more than one NIC: 4 devices, 8 NICs -> 40e9 / 8 each
+    assert group_link(ParallelDims(dp_shard=16, ep=16, world_size=16), ("ep",),
+                      replace(cluster, nics_per_node=8)).inter_beta == pytest.approx(5e9)
 
 
 def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
@@ -135,11 +199,24 @@ def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     assert slow.parts["compute"] == pytest.approx(fast.parts["compute"])  # the FLOP classes did not change
 
 
-def test_energy_is_nodes_times_power_times_time_times_pue():
-    from optimus.plan.search import run_cost
+def test_energy_is_nodes_times_power_times_time_and_carbon_adds_pue_and_grid():
+    from optimus.plan.energy import run_cost
 
     aurora = load_cluster("aurora")
     cost = run_cost(aurora, devices=24, tokens_per_s=1e6, tokens=3.6e9)  # one hour on 2 nodes
     assert cost["days"] == pytest.approx(1 / 24)
-    assert cost["energy_mwh"] == pytest.approx(2 * aurora.node_power_kw * 1.0 * aurora.pue / 1000)
-    assert cost["co2_t"] == pytest.approx(cost["energy_mwh"] * aurora.grid_kgco2_per_kwh)
+    assert cost["energy_mwh"] == pytest.approx(2 * aurora.node_power_kw * 1.0 / 1000)
+    assert cost["facility_mwh"] == pytest.approx(cost["energy_mwh"] * aurora.pue)
+    assert cost["co2_t"] == pytest.approx(cost["energy_mwh"] * aurora.pue * aurora.grid_kgco2_per_kwh)
+
+
+def test_carbon_arithmetic_reproduces_every_row_of_lumis_published_table():
+    from optimus.plan.energy import PUBLISHED_TRAININGS, carbon_t, energy_table
+
+    assert len(PUBLISHED_TRAININGS) == 6
+    for name, _hardware, mwh, pue, intensity, published_t in PUBLISHED_TRAININGS:
+        # the table prints whole tonnes: ours must round to the same figure
+        assert round(carbon_t(mwh, pue, intensity)) == published_t, name
+    table = energy_table([("ours", "8 x H100", 2.0, 1.1, 0.385, carbon_t(2.0, 1.1, 0.385))])
+    assert table.splitlines()[1].split()[:6] == ["Gopher-280B", "TPUv3", "1,066", "1.08", "0.330", "380"]
+    assert table.splitlines()[-1].split() == ["ours", "8", "x", "H100", "2", "1.10", "0.385", "0.847"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from optimus.config import build_config
-from optimus.testing.runs import tiny_run_config
+from tests.helpers.runs import tiny_run_config
 from optimus.train.trainer import Trainer
 
 

@@ -8,7 +8,7 @@ import torch
 
 from optimus.models.transformer import build_model
 from optimus.optim.build import build_optimizer
-from optimus.testing.parity import tiny_config
+from tests.helpers.parity import tiny_config
 from optimus.train.step import train_step
 
 CPU = torch.device("cpu")

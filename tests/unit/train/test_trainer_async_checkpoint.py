@@ -7,7 +7,7 @@ import pytest
 
 from optimus.checkpoint.manager import CheckpointManager
 from optimus.config import build_config
-from optimus.testing.runs import tiny_run_config
+from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import Callback
 from optimus.train.trainer import Trainer
 

@@ -10,7 +10,7 @@ import yaml
 from optimus.cli import main
 from optimus.config import build_config
 from optimus.models.transformer import Transformer
-from optimus.testing.runs import tiny_run_config
+from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.trainer import Trainer
 

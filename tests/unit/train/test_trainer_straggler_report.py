@@ -11,7 +11,7 @@ import contextlib
 
 from optimus.config import build_config
 from optimus.resilience.stragglers import Straggler
-from optimus.testing.runs import tiny_run_config
+from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.trainer import Trainer
 

@@ -108,18 +108,13 @@ class RunRecord:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensors, single-process names
 
 
-def canonical_name(name: str) -> str:
-    """A parameter name without wrapper prefixes (activation checkpointing, torch.compile)."""
-    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
-
-
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full (unsharded) tensor, keyed by its single-process name.
 
     Collective when gradients are DTensors: every rank of the model's mesh must call it.
     """
+    from optimus.parallel.parallelize import single_process_name
+
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
@@ -127,7 +122,7 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
         grad = param.grad
         if hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
-        grads[canonical_name(name)] = grad.detach().clone()
+        grads[single_process_name(name)] = grad.detach().clone()
     return grads
 
 
@@ -216,24 +211,18 @@ def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int,
     from optimus.parallel.parallelize import build_parallel_model
 
     p = config.parallel
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep, world_size=world_size)
+    dims = ParallelDims.from_config(p, world_size)
     dims.check_model(config.model, p.pp_virtual_stages)
     device = torch.device("cpu")
     mesh = dims.build_mesh(device.type)
     model = build_parallel_model(config, dims, mesh, device)
     optimizer = build_optimizer(model, config.optim)
     dp_rank, dp_size = mesh.local_rank("dp"), mesh.size("dp")
-    micro = functools.partial(_rank_micro, config.train.micro_batch_size, dp_rank, dp_size)
+    micro = functools.partial(rank_micro_batches, micro_batch_size=config.train.micro_batch_size, dp_rank=dp_rank,
+                              dp_size=dp_size)
     first_of_stage = all(mesh.local_rank(dim) == 0 for dim in ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
     return _train(model, optimizer, config, steps, micro, device, mesh["dp"], keep_grads=first_of_stage,
                   checkpoint=checkpoint)
-
-
-def _rank_micro(micro_batch_size: int, dp_rank: int, dp_size: int, batch) -> TinyBatch:
-    return rank_micro_batches(batch, micro_batch_size, dp_rank, dp_size)
-
-
-rank_micro_batches_of = _rank_micro  # partial(rank_micro_batches_of, mb, dp_rank, dp_size)(batch)
 
 
 def train_model(model: nn.Module, optimizer, config: Config, steps: int, micro_batches_of, dp_mesh=None,
@@ -293,7 +282,7 @@ def reference_run(config: Config, steps: int) -> RunRecord:
 
 def check_layout(config: Config, world_size: int, steps: int = 5) -> RunRecord:
     """Train `config`'s layout on `world_size` forked ranks and assert parity with one process."""
-    from optimus.testing.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     reference = reference_run(config, steps)
     candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps))

@@ -1,0 +1,45 @@
+"""Typed settings of a job's layout (the `parallel:` config section); no torch here, so a config loads fast.
+
+`ParallelDegrees` is the one list of layout degrees: `ParallelConfig` adds how the layout runs
+(schedules, dispatch, sharding), and `optimus.parallel.mesh.ParallelDims` adds the world size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ParallelDegrees(BaseModel):
+    """How many ways a job is split along each axis. Expert parallelism borrows its ranks from dp_shard."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    dp_replicate: int = Field(1, gt=0, description="replicated data parallelism (HSDP's outer dimension)")
+    dp_shard: int = Field(1, gt=0, description="sharded data parallelism (FSDP2, or ZeRO-1/2: see shard_mode)")
+    tp: int = Field(1, gt=0, description="tensor (and sequence) parallelism")
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    ep: int = Field(1, gt=0, description="expert parallelism, taken from the dp_shard ranks (divides dp_shard)")
+
+    @property
+    def layout_ranks(self) -> int:
+        """The ranks these degrees use: dp_replicate x dp_shard x tp x pp (ep lives inside dp_shard)."""
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+
+class ParallelConfig(ParallelDegrees):
+    """The degrees plus how the layout runs: pipeline schedule, expert dispatch, gradient sync, sharding."""
+
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_virtual_stages: int = Field(1, gt=0)
+    ep_dispatch: Literal["all_to_all", "allgather"] = "all_to_all"
+    defer_grad_sync: Literal["none", "replicate", "all"] = Field(
+        "replicate", description="gradient accumulation: reduce only after a step's last micro-batch over dp_replicate "
+                                 "(HSDP's all-reduce), over every dp dim (all: unsharded gradients held meanwhile), or none")
+    shard_mode: Literal["fsdp", "zero1", "zero2", "ddp"] = Field(
+        "fsdp", description="fsdp: FSDP2 (ZeRO-3); zero1/zero2: whole parameters, sharded fp32 master + AdamW "
+                            "state (optimus/optim/sharded.py), gradients reduce-scattered at the step / per bucket; "
+                            "ddp: nothing sharded, torch DDP (pure data parallel, small models)")
+    ep_aware: bool = Field(True, description="zero1/zero2: non-expert state sharded over DP x EP (False: over DP "
+                                             "only, replicated across EP: the ablation baseline)")

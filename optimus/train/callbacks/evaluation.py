@@ -1,0 +1,61 @@
+"""Evaluation as a callback: held-out loss and the downstream tasks of `train.eval_tasks`, every
+`train.eval_every` steps and at the last step, announced to the other callbacks as one record."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from optimus.data.loader import heldout_batches
+from optimus.eval.loop import downstream_accuracies
+from optimus.parallel.pipeline import get_pipeline
+from optimus.train.callbacks.base import Callback
+from optimus.train.evaluate import evaluate
+from optimus.train.step import autocast_context
+
+if TYPE_CHECKING:
+    from optimus.train.trainer import Trainer
+
+
+class Evaluation(Callback):
+    """Every rank: the forwards of a sharded or pipelined model are collective."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.last_loss: float | None = None  # the held-out loss of this run segment's latest evaluation
+        self._heldout = None
+
+    def after_step(self, step: int) -> None:
+        train = self.trainer.config.train
+        if step == train.max_steps or (train.eval_every and step % train.eval_every == 0):
+            self.last_loss = self.run(step)
+
+    def heldout(self):
+        """The fixed held-out batches used for every evaluation of this run."""
+        if self._heldout is None:
+            t = self.trainer.config.train
+            self._heldout = heldout_batches(self.trainer.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches)
+        return self._heldout
+
+    def heldout_loss(self) -> float | None:
+        """Held-out loss of the current weights (None when no source has a held-out split)."""
+        trainer = self.trainer
+        batches = self.heldout()
+        if not batches:
+            return None
+        pipeline = get_pipeline(trainer.model)  # PP: each rank holds only its stages' layers
+        dtype = trainer.config.train.dtype
+        if pipeline is not None:
+            return pipeline.evaluate_loss(batches, trainer.device, autocast_context(trainer.device, dtype))
+        return evaluate(trainer.model, batches, trainer.device, dtype).loss
+
+    def run(self, step: int) -> float | None:
+        """Evaluate now and tell the other callbacks; returns the held-out loss."""
+        trainer = self.trainer
+        loss = self.heldout_loss()
+        record = {"step": step} if loss is None else {"step": step, "eval_loss": loss}
+        downstream = downstream_accuracies(trainer.model, trainer.config, trainer.device, trainer.mesh)
+        if downstream:
+            record["downstream"] = downstream
+        if len(record) > 1:
+            trainer.dispatch("on_eval", step, record)
+        return loss

@@ -1,0 +1,91 @@
+"""Fields of a logged step's record beyond the step's own losses: throughput and MFU (with how the
+peak was obtained, once), each rank's peak memory, and the routers' load per MoE layer."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from optimus.train.callbacks.base import Callback
+from optimus.train.metrics import Throughput, expert_counts_record, expert_load_summary, peak_memory_bytes
+
+if TYPE_CHECKING:
+    from optimus.train.trainer import Trainer
+
+GIB = 2**30
+
+
+class ThroughputMetrics(Callback):
+    """tokens_per_s, tokens_per_s_per_device and mfu over the steps since the last logged one; the first
+    logged row of a run segment also says how they were obtained (precision, peak, world size)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.meter = Throughput(trainer.flops_per_token, trainer.peak_flops, replicas=trainer.dims.dp,
+                                world_size=trainer.dims.world_size)
+        self._warned_impossible_mfu = False
+        self._logged_first_row = False
+        self._window_started = False
+
+    def on_step_start(self, step: int) -> None:
+        if not self._window_started:  # the first step: not construction, nor the other callbacks' start-up
+            self._window_started = True
+            self.meter.report()
+
+    def on_step_result(self, step: int, result: Any) -> bool:
+        self.meter.add(result.tokens)
+        return False
+
+    def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
+        trainer = self.trainer
+        throughput = self.meter.report()
+        if throughput.impossible_mfu is not None and not self._warned_impossible_mfu:
+            self._warned_impossible_mfu = True
+            if trainer.is_rank0:
+                print(f"warning: MFU computed as {100 * throughput.impossible_mfu:.0f}%, above 100%: the peak of "
+                      f"{trainer.peak_flops / 1e12:.4g} TFLOP/s ({trainer.peak_source}) is too low, so MFU is not "
+                      f"reported", file=sys.stderr, flush=True)
+        record.update(tokens_per_s=throughput.tokens_per_s, tokens_per_s_per_device=throughput.tokens_per_s_per_device,
+                      mfu=throughput.mfu)
+        if not self._logged_first_row:
+            # how the figures above were obtained, once per run segment: the first row of metrics.jsonl
+            self._logged_first_row = True
+            precision = trainer.precision
+            record.update(dtype=precision.dtype, dtype_requested=precision.requested, dtype_reason=precision.reason,
+                          peak_flops_per_device=trainer.peak_flops, peak_source=trainer.peak_source,
+                          world_size=trainer.dims.world_size)
+
+
+class MemoryMetrics(Callback):
+    """memory_peak_gib: every rank's peak memory so far, index = rank (one small all-gather per logged
+    step, on every rank); the first logged row also names what was measured (memory_source)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._logged_source = False
+
+    def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
+        peak, source = peak_memory_bytes(self.device)
+        mine = torch.tensor([float(peak)], dtype=torch.float64, device=self.device)
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+        record["memory_peak_gib"] = [round(value.item() / GIB, 4) for value in everyone]
+        if not self._logged_source:
+            self._logged_source = True
+            record["memory_source"] = source
+
+
+class ExpertLoadMetrics(Callback):
+    """MoE models: expert_load_max / expert_load_min (over all layers, relative to an even split) and
+    expert_counts, the tokens routed to each expert of each MoE layer in the step's global batch."""
+
+    def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
+        if result.expert_counts is None:
+            return
+        record.update(expert_load_summary(result.expert_counts))
+        record["expert_counts"] = expert_counts_record(result.expert_counts)

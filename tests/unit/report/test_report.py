@@ -1,0 +1,98 @@
+"""The run report: drawn from a tiny MoE run's metrics.jsonl, written at the run's end and by
+`optimus report RUN`; every panel the run has metrics for, and the expert-load heatmap shows the
+logged counts; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+
+from optimus.cli import main
+from optimus.config import build_config
+from tests.helpers.runs import tiny_run_config
+from optimus.train.callbacks import JsonlMetrics, RunReport, read_metrics
+from optimus.report.panels import MAX_HEATMAP_COLUMNS, RunRecords, expert_load_data
+from optimus.train.trainer import Trainer
+
+MOE = dict(n_layers=2, n_experts=4, top_k=2, expert_ffn_hidden=32)
+PANELS = ["Loss", "Downstream accuracy", "Throughput and MFU", "Gradient norm", "Skipped steps", "Expert load",
+          "Expert load heatmap", "Memory per rank", "Checkpoint save time"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory, small_token_dir):
+    """A 4-step MoE run with a held-out evaluation and a downstream task at steps 2 and 4, checkpoints at 2 and 4."""
+    run = tmp_path_factory.mktemp("moe-run")
+    config = build_config(tiny_run_config(run, small_token_dir, model=MOE, train=dict(
+        max_steps=4, eval_every=2, ckpt_every=2, eval_tasks=["arc_easy"], eval_tasks_limit=2)))
+    Trainer(config, callbacks=[JsonlMetrics(run / "metrics.jsonl"), RunReport(run)]).fit()
+    return run
+
+
+def _titles_and_images(page: str) -> tuple[list[str], dict[str, bytes]]:
+    titles = re.findall(r"<h2>(.*?)</h2>", page)
+    images = {alt: base64.b64decode(data) for alt, data in re.findall(r'alt="(.*?)" src="data:image/png;base64,([^"]+)"', page)}
+    return titles, images
+
+
+def test_the_run_end_writes_a_report_with_every_panel(moe_run):
+    page = (moe_run / "report.html").read_text()
+    titles, images = _titles_and_images(page)
+    assert titles == ["Configuration", *PANELS]
+    assert set(images) == set(PANELS) - {"Skipped steps"}  # skipped steps: a table (none here)
+    assert all(png.startswith(b"\x89PNG") for png in images.values())
+    assert "precision: fp32 (train.dtype=fp32" in page and "No optimizer step was skipped" in page
+    assert "<script src" not in page and "<link" not in page  # self-contained
+
+
+def test_the_logged_metrics_the_report_needs(moe_run):
+    records = RunRecords.read(moe_run / "metrics.jsonl")
+    assert [r["step"] for r in records.steps] == [1, 2, 3, 4]
+    for row in records.steps:
+        assert len(row["memory_peak_gib"]) == 1 and row["memory_peak_gib"][0] > 0
+        assert len(row["expert_counts"]) == MOE["n_layers"] and all(len(c) == 4 for c in row["expert_counts"])
+        # every token goes to top_k experts in each layer: 2 sequences x 32 tokens x 2
+        assert all(sum(layer) == 2 * 32 * 2 for layer in row["expert_counts"])
+    assert records.steps[0]["memory_source"] == "peak RSS"
+    assert [(r["step"], "arc_easy" in r["downstream"]) for r in records.evals] == [(2, True), (4, True)]
+    assert [r["step"] for r in records.checkpoints] == [2, 4]
+    assert all(r["checkpoint_save_s"] >= r["checkpoint_blocking_s"] > 0 for r in records.checkpoints)
+
+
+def test_the_heatmap_shows_the_logged_expert_counts(moe_run):
+    page = (moe_run / "report.html").read_text()
+    shown = json.loads(re.search(r'<script type="application/json" id="expert-load-data">(.*?)</script>', page)[1])
+    logged = [r for r in read_metrics(moe_run / "metrics.jsonl") if "expert_counts" in r]
+    assert shown["steps"] == [r["step"] for r in logged]
+    assert shown["counts"] == [[r["expert_counts"][layer] for r in logged] for layer in range(MOE["n_layers"])]
+
+
+def test_a_long_run_heatmap_samples_steps_evenly_keeping_first_and_last():
+    records = RunRecords(steps=[{"step": s, "loss": 1.0, "expert_counts": [[s, 1]]} for s in range(1, 1001)])
+    data = expert_load_data(records)
+    assert len(data["steps"]) == MAX_HEATMAP_COLUMNS and data["steps"][0] == 1 and data["steps"][-1] == 1000
+    assert data["counts"][0] == [[s, 1] for s in data["steps"]]
+
+
+def test_a_dense_run_without_evaluation_leaves_those_panels_out(tmp_path, capsys):
+    rows = [{"step": s, "loss": 5.0 - s, "ce_loss": 5.0 - s, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": None,
+             "skipped": s == 2, **({"skip_reason": "non-finite"} if s == 2 else {})} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r.html")]) == 0
+    assert capsys.readouterr().out.strip() == f"report: {tmp_path / 'r.html'}"
+    titles, images = _titles_and_images((tmp_path / "r.html").read_text())
+    assert titles == ["Loss", "Throughput and MFU", "Gradient norm", "Skipped steps"]
+    assert "1 optimizer step(s) skipped" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda tmp: tmp / "missing", "is not a directory"),
+    (lambda tmp: tmp, "holds no metrics.jsonl"),
+])
+def test_bad_run_dir_is_one_line_and_exit_2(tmp_path, capsys, make, problem):
+    assert main(["report", str(make(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("optimus report: error:") and problem in err[0]
