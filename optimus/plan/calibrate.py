@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.config import Config
+from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.efficiency import Efficiency
 
 COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
@@ -95,15 +96,13 @@ def measure_share(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, seconds: float = 
     min(1, cores / R) on an idle machine; less when other work shares the cores. The step-time model divides
     each rank's FLOP/s (and multiplies its operator overhead) by this measured share instead of assuming it.
     """
-    from optimus.testing.distributed import run_distributed
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         alone = sustained_matmul_rate(seconds)
         shares = {}
         for world in worlds:
-            rates = run_distributed(_matmul_rate, world, seconds, timeout=120.0)
+            rates = run_on_local_ranks(_matmul_rate, world, seconds, timeout=120.0)
             shares[str(world)] = min(1.0, statistics.median(rates) / alone)
         alone_again = sustained_matmul_rate(seconds)
     finally:
@@ -130,12 +129,10 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
 def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
                         repeats: int = 10) -> dict[str, Any]:
     """Time gloo collectives on forked ranks over loopback; fit alpha-beta per world size."""
-    from optimus.testing.distributed import run_distributed
-
     rows: list[dict[str, Any]] = []
     fits = {}
     for world in worlds:
-        measured = run_distributed(_time_collectives, world, sizes, repeats, timeout=180.0)[0]
+        measured = run_on_local_ranks(_time_collectives, world, sizes, repeats, timeout=180.0)[0]
         rows += measured
         fits[str(world)] = fit_alpha_beta(measured)
     return {"rows": rows, "fits": fits}

@@ -1,0 +1,83 @@
+"""Run a measurement on R forked CPU ranks of this machine, joined by gloo over a file rendezvous.
+
+For the planner's calibration (optimus/plan/calibrate.py): it times collectives and the share of the
+cores R processes get, here, without a launcher. Forked children run one thread each (a fork after
+OpenMP started several can hang in its first multi-threaded op, see CPU-NOTES) and leave through
+barrier + destroy + os._exit, so no rank aborts at interpreter exit. Results travel as JSON: they
+are plain numbers and lists, and nothing a child wrote is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class LocalRanksError(RuntimeError):
+    """A rank failed or did not finish in time; the message says which and why."""
+
+
+def _child(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    outcome: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        outcome = {"ok": fn(rank, world, *args)}
+        dist.barrier()
+    except BaseException:  # the parent reports it with the rank's traceback
+        outcome = {"error": traceback.format_exc()}
+    try:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)
+
+
+def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """fn(rank, world, *args) on `world` forked gloo ranks; each rank's JSON-serialisable result, in rank order."""
+    with tempfile.TemporaryDirectory(prefix="optimus-ranks-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        pending = {}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                _child(rank, world, init_file, tmp, fn, args)
+            pending[rank] = pid
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for rank, pid in list(pending.items()):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    del pending[rank]
+            time.sleep(0.02)
+        for pid in pending.values():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        results, failures = [], []
+        for rank in range(world):
+            path = Path(tmp) / f"rank{rank}.json"
+            if not path.exists():
+                why = f"did not finish within {timeout:.0f} s" if rank in pending else "died without a result"
+                failures.append((True, f"rank {rank} of {world} {why}"))
+                continue
+            outcome = json.loads(path.read_text())
+            if "error" in outcome:
+                # a rank whose peer failed reports a broken collective: name the rank that failed first
+                secondary = "distributed_c10d" in outcome["error"].strip().splitlines()[-3]
+                failures.append((secondary, f"rank {rank} of {world} failed:\n{outcome['error']}"))
+            else:
+                results.append(outcome["ok"])
+        if failures:
+            raise LocalRanksError(sorted(failures, key=lambda failure: failure[0])[0][1])
+        return results
