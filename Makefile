@@ -42,7 +42,10 @@ train: setup
 test: setup
 	$(PY) -m pytest -q -m "not gpu and not soak and not slow" --durations=15 tests
 
+# the slow tier also cross-checks `optimus eval` against lm-evaluation-harness: its package comes here, not in
+# setup (it pulls datasets, evaluate and friends; about a minute from a local index)
 test-slow: setup
+	@$(PIP) -e '.[harness]'
 	$(PY) -m pytest -q -m "slow or soak" tests
 
 bench: setup

@@ -63,7 +63,7 @@ def _check_tp_layer(rank: int, world: int) -> dict:
 
     tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     rows_per_case = {}
-    for impl in ("fast", "reference"):
+    for impl in ("auto", "reference"):
         for sequence_parallel in (True, False):
             reference, x_all, g_all = _reference(impl, seed=1)
             parallel = copy.deepcopy(reference)
@@ -103,7 +103,7 @@ def _check_tp_layer(rank: int, world: int) -> dict:
 
 def test_tp_2_moe_layer_matches_one_process_and_splits_the_expert_work():
     results = run_distributed(_check_tp_layer, 2)
-    copies = 2 * SEQ * _config("fast").top_k  # token copies of the whole batch
+    copies = 2 * SEQ * _config("auto").top_k  # token copies of the whole batch
     for case in results[0]:
         per_rank = [result[case] for result in results]
         assert sum(per_rank) == copies, (case, per_rank)  # every copy computed once, on one tp rank
@@ -117,7 +117,7 @@ def _check_ep_tp_layer(rank: int, world: int, dispatch: str) -> None:
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "tp"))
     ep, tp = mesh["ep"].size(), mesh["tp"].size()
     ep_rank, tp_rank = mesh["ep"].get_local_rank(), mesh["tp"].get_local_rank()
-    reference, x_all, g_all = _reference("fast", seed=2)  # [2, SEQ, D]: sample i belongs to ep rank i
+    reference, x_all, g_all = _reference("auto", seed=2)  # [2, SEQ, D]: sample i belongs to ep rank i
     parallel = copy.deepcopy(reference)
     apply_expert_tensor_parallel(parallel, mesh["tp"], sequence_parallel=True)
     apply_expert_parallel(parallel, mesh["ep"], dispatch)

@@ -1,6 +1,6 @@
 """Cross-check with lm-evaluation-harness: its HF model wrapper scores our requests on the exported run.
 
-Needs the lm-eval package (not a dependency: `pip install lm-eval`); skipped without it. It checks the
+Needs the lm-eval package (the `harness` extra, which `make test-slow` installs); skipped without it. It checks the
 model side (tokenization, truncation to the window, log-likelihood sums) and the ranking on the same
 requests; the prompts are OLMo's packaged ones, not lm-eval's own task templates.
 """
