@@ -48,6 +48,8 @@ class TrainConfig(BaseModel):
                             "every block, matmul and attention outputs kept, cheap elementwise ops recomputed")
     recompute: list[Literal["attention", "moe", "mlp", "norms"]] = Field(
         default_factory=lambda: ["moe"], description="selective: sub-modules of each block recomputed in backward")
+    report: bool = Field(True, description="write RUN/report.html (plots of the run) at the end of training; "
+                                          "`optimus report RUN` writes it at any time")
     tensorboard: bool = False
     wandb: WandbConfig | None = Field(None, description="set (e.g. {project: mula}) to log to W&B offline; "
                                                         "needs the wandb package")

@@ -165,7 +165,8 @@ class Trainer:
             from optimus.train.callbacks.wandb import WandbLogger
 
             callbacks.append(WandbLogger(self.config.train.wandb, self.requested_config, self.run_dir))
-        callbacks.append(RunReport(self.run_dir, written_unless=lambda: self.stop_reason is not None))
+        if self.config.train.report:
+            callbacks.append(RunReport(self.run_dir, written_unless=lambda: self.stop_reason is not None))
         return callbacks
 
     def dispatch(self, hook: str, *args) -> None:

@@ -31,7 +31,8 @@ def tiny_config(token_dir: Path, **sections) -> dict:
         "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_experts": 4, "top_k": 2, "expert_ffn_hidden": 64,
                   "vocab_size": 50304},
         "train": {"seq_len": 64, "micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "log_every": 1,
-                  "eval_every": 4, "eval_batches": 2, "ckpt_every": 2, "keep_last_k": 2, "dtype": "fp32"},
+                  "eval_every": 4, "eval_batches": 2, "ckpt_every": 2, "keep_last_k": 2, "dtype": "fp32",
+                  "report": False},  # the report page costs ~2 s of plotting per run: tests/unit/report covers it
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "data": {"sources": [{"path": str(token_dir), "weight": 1.0}]},
     }
