@@ -58,35 +58,7 @@ from optimus.parallel.expert_parallel import (
     _ReduceScatterRows,
     _ScaleGrad,
 )
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over the group."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward: the output gradient is the same on every rank."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+from optimus.parallel.group_autograd import sum_grad_over_group, sum_over_group
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -148,7 +120,7 @@ class TensorParallelExperts(ExpertParallelExperts):
     def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """As GroupedExperts.forward restricted to this rank's experts (the others' copies contribute 0)."""
         impl = "reference" if self.impl == "reference" else "auto"
-        weights = _SumGradOverGroup.apply(weights, self.tp_mesh.get_group())
+        weights = sum_grad_over_group(weights, self.tp_mesh.get_group())
         n_column = self.ep * self.n_local  # experts of this tp column: n_local on each ep rank
         block = torch.div(expert_ids, self.n_local, rounding_mode="floor")
         mine = torch.remainder(block, self.tp) == self.tp_rank
@@ -188,12 +160,12 @@ def apply_expert_tensor_parallel(moe: MoE, tp_mesh: DeviceMesh, sequence_paralle
 
     def gather_input(module, args):
         x = args[0]
-        x = gather_sequence(x, group) if sequence_parallel else _SumGradOverGroup.apply(x, group)
+        x = gather_sequence(x, group) if sequence_parallel else sum_grad_over_group(x, group)
         return (x, *args[1:])
 
     def reduce_output(module, args, output):
         out, stats = output
-        out = reduce_scatter_sequence(out, group) if sequence_parallel else _SumOverGroup.apply(out, group)
+        out = reduce_scatter_sequence(out, group) if sequence_parallel else sum_over_group(out, group)
         return out, stats
 
     def router_input(module, args):

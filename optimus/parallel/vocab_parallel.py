@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optimus.ops.cross_entropy import IGNORE_INDEX, _compute_dtype
+from optimus.parallel.group_autograd import sum_grad_over_group
 
 # Tokens per chunk of the loss: two [chunk_rows, V/tp] buffers per rank (as ops.cross_entropy's 512).
 DEFAULT_CHUNK_ROWS = 512
@@ -52,21 +53,6 @@ def _all_gather_stacked(x: torch.Tensor, size: int, group) -> torch.Tensor:
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # gloo wants the dim-0 concatenation
     return out.view(size, *x.shape)
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the tp group (each rank holds a share)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -199,7 +185,7 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
     Every rank returns the same loss; h's gradient is the full single-process one (summed over the
     group in backward), weight's gradient is that of this rank's rows.
     """
-    h = _CopyToTensorParallel.apply(h, group)
+    h = sum_grad_over_group(h, group)
     return _VocabParallelCrossEntropy.apply(h, weight, labels, vocab_start, group, chunk_rows,
                                             _needs_grad(h, weight))
 
@@ -234,7 +220,7 @@ class VocabParallelLMHead(nn.Module):
         """Every token's hidden state on every rank; its gradient is summed over tp in backward."""
         if self.sequence_parallel:
             return _GatherSequence.apply(h, self.group)
-        return _CopyToTensorParallel.apply(h, self.group)
+        return sum_grad_over_group(h, self.group)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The full logits [B, S, V] (gathered along the vocabulary: for generation and evaluation only)."""
