@@ -44,7 +44,6 @@ so DCP checkpoints reshard to and from any layout, tp=1 included.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
