@@ -35,6 +35,7 @@ def test_chaos_survives_one_fault_of_each_quick_kind(tmp_path, token_dir):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)  # a reference run plus 20 faults and their recoveries: ~10 minutes on 2 cores
 def test_chaos_twenty_faults_four_ranks(tmp_path, token_dir):
     done, report = _chaos(tmp_path, token_dir, faults=20, ranks=4, kinds=None, max_steps=60, timeout=3600)
     print(done.stdout)
