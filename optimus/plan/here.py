@@ -30,7 +30,7 @@ import torch
 from optimus.config import ConfigError
 from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
-from optimus.train.hardware import cpu_model, cpu_speed
+from optimus.train.hardware import cpu_model, cpu_speed, write_json_cache
 
 # Without --calibrate: reasoning, not measurement. Eager PyTorch on a CPU reaches most of a core's GEMM rate on
 # model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
@@ -94,13 +94,7 @@ def write_cache(path: Path, entry: dict[str, Any]) -> None:
     except (OSError, ValueError):
         cache = {}
     cache[host_key()] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_json_cache(path, cache)
 
 
 def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, Any]:

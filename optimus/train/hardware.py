@@ -150,14 +150,19 @@ def cpu_speed(cache_file: Path | None = None, kernel_env: str = "", remeasure: b
         speed = measure_cpu_speed()
     if cache_file is not None:
         cache[key] = asdict(speed)
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, cache_file)
-        except OSError:
-            pass  # a read-only home only costs a probe per start
+        write_json_cache(cache_file, cache)  # a read-only home only costs a probe per start
     return speed
+
+
+def write_json_cache(path: Path, data: dict) -> None:
+    """Write a measurement cache atomically (temp file + rename); an unwritable place is not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _accelerator_name(device: torch.device) -> str:
