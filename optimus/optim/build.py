@@ -40,15 +40,15 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimi
 
 
 def _adamw_impl(groups: list[dict]) -> dict:
-    """fused=True for plain CPU/CUDA tensors, else foreach (kept for DTensor, e.g. FSDP2/TP params).
+    """fused=True on CPU and CUDA, DTensor parameters (FSDP2, TP, EP shards) included; else foreach.
 
-    On CPU the fused kernel makes one pass over param, grad and both moments: 6x faster than
-    foreach on a 52M-parameter model (35 vs 215 ms per step on one EPYC core); same math, results
-    equal up to float rounding.
+    The fused kernel makes one pass over param, grad and both moments: 6x faster than foreach on a
+    52M-parameter model on CPU (35 vs 215 ms per step on one EPYC core). DTensor runs it on each local
+    shard (a pointwise op); foreach on DTensors fell back to one call per parameter and per operator
+    (5.7x slower on 8 sharded 4M-element parameters, bitwise-equal results).
     """
     params = [p for group in groups for p in group["params"]]
-    plain = all(type(p) is nn.Parameter or type(p) is torch.Tensor for p in params)
-    if params and plain and all(p.device.type in ("cpu", "cuda") for p in params):
+    if params and all(p.device.type in ("cpu", "cuda") for p in params):
         return {"fused": True}
     return {"foreach": True}
 
