@@ -1,6 +1,6 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
-Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of several sizes over 2 and 4 forked
+Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2 and 4 forked
 ranks on loopback; per world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
 (relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
 S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
@@ -32,7 +32,10 @@ from optimus.config import Config
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.efficiency import Efficiency
 
-COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+# up to 64 MiB: the planned messages (a model's embedding, FSDP's root unit) are tens of MiB, past the last-level
+# cache, where loopback copies run slower than the in-cache sizes would suggest
+COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024)
+LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 COLLECTIVE_WORLDS = (2, 4)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -57,7 +60,7 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
             }[op]
             run()
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats if nbytes <= 8 * 1024 * 1024 else min(repeats, LARGE_MESSAGE_REPEATS)):
                 dist.barrier()
                 start = time.perf_counter()
                 run()

@@ -38,6 +38,12 @@ class Cluster:
     auto_dtype: str = "bf16"  # what train.dtype "auto" resolves to: bf16 on accelerators, measured here
     measured_peak_flops: dict[str, float] | None = None  # {"fp32": .., "bf16": ..}: `here`, probed, not a datasheet
     nics_per_node: int = 1  # network interfaces per node; inter_node_gb_s is their sum
+    # whether collectives run beside compute: on accelerators copy engines and NICs move the bytes while the
+    # device computes; on a CPU host whose cores all run ranks, gloo's transport needs those same cores
+    comm_overlaps_compute: bool = True
+    # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
+    # presets model theirs (optimus/plan/comms.py)
+    measured_collectives: dict[str, dict[str, list]] | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""

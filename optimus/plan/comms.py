@@ -19,6 +19,12 @@ Algorithms (what NCCL/RCCL/oneCCL pick for large messages, and the cheaper of th
                  share, concurrently (the slower bounds it)
     send/recv    one message, intra-node or over the NIC share
 Every step of a ring pays the latency of its link (alpha per hop).
+
+Measured instead of modelled: a cluster that carries a table of timed collectives (`here`: gloo over loopback,
+optimus/plan/calibrate.py) answers an on-node collective from that table, interpolated in log-log between the
+timed sizes (linear in bytes past the largest). Gloo's algorithms differ per operation (its reduce-scatter of
+64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow down once a message leaves the cache, which
+no single alpha-beta pair fits.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Link:
     intra_beta: float
     inter_alpha: float
     inter_beta: float
+    measured: dict[str, tuple[tuple[float, float], ...]] | None = None  # op -> ((bytes, seconds), ...), this size
 
     @property
     def nodes(self) -> int:
@@ -89,9 +96,39 @@ def nic_share(cluster: Cluster) -> float:
 def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> Link:
     """The placement and links of a collective over the mesh dims `group`."""
     size = math.prod(mesh_sizes(dims)[d] for d in group)
-    return Link(size, members_per_node(dims, group, cluster.devices_per_node),
-                cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
-                cluster.inter_node_latency_us * 1e-6, nic_share(cluster))
+    per_node = members_per_node(dims, group, cluster.devices_per_node)
+    return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
+                cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
+                _measured_for(cluster.measured_collectives, size) if size == per_node else None)
+
+
+def _measured_for(table: dict[str, dict[str, list]] | None, size: int) -> dict[str, tuple] | None:
+    """The timed points of each operation for a group of `size`: those of that many ranks, else of the nearest
+    timed group size with their bandwidth part rescaled by the ring's (g - 1) / g."""
+    if not table:
+        return None
+    out = {}
+    for op, by_world in table.items():
+        worlds = sorted(int(w) for w in by_world)
+        if not worlds:
+            continue
+        nearest = min(worlds, key=lambda w: (abs(w - size), -w))
+        scale = ((size - 1) / size) / ((nearest - 1) / nearest) if nearest > 1 else 1.0
+        out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_world[str(nearest)]))
+    return out
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Seconds for `nbytes` from timed (bytes, seconds) points: log-log between them, the smallest's time below
+    them, proportional to bytes past the largest."""
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if nbytes <= b1:
+            w = math.log(nbytes / b0) / math.log(b1 / b0)
+            return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+    b, t = points[-1]
+    return t * nbytes / b
 
 
 def _ring(members: int, alpha: float, beta: float, nbytes: float) -> float:
@@ -101,11 +138,14 @@ def _ring(members: int, alpha: float, beta: float, nbytes: float) -> float:
     return (members - 1) * alpha + (members - 1) / members * nbytes / beta
 
 
-def ring_time(link: Link, gathered_bytes: float) -> float:
-    """All-gather or reduce-scatter of `gathered_bytes` (the full, gathered size) over the group: the cheaper of
-    the hierarchical algorithm (intra-node phase, then inter-node over 1/per_node of the data) and a flat ring."""
+def ring_time(link: Link, gathered_bytes: float, op: str = "all_gather") -> float:
+    """All-gather or reduce-scatter (`op`) of `gathered_bytes` (the full, gathered size) over the group: the
+    cheaper of the hierarchical algorithm (intra-node phase, then inter-node over 1/per_node of the data) and a
+    flat ring; the timed table where the cluster has one."""
     if link.size <= 1:
         return 0.0
+    if link.measured and op in link.measured:
+        return _interpolate(link.measured[op], gathered_bytes)
     intra = _ring(link.per_node, link.intra_alpha, link.intra_beta, gathered_bytes)
     if not link.spans_nodes:
         return intra
@@ -117,8 +157,10 @@ def ring_time(link: Link, gathered_bytes: float) -> float:
 
 
 def all_reduce_time(link: Link, nbytes: float) -> float:
-    """All-reduce: a reduce-scatter and an all-gather."""
-    return 2 * ring_time(link, nbytes)
+    """All-reduce: a reduce-scatter and an all-gather (or the timed table)."""
+    if link.size > 1 and link.measured and "all_reduce" in link.measured:
+        return _interpolate(link.measured["all_reduce"], nbytes)
+    return ring_time(link, nbytes, "reduce_scatter") + ring_time(link, nbytes, "all_gather")
 
 
 def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster | None = None) -> float:
@@ -128,6 +170,8 @@ def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster | None = Non
     g = link.size
     if g <= 1:
         return 0.0
+    if link.measured and "all_to_all" in link.measured:
+        return _interpolate(link.measured["all_to_all"], send_bytes)
     on_node = send_bytes * (link.per_node - 1) / g
     off_node = send_bytes * (g - link.per_node) / g
     latency = (link.per_node - 1) * link.intra_alpha + (g - link.per_node) * link.inter_alpha

@@ -12,7 +12,9 @@ Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by r
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the larger of a core's copy
 bandwidth x that share and the socket's bandwidth / R, 1 / share times the fixed operator cost, and 1 / R of
 the memory.
-All of a job's ranks are on this one node, so every collective runs on the measured loopback link.
+All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
+ranks occupy every core, nothing overlaps: gloo moves the bytes on the cores the ranks compute on (FSDP's
+prefetched all-gathers were measured waiting in full, benchmarks/plan_vs_measured.py).
 """
 
 from __future__ import annotations
@@ -132,6 +134,14 @@ def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
     return fits[str(best)]
 
 
+def collective_table(collectives: dict[str, Any]) -> dict[str, dict[str, list]]:
+    """The timed gloo collectives as comms.py reads them: {op: {ranks: [[bytes, seconds], ...]}}."""
+    table: dict[str, dict[str, list]] = {}
+    for row in collectives.get("rows", []):
+        table.setdefault(row["op"], {}).setdefault(str(row["ranks"]), []).append([row["bytes"], row["seconds"]])
+    return table
+
+
 def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
     """The `here` cluster for a job of `ranks` processes on this host, from a cache entry (see `machine`)."""
     if ranks < 1:
@@ -152,7 +162,8 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
                    hbm_gb_s=bandwidth, intra_node_gb_s=link_gb_s, intra_node_latency_us=link_us,
                    inter_node_gb_s=link_gb_s * ranks, inter_node_latency_us=link_us,
                    node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
-                   auto_dtype=m["auto_dtype"],
+                   auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks < m["cores"],
+                   measured_collectives=collective_table(m["collectives"]),
                    measured_peak_flops={"fp32": m["fp32_flops_per_thread"] * share,
                                         "bf16": m["bf16_flops_per_thread"] * share})
 

@@ -7,9 +7,10 @@ the unsplit model (ModelShape) and the layout's degrees:
     fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
                   weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
                   plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit)
-    zero1/zero2   whole parameters and gradients in the compute dtype, an fp32 gradient shard, fp32 master
-                  (under bf16) and moments for the owned share: non-expert over dp (EP-aware) or expert_dp,
-                  experts over expert_dp
+    zero1/zero2   whole parameters in the compute dtype, an fp32 gradient shard, fp32 master (under bf16) and
+                  moments for the owned share: non-expert over dp (EP-aware) or expert_dp, experts over expert_dp;
+                  zero1 also holds the whole gradients until the step, zero2 only about two buckets in flight
+    ddp           whole fp32 parameters, gradients, moments, and DDP's fp32 gradient buckets
     activations   dry_run.activation_bytes (the same formula) times the micro-batches the schedule keeps in flight
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus.config import Config
+from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 from optimus.parallel.dry_run import activation_bytes, micro_batches_in_flight
 from optimus.parallel.mesh import ParallelDims
 
@@ -84,12 +86,19 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         local = dense / dims.dp_shard + experts / dims.dp_shard_mod_ep
         transient = (2 * gathered_block + root_dense) * width + 4 * gathered_block if dims.is_parallel else 0.0
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
+    elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
+        local = dense + experts
+        held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "DDP buckets": 4 * local}
     else:
         expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
         owned = dense / (dims.dp if config.parallel.ep_aware else expert_dp) + experts / expert_dp
         local = dense + experts
         master = 4 * owned if width == 2 else 0.0
-        held = {"parameters": width * local, "gradients": width * local + 4 * owned, "optimizer": master + 8 * owned}
+        if config.parallel.shard_mode == "zero1":  # whole gradients until the step, then the reduced fp32 shard
+            gradients = width * local + 4 * owned
+        else:  # zero2: the fp32 shard, plus about two buckets' gradients and reduce-scatter input in flight
+            gradients = 4 * owned + (4 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)
+        held = {"parameters": width * local, "gradients": gradients, "optimizer": master + 8 * owned}
     act_config = config
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})

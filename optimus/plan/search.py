@@ -3,8 +3,8 @@
 Candidates: every tp (dividing the heads, at most one node), pp (dividing the layers' count into stages),
 ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or as HSDP groups of a node's
 size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
-none / selective (the config's mask) / full, shard_mode fsdp / zero1 (zero2 is not enumerated: the dry run and
-this model count it as zero1, so it would only duplicate rows; HSDP groups only under fsdp), and pp_schedule 1f1b / gpipe /
+none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2 / ddp (HSDP groups only under fsdp;
+ddp only where validation allows it: no tp, pp or ep), and pp_schedule 1f1b / gpipe /
 interleaved_1f1b (2 virtual stages) when pp > 1. Every candidate goes through the ONE validation function the
 trainer uses, so the planner never proposes a layout the trainer rejects.
 """
@@ -84,7 +84,9 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                 node_group = max(ep, cluster.devices_per_node // tp)
                 shards = {dp} | ({node_group} if dp % node_group == 0 and node_group % ep == 0 else set())
                 for dp_shard in sorted(shards):
-                    modes = ("fsdp", "zero1") if dp_shard == dp else ("fsdp",)  # zero shards over all dp either way
+                    # zero and ddp span all data-parallel ranks whatever the grouping: enumerate them once
+                    # (with one data-parallel rank the modes differ in nothing: one row)
+                    modes = ("fsdp", "zero1", "zero2", "ddp") if dp_shard == dp > 1 else ("fsdp",)
                     if train.global_batch_size % dp:
                         continue
                     per_rank = train.global_batch_size // dp

@@ -12,8 +12,10 @@
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
-                 virtual stage); only what exceeds the micro-batch's compute is exposed. Filling and draining the
-                 pipe waits for 2 (pp - 1) sends
+                 virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
+                 whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
+                 draining the pipe waits for 2 (pp - 1) sends. FSDP's copies in and out of its communication
+                 buffers are memory-bound work on the rank and never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
@@ -22,10 +24,12 @@
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
                  presets, where launches run ahead of the device; calibrated on a CPU)
+    per micro-batch, zero2: its fp32 gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
+                 backward) that hides it
     per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
-                 reduce-scatter (fp32) and the parameter all-gather after the update (zero2 hides its
-                 reduce-scatter behind the last micro-batch's backward, about 2/3 of its compute), and the AdamW
-                 update (memory bound: 30 bytes of HBM traffic per owned element, at the memory_bound efficiency)
+                 reduce-scatter (fp32), the zero modes' parameter all-gather after the update, ddp's fp32 all-reduce
+                 beyond the last backward that hides it, and the AdamW update (memory bound: 30 bytes of HBM
+                 traffic per owned element, at the memory_bound efficiency)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -174,7 +178,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     if dims.tp > 1:  # per layer: (all-gather + reduce-scatter) around attention and MLP, forward and backward
         tp_link = group_link(dims, ("tp",), cluster)
         passes = 2 * 2 + 2 * (attn_again + mlp_again)
-        tp_mb = layers * passes * ring_time(tp_link, act_bytes)
+        tp_mb = layers * passes / 2 * (ring_time(tp_link, act_bytes) + ring_time(tp_link, act_bytes, "reduce_scatter"))
     ep_mb = 0.0
     if dims.ep > 1:  # per MoE layer: dispatch + combine, forward, backward, and again when recomputed
         ep_link = group_link(dims, ("ep",), cluster)
@@ -182,7 +186,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         if p.ep_dispatch == "all_to_all":
             one = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
         else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
-            one = ring_time(ep_link, dims.ep * act_bytes / dims.tp)
+            gathered = dims.ep * act_bytes / dims.tp
+            one = (ring_time(ep_link, gathered) + ring_time(ep_link, gathered, "reduce_scatter")) / 2
         ep_mb = layers * exchanges * one
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:
@@ -191,40 +196,60 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         # micro-batch's compute and only the excess shows; filling and draining the pipe waits for each hop
         virtual_sends = 2 * (p.pp_virtual_stages if dims.pp > 1 else 1)
         one_send = send_time(group_link(dims, ("pp",), cluster), act_bytes / dims.tp)
-        pp_mb = max(0.0, virtual_sends * one_send - compute_mb)
+        pp_mb = max(0.0, virtual_sends * one_send - (compute_mb if cluster.comm_overlaps_compute else 0.0))
         pp_fill = 2 * (dims.pp - 1) * one_send
 
+    # what compute hides of a collective: the micro-batch's compute (the backward's 2/3 for gradient traffic)
+    # where the links move bytes beside it, nothing where the ranks' own cores must move them (`here`)
+    overlap = compute_mb if cluster.comm_overlaps_compute else 0.0
+    hidden_by_backward = 2 / 3 * overlap
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
-    fsdp_mb = step_sync = 0.0
+    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
     expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
-        # two all-gathers in the compute dtype and one fp32 reduce-scatter per micro-batch
-        fsdp_mb = (2 * width + 4) * (ring_time(shard_link, dense_stage) + ring_time(expert_link, expert_stage))
+        # per FSDP unit (each block, and the root: embedding, head, final norm) two all-gathers in the compute
+        # dtype and one fp32 reduce-scatter per micro-batch
+        def unit(dense: float, experts: float) -> float:
+            return (2 * ring_time(shard_link, width * dense) + ring_time(shard_link, 4 * dense, "reduce_scatter") +
+                    2 * ring_time(expert_link, width * experts) + ring_time(expert_link, 4 * experts, "reduce_scatter"))
+        block_dense = shape.block_tp_split / dims.tp + shape.block_replicated
+        fsdp_mb = layers * unit(block_dense, shape.block_experts / (dims.ep * dims.tp)) + unit(root, 0.0)
+        if dims.dp_shard > 1:  # and their copies, which no link hides: each all-gather copies the shard in and the
+            # whole unit out, the reduce-scatter copies the whole fp32 gradients in (a read and a write each)
+            gathered = dense_stage + expert_stage
+            owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
+            fsdp_copy_mb = (2 * 2 * width * (gathered + owned_now) + 2 * 4 * gathered) / hbm_eff
         if dims.dp_replicate > 1:
             rep_link = group_link(dims, ("dp_replicate",), cluster)
             step_sync = all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
+    elif p.shard_mode == "ddp":  # one fp32 all-reduce of the whole gradients per step, bucket by bucket as the
+        # last micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything
+        step_sync = max(0.0, all_reduce_time(dp_link, 4 * (dense_stage + expert_stage)) - hidden_by_backward)
+        owned = dense_stage + expert_stage
     else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
-        # parameters (compute dtype) after the update; zero2 starts each bucket's reduce-scatter as soon as the last
-        # micro-batch's backward has produced it, so that backward (about 2/3 of its compute) hides it
+        # parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
+        # backward as it is produced (optim/blocks.py), so that backward (about 2/3 of its compute) hides it
         dense_link = dp_link if p.ep_aware else expert_dp_link
-        reduce = 4 * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
-        gather = width * (ring_time(dense_link, dense_stage) + ring_time(expert_dp_link, expert_stage))
+        reduce = (ring_time(dense_link, 4 * dense_stage, "reduce_scatter") +
+                  ring_time(expert_dp_link, 4 * expert_stage, "reduce_scatter"))
+        gather = ring_time(dense_link, width * dense_stage) + ring_time(expert_dp_link, width * expert_stage)
         if p.shard_mode == "zero2":
-            reduce = max(0.0, reduce - 2 / 3 * compute_mb)
+            zero2_mb = max(0.0, reduce - hidden_by_backward)
+            reduce = 0.0
         step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
     optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
 
-    exposed_fsdp = max(0.0, fsdp_mb - compute_mb)
-    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp
+    exposed_fsdp = max(0.0, fsdp_mb - overlap) + fsdp_copy_mb
+    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
     pipeline = per_mb * micro_batches / (1 - bubble) + pp_fill
@@ -237,5 +262,6 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     parts = {"compute": (compute_mb - memory_mb - overhead_mb) * micro_batches, "memory_bound": memory_mb * micro_batches,
              "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
+             "zero2_exposed": zero2_mb * micro_batches,
              "bubble": (pipeline - pp_fill) * bubble + pp_fill, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)
