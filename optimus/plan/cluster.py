@@ -41,6 +41,9 @@ class Cluster:
     # whether collectives run beside compute: on accelerators copy engines and NICs move the bytes while the
     # device computes; on a CPU host whose cores all run ranks, gloo's transport needs those same cores
     comm_overlaps_compute: bool = True
+    # of a core, per rank, when every rank computes: cores / ranks where ranks outnumber cores (`here`), else 1;
+    # a rank that waits then gives its core to the others
+    core_share: float = 1.0
     # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
     # presets model theirs (optimus/plan/comms.py)
     measured_collectives: dict[str, dict[str, list]] | None = None

@@ -18,7 +18,9 @@
                  buffers are memory-bound work on the rank and never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
-                 a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved
+                 a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved;
+                 where ranks outnumber cores (`here`, core_share = cores / ranks < 1), the idle ranks' cores serve
+                 the busy ones, so the step is max(busy, busy x core_share / (1 - bubble fraction))
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
@@ -220,7 +222,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                     2 * ring_time(expert_link, width * experts) + ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense = shape.block_tp_split / dims.tp + shape.block_replicated
         fsdp_mb = layers * unit(block_dense, shape.block_experts / (dims.ep * dims.tp)) + unit(root, 0.0)
-        if dims.dp_shard > 1:  # and their copies, which no link hides: each all-gather copies the shard in and the
+        if dims.is_parallel:  # and their copies (the trainer applies FSDP at dp_shard = 1 too), which no link hides: each all-gather copies the shard in and the
             # whole unit out, the reduce-scatter copies the whole fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
             owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
@@ -252,7 +254,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
-    pipeline = per_mb * micro_batches / (1 - bubble) + pp_fill
+    busy = per_mb * micro_batches
+    # a rank idle in the bubble waits; where ranks outnumber cores (`here`), its core runs the other ranks meanwhile,
+    # so the step is the busy time unless the pipeline's critical path at a whole core per rank is longer
+    pipeline = max(busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
     step = pipeline + step_sync + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
@@ -263,5 +268,5 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
              "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "zero2_exposed": zero2_mb * micro_batches,
-             "bubble": (pipeline - pp_fill) * bubble + pp_fill, "dp_sync": step_sync, "optimizer": optimizer}
+             "bubble": pipeline - busy, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)
