@@ -5,12 +5,13 @@ ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or a
 size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
 none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2 / ddp (HSDP groups only under fsdp;
 ddp only where validation allows it: no tp, pp or ep), and pp_schedule 1f1b / gpipe /
-interleaved_1f1b (2 virtual stages) when pp > 1. Every candidate goes through the ONE validation function the
+interleaved_1f1b (2 virtual stages) when pp > 1, and ep_dispatch all_to_all / allgather when ep > 1. Every candidate goes through the ONE validation function the
 trainer uses, so the planner never proposes a layout the trainer rejects.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,8 @@ class Candidate:
                 "grad_accum": t.global_batch_size // (p.dp_replicate * p.dp_shard * t.micro_batch_size),
                 "activation_checkpointing": t.activation_checkpointing + (
                     f" ({'+'.join(t.recompute)})" if t.activation_checkpointing == "selective" else ""),
-                "shard_mode": p.shard_mode, "pp_schedule": p.pp_schedule if p.pp > 1 else "none",
+                "shard_mode": p.shard_mode, "ep_dispatch": p.ep_dispatch if p.ep > 1 else "none",
+                "pp_schedule": p.pp_schedule if p.pp > 1 else "none",
                 "pp_virtual_stages": p.pp_virtual_stages}
 
     def entry(self, cluster: Cluster, tokens: float | None) -> dict[str, Any]:
@@ -81,6 +83,8 @@ def _variants(config: Config, devices: int, cluster: Cluster):
         for pp in [q for q in _divisors(devices // tp) if q <= m.n_layers]:
             dp = devices // (tp * pp)
             for ep in [e for e in _divisors(dp) if e == 1 or (m.is_moe and m.n_experts % e == 0)]:
+                # how tokens reach their experts matters only with ep > 1: both ways then
+                dispatches = ("all_to_all", "allgather") if ep > 1 else (config.parallel.ep_dispatch,)
                 node_group = max(ep, cluster.devices_per_node // tp)
                 shards = {dp} | ({node_group} if dp % node_group == 0 and node_group % ep == 0 else set())
                 for dp_shard in sorted(shards):
@@ -92,11 +96,12 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                     per_rank = train.global_batch_size // dp
                     for mbs in [b for b in (1, 2, 4, 8, 16) if per_rank % b == 0]:
                         for ac in ("none", "selective", "full"):
-                            for mode in modes:
+                            for mode, dispatch in itertools.product(modes, dispatches):
                                 for sched, virtual in ((("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
                                                        if pp > 1 else (("1f1b", 1),)):
                                     yield dict(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
-                                               shard_mode=mode, pp_schedule=sched, pp_virtual_stages=virtual), \
+                                               shard_mode=mode, pp_schedule=sched, pp_virtual_stages=virtual,
+                                               ep_dispatch=dispatch), \
                                         dict(micro_batch_size=mbs, activation_checkpointing=ac)
 
 
