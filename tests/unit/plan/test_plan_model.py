@@ -53,6 +53,8 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=4", "--parallel.tp=2", "--train.activation_checkpointing=full"]),
     ("mula-tiny-dense.yaml", ["--parallel.dp_shard=2", "--parallel.pp=4", "--parallel.shard_mode=zero1",
                               "--train.activation_checkpointing=selective"]),
+    ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=2", "--parallel.shard_mode=zero2"]),
+    ("mula-tiny-dense.yaml", ["--parallel.dp_shard=8", "--parallel.shard_mode=ddp"]),
 ])
 def test_memory_model_agrees_with_the_dry_run(config, overrides):
     measured, predicted = run_forked(_memory_pair, str(CONFIGS / config), 8,

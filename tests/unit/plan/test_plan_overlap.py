@@ -1,0 +1,107 @@
+"""The planner's terms for a host whose ranks share its cores (`here`): timed collectives answered from their
+table, collectives that cannot hide behind compute, a pipeline bubble the idle ranks' cores absorb; and the layout
+knobs the search now varies (zero2, ddp, the expert dispatch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from optimus.config import load_config
+from optimus.parallel.mesh import ParallelDims
+from optimus.parallel.validate import validate_layout
+from optimus.plan.cluster import Cluster
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time
+from optimus.plan.memory import ModelShape
+from optimus.plan.step_time import step_time
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+MIB = 1024 * 1024
+
+
+def _host(**changes) -> Cluster:
+    base = Cluster(name="host", device="H100", devices_per_node=2, memory_gb=8, hbm_gb_s=10,
+                   intra_node_gb_s=1, intra_node_latency_us=200, inter_node_gb_s=2, inter_node_latency_us=200,
+                   node_power_kw=0.1, pue=1.0, grid_kgco2_per_kwh=0.0)
+    return replace(base, **changes)
+
+
+TABLE = {  # seconds for 2 ranks at 1 MiB and 64 MiB: reduce-scatter twice all-gather's, as gloo's was
+    "all_gather": {"2": [[MIB, 0.001], [64 * MIB, 0.100]]},
+    "reduce_scatter": {"2": [[MIB, 0.002], [64 * MIB, 0.200]]},
+    "all_reduce": {"2": [[MIB, 0.0015], [64 * MIB, 0.120]]},
+    "all_to_all": {"2": [[MIB, 0.0008], [64 * MIB, 0.090]]},
+}
+
+
+def test_a_timed_table_answers_on_node_collectives_exactly_and_in_log_log_between():
+    link = group_link(ParallelDims(dp_shard=2, world_size=2), ("dp_shard_mod_ep", "ep"), _host(measured_collectives=TABLE))
+    assert ring_time(link, 64 * MIB) == pytest.approx(0.100)
+    assert ring_time(link, 64 * MIB, "reduce_scatter") == pytest.approx(0.200)
+    assert all_reduce_time(link, MIB) == pytest.approx(0.0015)
+    assert all_to_all_time(link, 64 * MIB) == pytest.approx(0.090)
+    middle = ring_time(link, 8 * MIB)  # log-log: 8 MiB is half way (in logs) from 1 to 64 MiB
+    assert middle == pytest.approx(math.exp((math.log(0.001) + math.log(0.100)) / 2))
+    assert ring_time(link, 128 * MIB) == pytest.approx(0.200)  # past the largest: proportional to bytes
+    assert ring_time(link, 1024) == pytest.approx(0.001)  # below the smallest: its time
+    # the alpha-beta model where there is no table
+    plain = group_link(ParallelDims(dp_shard=2, world_size=2), ("dp_shard_mod_ep", "ep"), _host())
+    assert ring_time(plain, 64 * MIB) == pytest.approx(200e-6 + 0.5 * 64 * MIB / 1e9)
+
+
+def _step(overrides: list[str], ranks: int, cluster: Cluster):
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.seq_len=128",
+                                                              "--train.global_batch_size=8", *overrides])
+    layout = validate_layout(config, ranks)
+    return step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, None,
+                     layout.batch.micro_batches)
+
+
+def test_fsdp_collectives_hide_behind_compute_only_where_links_move_the_bytes():
+    fsdp = ["--parallel.dp_shard=2"]
+    slow_compute = dict(measured_peak_flops={"fp32": 1e9, "bf16": 1e9})  # compute far longer than the collectives
+    overlapped = _step(fsdp, 2, _host(**slow_compute))
+    on_the_cores = _step(fsdp, 2, _host(**slow_compute, comm_overlaps_compute=False))
+    copies = overlapped.parts["fsdp_exposed"]  # what remains hidden-or-not: the buffer copies, never hidden
+    assert copies > 0
+    assert on_the_cores.parts["fsdp_exposed"] > copies + 0.01
+    assert on_the_cores.step_s - overlapped.step_s == pytest.approx(on_the_cores.parts["fsdp_exposed"] - copies)
+
+
+def test_ranks_that_outnumber_the_cores_absorb_the_pipeline_bubble():
+    pp = ["--parallel.pp=2", "--train.micro_batch_size=2"]  # 4 micro-batches, 2 stages: a bubble of 1/5
+    whole_cores = _step(pp, 2, _host())
+    shared = _step(pp, 2, _host(core_share=0.5))
+    busy = whole_cores.step_s - whole_cores.parts["bubble"] - whole_cores.parts["dp_sync"] - whole_cores.parts["optimizer"]
+    assert whole_cores.parts["bubble"] > 0.2 * busy
+    # at half a core per rank the critical path (busy x 0.5 / (1 - 1/5)) is shorter than the busy time: no idle
+    # micro-batch slots left, only the sends that fill the pipe
+    assert shared.parts["bubble"] < 0.02 * whole_cores.parts["bubble"]
+
+
+def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
+    host = _host(comm_overlaps_compute=False)
+    two = ["--parallel.dp_shard=2", "--train.micro_batch_size=2"]  # 2 micro-batches per rank
+    zero1 = _step([*two, "--parallel.shard_mode=zero1"], 2, host)
+    zero2 = _step([*two, "--parallel.shard_mode=zero2"], 2, host)
+    ddp = _step([*two, "--parallel.shard_mode=ddp"], 2, host)
+    # zero1: one fp32 reduce-scatter + one all-gather per step; zero2: the reduce-scatter in each micro-batch
+    assert zero2.parts["zero2_exposed"] > 0 and zero2.parts["dp_sync"] < zero1.parts["dp_sync"]
+    assert zero2.parts["zero2_exposed"] + zero2.parts["dp_sync"] > zero1.parts["dp_sync"]
+    assert ddp.parts["dp_sync"] > 0 and ddp.parts["zero2_exposed"] == 0
+
+
+def test_the_search_varies_shard_mode_and_expert_dispatch():
+    from optimus.plan.search import plan
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.seq_len=128",
+                                                            "--train.global_batch_size=8"])
+    layouts = [c.layout() for c in plan(config, _host(devices_per_node=4, memory_gb=64), 4)]
+    assert {"fsdp", "zero1", "zero2", "ddp"} <= {lay["shard_mode"] for lay in layouts}
+    with_ep = [lay for lay in layouts if lay["ep"] > 1]
+    assert {"all_to_all", "allgather"} == {lay["ep_dispatch"] for lay in with_ep}
+    assert all(lay["ep_dispatch"] == "none" for lay in layouts if lay["ep"] == 1)
+    assert all(lay["tp"] == lay["pp"] == lay["ep"] == 1 for lay in layouts if lay["shard_mode"] == "ddp")
