@@ -11,8 +11,9 @@ those shapes we print what the rank holds:
     FSDP transient    weights gathered for two blocks (the running one + the prefetched one)
                       and one block's unreduced gradients, plus the root unit (embedding, final
                       norm, LM head), which stays gathered for the whole step
-    activations       see activation_bytes(): per micro-batch, times the micro-batches a
-                      pipeline schedule keeps in flight
+    activations       see activation_split(): what each micro-batch keeps, times the micro-batches
+                      a pipeline schedule keeps in flight, plus once what only the micro-batch in
+                      its backward needs (the recomputed block, the LM head's weight gradient)
 
 The activation figure is an estimate (documented formula below, within ~10% of what autograd
 really keeps for these blocks); allocator fragmentation and communication buffers come on top,
@@ -90,7 +91,20 @@ def _gathered_numel(param: torch.Tensor) -> int:
 
 
 def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool) -> float:
-    """Activation bytes one rank keeps for one micro-batch (estimate; formula below).
+    """Activation bytes one rank keeps for one micro-batch alone: activation_split's two parts."""
+    return sum(activation_split(config, dims, layers, has_loss_head))
+
+
+def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: int) -> float:
+    """Activation bytes of a rank holding `in_flight` micro-batches: each keeps its saved tensors, but only one is
+    in its backward at a time, so the recompute working set and the loss head's weight gradient exist once."""
+    kept, once = activation_split(config, dims, layers, has_loss_head)
+    return in_flight * kept + once
+
+
+def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool) -> tuple[float, float]:
+    """(bytes each micro-batch in flight keeps, bytes a rank needs once whatever its micro-batches in flight:
+    the block being recomputed, the LM head's fp32 weight-gradient rows) (estimate; formula below).
 
     Bytes saved for backward per token and layer, with w = activation width (2 for bf16, 4 for
     fp32), h = d_model, kv = KV width, f = ffn width, k = top_k, fe = expert width, E = experts,
@@ -142,19 +156,21 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
         mlp_selective = gathered + 2 * w * m.ffn_hidden / t
     block_input = w * h / t
     mode = config.train.activation_checkpointing
+    working = 0.0  # per token: the block (or sub-module) being recomputed, one at a time on the rank
     if mode == "full":
-        per_token = layers * block_input + attn_full + mlp_full
+        per_token, working = layers * block_input, attn_full + mlp_full
     elif mode == "selective":
-        kept, recomputing = _selective_layer(config, dims, attn_full, mlp_full)
-        per_token = layers * kept + recomputing
+        kept, working = _selective_layer(config, dims, attn_full, mlp_full)
+        per_token = layers * kept
     elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
-    total = (per_token + block_input) * tokens
+    kept_bytes, once = (per_token + block_input) * tokens, working * tokens
     if has_loss_head:
-        total += tokens * h * w + m.vocab_size * h * 4 / t
-    return total
+        kept_bytes += tokens * h * w
+        once += m.vocab_size * h * 4 / t
+    return kept_bytes, once
 
 
 def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_full: float) -> tuple[float, float]:
@@ -223,7 +239,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         # one process has no FSDP: nothing is gathered
         "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
-        "activations (as configured)": in_flight * activation_bytes(config, dims, layers, has_head),
+        "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }
     if getattr(model, "zero_plan", None) is not None:
         memory.bytes = {**_zero_bytes(model, config, dims), **{

@@ -11,7 +11,8 @@ the unsplit model (ModelShape) and the layout's degrees:
                   moments for the owned share: non-expert over dp (EP-aware) or expert_dp, experts over expert_dp;
                   zero1 also holds the whole gradients until the step, zero2 only about two buckets in flight
     ddp           whole fp32 parameters, gradients, moments, and DDP's fp32 gradient buckets
-    activations   dry_run.activation_bytes (the same formula) times the micro-batches the schedule keeps in flight
+    activations   dry_run.rank_activation_bytes (the same formula): what each micro-batch the schedule keeps in
+                  flight saves, plus once the block being recomputed and the LM head's weight gradient
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from optimus.config import Config
 from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
-from optimus.parallel.dry_run import activation_bytes, micro_batches_in_flight
+from optimus.parallel.dry_run import micro_batches_in_flight, rank_activation_bytes
 from optimus.parallel.mesh import ParallelDims
 
 
@@ -103,7 +104,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
     in_flight = micro_batches_in_flight(act_config, dims, stage)
-    held["activations"] = in_flight * activation_bytes(act_config, dims, layers, has_loss_head=last)
+    held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight)
     return held
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from optimus.config import build_config
-from optimus.parallel.dry_run import activation_bytes, dry_run, format_report
+from optimus.parallel.dry_run import activation_bytes, activation_split, dry_run, format_report, rank_activation_bytes
 from optimus.parallel.mesh import ParallelDims
 from tests.helpers import in_forked_process
 
@@ -89,6 +89,21 @@ def test_dry_run_lists_every_checkpointing_mode():
     assert list(report.ranks[0].activations_per_micro_batch) == ["none", "selective attention+moe", "selective_ops", "full"]
     table = format_report(report)
     assert "ckpt selective attention+moe" in table and "activation checkpointing selective (attention+moe)" in table
+
+
+def test_micro_batches_in_flight_keep_their_saved_tensors_but_one_recompute_working_set():
+    """Under recompute only the micro-batch in its backward rebuilds a block: a first pipeline stage with 128
+    micro-batches in flight holds 128 block inputs, not 128 recomputed blocks (Frontier's 1T layout read 143 GiB
+    per GCD when it did; the Frontier team ran it on 64 GB GCDs)."""
+    for mode in ("full", "selective", "none"):
+        config = build_config({"model": {"preset": "mula-1b"}, "train": {**TRAIN, "activation_checkpointing": mode}})
+        dims = ParallelDims(pp=4, dp_shard=2, world_size=8)
+        kept, once = activation_split(config, dims, 4, has_loss_head=False)
+        assert activation_bytes(config, dims, 4, False) == kept + once
+        assert rank_activation_bytes(config, dims, 4, False, in_flight=8) == 8 * kept + once
+        assert (once > 0) == (mode != "none")
+    kept, once = activation_split(config, dims, 4, has_loss_head=True)  # the LM head's fp32 weight gradient: once
+    assert once == config.model.vocab_size * config.model.d_model * 4
 
 
 def test_tensor_parallel_splits_activations():
