@@ -54,6 +54,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from optimus.optim.blocks import Slot, join_from_ranks, local_tensor, owned_block, shard_dim, split_for_ranks
 from optimus.optim.config import OptimConfig
+from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -315,7 +316,7 @@ class ShardedOptimizer:
             self._accumulate(bucket, packed.view(-1))
             return
         out = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
-        work = dist.reduce_scatter_tensor(out, packed.view(-1), group=group.mesh.get_group(), async_op=True)
+        work = reduce_scatter_single(out, packed.view(-1), group=group.mesh.get_group(), async_op=True)
         bucket.pending.append((work, packed, out))
         self._in_flight.append(bucket)
         # two buckets in flight: the next one travels while this one is packed, and no more fp32 copies of
@@ -365,7 +366,7 @@ class ShardedOptimizer:
         if size == 1:
             return None, mine.view(1, -1), mine
         gathered = torch.empty(size, bucket.segment, dtype=dtype, device=self._device)
-        work = dist.all_gather_into_tensor(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
+        work = all_gather_single(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
         return work, gathered, mine  # `mine` stays referenced until the gather completes
 
     def _finish_gather(self, bucket: _Bucket, work, gathered: torch.Tensor, mine: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from optimus import ops
 from optimus.models.moe import GroupedExperts, MoE
+from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 
 EP_DISPATCH_STYLES = ("all_to_all", "allgather")
 
@@ -60,13 +61,13 @@ class _AllGatherRows(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         out = rows.new_empty((dist.get_world_size(group) * rows.shape[0],) + tuple(rows.shape[1:]))
-        dist.all_gather_into_tensor(out, rows.contiguous(), group=group)
+        all_gather_single(out, rows.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group),) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 
@@ -77,13 +78,13 @@ class _ReduceScatterRows(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         out = rows.new_empty((rows.shape[0] // dist.get_world_size(group),) + tuple(rows.shape[1:]))
-        dist.reduce_scatter_tensor(out, rows.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(out, rows.contiguous(), op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0],) + tuple(grad.shape[1:]))
-        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
+        all_gather_single(out, grad.contiguous(), group=ctx.group)
         return out, None
 
 
@@ -181,7 +182,7 @@ class ExpertParallelExperts(nn.Module):
         group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
         rank = self.ep_mesh.get_local_rank()
         all_counts = counts.new_empty(P * counts.numel())
-        dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=group)
+        all_gather_single(all_counts, counts.contiguous(), group=group)
         # the one host read of this dispatch (a device sync on GPUs): it sizes the gathered buffer
         all_counts = all_counts.view(P, -1)
         host = all_counts.tolist()  # [P][E]

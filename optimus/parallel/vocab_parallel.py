@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optimus.ops.cross_entropy import IGNORE_INDEX, _compute_dtype
+from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.group_autograd import sum_grad_over_group
 
 # Tokens per chunk of the loss: two [chunk_rows, V/tp] buffers per rank (as ops.cross_entropy's 512).
@@ -51,7 +52,7 @@ def vocab_split(vocab_size: int, tp: int) -> list[int]:
 def _all_gather_stacked(x: torch.Tensor, size: int, group) -> torch.Tensor:
     """[size, *x.shape]: every rank's x, in rank order."""
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # gloo wants the dim-0 concatenation
+    all_gather_single(out, x.contiguous(), group=group)  # gloo wants the dim-0 concatenation
     return out.view(size, *x.shape)
 
 
@@ -72,7 +73,7 @@ class _GatherSequence(torch.autograd.Function):
         batch, seq = grad.shape[0], grad.shape[1]
         parts = grad.reshape(batch, tp, seq // tp, *grad.shape[2:]).movedim(1, 0).contiguous()
         out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=ctx.group)
+        reduce_scatter_single(out, parts.flatten(0, 1), group=ctx.group)
         return out, None
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.config import Config
+from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.efficiency import Efficiency
 
@@ -42,11 +43,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     """(runs on each forked rank) median seconds of each collective and size, the slowest rank's."""
-    import warnings
-
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor names are deprecated aliases in 2.13
     rows = []
     for op in COLLECTIVES:
         for nbytes in sizes:
@@ -54,8 +52,8 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
             full, part = torch.ones(n), torch.ones(n // world)
             run: Callable[[], None] = {
                 "all_reduce": lambda: dist.all_reduce(full),
-                "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                "all_gather": lambda: all_gather_single(full, part),
+                "reduce_scatter": lambda: reduce_scatter_single(part, full),
                 "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
             }[op]
             run()

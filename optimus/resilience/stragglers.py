@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from optimus.parallel.collectives import all_gather_single
+
 
 @dataclass
 class Straggler:
@@ -70,5 +72,5 @@ class StragglerMonitor:
         mine = torch.tensor([sum(self._times) / len(self._times)], dtype=torch.float32, device=self.device)
         self._times.clear()
         gathered = torch.empty(self.world_size, dtype=torch.float32, device=self.device)
-        dist.all_gather_into_tensor(gathered, mine)
+        all_gather_single(gathered, mine)
         return find_stragglers(gathered.tolist(), self.hosts, self.factor)

@@ -107,8 +107,8 @@ def _gradients_held_after_backward(rank: int, world: int) -> dict:
     then the gradient bytes each optimizer holds (whole gradients, shards, buffers in flight) and the
     reduce-scatters issued during the backwards."""
     import torch
-    import torch.distributed as dist
 
+    from optimus.optim import sharded
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
@@ -118,13 +118,13 @@ def _gradients_held_after_backward(rank: int, world: int) -> dict:
     dims = ParallelDims(dp_shard=2, world_size=world)
     mesh = dims.build_mesh("cpu")
     scatters = [0]
-    original = dist.reduce_scatter_tensor
+    original = sharded.reduce_scatter_single
 
     def counting(*args, **kwargs):
         scatters[0] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_tensor = counting
+    sharded.reduce_scatter_single = counting  # the name optim/sharded.py calls
     out = {}
     for mode in ("zero1", "zero2"):
         config = tiny_config(parallel=dict(dp_shard=2, shard_mode=mode))
