@@ -14,8 +14,10 @@
                  gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
                  virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
-                 draining the pipe waits for 2 (pp - 1) sends. FSDP's copies in and out of its communication
-                 buffers are memory-bound work on the rank and never hidden
+                 draining the pipe waits for 2 (pp - 1) sends
+    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch), the zero modes' packing
+                 of gradients into fp32 buffers (per reduction) and unpacking of the gathered parameters (per
+                 step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved;
@@ -209,7 +211,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
-    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = 0.0
+    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = zero_copy_step = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
     expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
@@ -242,23 +244,34 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         reduce = (ring_time(dense_link, 4 * dense_stage, "reduce_scatter") +
                   ring_time(expert_dp_link, 4 * expert_stage, "reduce_scatter"))
         gather = ring_time(dense_link, width * dense_stage) + ring_time(expert_dp_link, width * expert_stage)
+        # and their buffers, which no link hides (optim/sharded.py): each reduction zero-fills an fp32 buffer and
+        # packs the gradients into it through an fp32 per-rank split (fill 4 B, read the gradient, write 4 B, and
+        # the split's copy 8 B per element); after the update each rank's blocks are gathered back into the whole
+        # parameters (read and write them twice: the re-join and the copy)
+        local_elements = dense_stage + expert_stage
+        pack = (16 + width) * local_elements / hbm_eff
+        unpack = 4 * width * local_elements / hbm_eff
         if p.shard_mode == "zero2":
             zero2_mb = max(0.0, reduce - hidden_by_backward)
+            zero_copy_mb, zero_copy_step = pack, unpack
             reduce = 0.0
+        else:
+            zero_copy_step = pack + unpack
         step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
     optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
 
-    exposed_fsdp = max(0.0, fsdp_mb - overlap) + fsdp_copy_mb
-    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb
+    exposed_fsdp = max(0.0, fsdp_mb - overlap)
+    copies_mb = fsdp_copy_mb + zero_copy_mb
+    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb + copies_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
     busy = per_mb * micro_batches
     # a rank idle in the bubble waits; where ranks outnumber cores (`here`), its core runs the other ranks meanwhile,
     # so the step is the busy time unless the pipeline's critical path at a whole core per rank is longer
     pipeline = max(busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
-    step = pipeline + step_sync + optimizer
+    step = pipeline + step_sync + zero_copy_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
@@ -268,5 +281,6 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
              "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "zero2_exposed": zero2_mb * micro_batches,
+             "buffer_copies": copies_mb * micro_batches + zero_copy_step,
              "bubble": pipeline - busy, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)
