@@ -37,11 +37,13 @@ def _check(rows, names):
 def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path):
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"
-    assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", f"--model={SMALL_MODEL}",
+    assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", "--repeats", "2", f"--model={SMALL_MODEL}",
                         "--cache", str(machine_cache), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["machine"]["machine"] and report["steps"] == 2
+    assert report["machine"]["machine"] and report["steps"] == 2 and report["repeats"] == 2
     _check(report["rows"], ["dense-1"])
+    row = report["rows"][0]  # the fastest of the two runs counts
+    assert len(row["run_medians_s"]) == 2 and row["measured_step_s"] == min(row["run_medians_s"])
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
@@ -55,5 +57,6 @@ def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
 def test_full_table(load_benchmark, machine_cache, tmp_path):
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"
-    assert script.main(["--steps", "2", "--warmup", "1", "--cache", str(machine_cache), "--json", str(out)]) == 0
+    assert script.main(["--steps", "2", "--warmup", "1", "--repeats", "1", "--cache", str(machine_cache),
+                        "--json", str(out)]) == 0
     _check(json.loads(out.read_text())["rows"], list(script.LAYOUTS))
