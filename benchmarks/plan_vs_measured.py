@@ -10,7 +10,7 @@ torchrun gives them), for warm-up + measured steps, reads each step's time from 
 the fastest of those medians (on a shared machine a run slowed by other work says nothing about the layout: the
 same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
-when there is none), and each rank's memory with the planner's peak_memory.
+when there is none), and each rank's memory with the planner's stage_memory of the first and last stage.
 
 Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
 the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
@@ -62,11 +62,12 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
 
 
-def host_extras(config) -> float:
+def host_extras(config, has_loss_head: bool = True) -> float:
     """Host bytes a CPU training step holds beyond the planner's device-memory terms: the chunked loss head's two
-    [512, V] fp32 buffers (optimus/ops/cross_entropy.py) and the data pipeline's input and label batch."""
+    [512, V] fp32 buffers (optimus/ops/cross_entropy.py; only where the LM head is: the last pipeline stage) and
+    the data pipeline's input and label batch."""
     m, t = config.model, config.train
-    return 2 * 512 * m.vocab_size * 4 + 2 * 8 * t.global_batch_size * t.seq_len
+    return (2 * 512 * m.vocab_size * 4 if has_loss_head else 0) + 2 * 8 * t.global_batch_size * t.seq_len
 
 
 def _rss() -> tuple[int, int]:
@@ -107,7 +108,7 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes
     from optimus.plan.here import here_cluster, machine
-    from optimus.plan.memory import ModelShape, peak_memory
+    from optimus.plan.memory import ModelShape, stage_memory
     from optimus.plan.step_time import step_time
 
     entry = machine(cache_file, cpu_cache)
@@ -120,8 +121,11 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
     cluster = here_cluster(entry, ranks)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
-    memory = peak_memory(layout.config, layout.dims, shape)
-    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": host_extras(layout.config),
+    # the largest rank, each pipeline stage with the host buffers it has (the loss head's on the last only)
+    last = layout.dims.pp - 1
+    memory, extras = max(((sum(stage_memory(layout.config, layout.dims, shape, s).values()),
+                           host_extras(layout.config, has_loss_head=s == last)) for s in {0, last}), key=sum)
+    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": extras,
             "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
             "share": entry["machine"].get("share")}
 
