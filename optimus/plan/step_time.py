@@ -22,7 +22,8 @@
     bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
                  a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved;
                  where ranks outnumber cores (`here`, core_share = cores / ranks < 1), the idle ranks' cores serve
-                 the busy ones, so the step is max(busy, busy x core_share / (1 - bubble fraction))
+                 the busy ones (work-conserving), so the step is max(the stages' average busy time, the last
+                 stage's busy x core_share / (1 - bubble fraction))
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
@@ -91,6 +92,11 @@ def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
         "experts": 6.0 * layers * active_experts,
         "attention": 12.0 * layers * m.d_model * seq,
     }
+
+
+def _first_stage_flops(by_class: dict[str, float], shape: ModelShape, layers: int) -> float:
+    """FLOPs per token of a pipeline stage without the LM head (its blocks only; the embedding is a lookup)."""
+    return sum(v * layers / shape.n_layers for c, v in by_class.items() if c != "head")
 
 
 def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, float]:
@@ -268,9 +274,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     bubble = bubble_fraction(dims.pp, micro_batches, virtual)
     busy = per_mb * micro_batches
-    # a rank idle in the bubble waits; where ranks outnumber cores (`here`), its core runs the other ranks meanwhile,
-    # so the step is the busy time unless the pipeline's critical path at a whole core per rank is longer
-    pipeline = max(busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
+    # a rank idle in the bubble waits. Where ranks outnumber cores (`here`, core_share < 1) its core runs the other
+    # ranks meanwhile (work-conserving): the step is the larger of the pipeline's critical path at a whole core per
+    # rank and the stages' average busy time (all ranks' core-seconds over the cores); the other stages hold no LM
+    # head, so their compute is the last stage's scaled by their FLOPs. With a core per rank this is the textbook
+    # busy / (1 - bubble).
+    other_stage = busy - compute_mb * micro_batches * (1 - _first_stage_flops(by_class, shape, layers) /
+                                                       sum(by_class[c] * share[c] for c in by_class))
+    average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
+    pipeline = max(average_busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
     step = pipeline + step_sync + zero_copy_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
