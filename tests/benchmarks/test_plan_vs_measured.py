@@ -37,13 +37,22 @@ def _check(rows, names):
 def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path):
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"
-    assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", "--repeats", "2", f"--model={SMALL_MODEL}",
+    assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", "--repeats", "1", f"--model={SMALL_MODEL}",
                         "--cache", str(machine_cache), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["machine"]["machine"] and report["steps"] == 2 and report["repeats"] == 2
+    assert report["machine"]["machine"] and report["steps"] == 2 and report["repeats"] == 1
     _check(report["rows"], ["dense-1"])
-    row = report["rows"][0]  # the fastest of the two runs counts
-    assert len(row["run_medians_s"]) == 2 and row["measured_step_s"] == min(row["run_medians_s"])
+
+
+def test_the_fastest_repeat_counts(load_benchmark, machine_cache, monkeypatch):
+    """With --repeats the run whose median step is smallest gives the row (step times and memory together)."""
+    script = load_benchmark("plan_vs_measured")
+    runs = iter([([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0), ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 200}], 5.0)])
+    monkeypatch.setattr(script, "_train_once", lambda *args: next(runs))
+    row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
+                            repeats=2)
+    assert row["run_medians_s"] == [2.5, 1.2] and row["measured_step_s"] == 1.2
+    assert row["measured_memory_bytes"] == 200 and row["wall_s"] == 5.0
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
