@@ -230,8 +230,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                     2 * ring_time(expert_link, width * experts) + ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense = shape.block_tp_split / dims.tp + shape.block_replicated
         fsdp_mb = layers * unit(block_dense, shape.block_experts / (dims.ep * dims.tp)) + unit(root, 0.0)
-        if dims.is_parallel:  # and their copies (the trainer applies FSDP at dp_shard = 1 too), which no link hides: each all-gather copies the shard in and the
-            # whole unit out, the reduce-scatter copies the whole fp32 gradients in (a read and a write each)
+        if dims.is_parallel:  # and their copies, which no link hides (the trainer applies FSDP at dp_shard = 1
+            # too): each all-gather copies the shard in and the whole unit out, the reduce-scatter copies the whole
+            # fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
             owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
             fsdp_copy_mb = (2 * 2 * width * (gathered + owned_now) + 2 * 4 * gathered) / hbm_eff
@@ -254,7 +255,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         # packs the gradients into it through an fp32 per-rank split (fill 4 B, read the gradient, write 4 B, and
         # the split's copy 8 B per element); after the update each rank's blocks are gathered back into the whole
         # parameters (read and write them twice: the re-join and the copy)
-        local_elements = dense_stage + expert_stage
+        local_elements = (dense_stage + expert_stage) if dims.is_parallel else 0.0  # one process: a plain optimizer
         pack = (16 + width) * local_elements / hbm_eff
         unpack = 4 * width * local_elements / hbm_eff
         if p.shard_mode == "zero2":
