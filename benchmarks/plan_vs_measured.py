@@ -151,7 +151,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     runs = [_train_once(config_path, ranks, overrides, warmup) for _ in range(max(1, repeats))]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
     measured, ranks_out, wall = runs[fastest]
-    predicted = predict(config_path, ranks, [*overrides, "--run.dir=unused"], cache_file, cpu_cache, calibrate)
+    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
     step = statistics.median(measured)
     memory = max(r["growth"] for r in ranks_out)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]

@@ -251,13 +251,24 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     return memory
 
 
+def zero_gradient_bytes(mode: str, local: float, owned: float, width: int) -> float:
+    """Gradient bytes a zero1/zero2 rank holds (optim/sharded.py): zero1 keeps the whole gradients in the compute
+    dtype until the step plus the reduced fp32 shard; zero2 the fp32 shard plus what is in flight during a
+    backward (about two buckets' fp32 reduce-scatter input and the whole gradients filling the next)."""
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
+
+    if mode == "zero1":
+        return width * local + 4.0 * owned
+    return 4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)
+
+
 def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, float]:
     """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
     dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
     backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
     fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
     from optimus.optim.blocks import owned_numel
-    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
+    from optimus.optim.sharded import expert_parameters
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
@@ -267,9 +278,8 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     mode = config.parallel.shard_mode
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
-        **({"gradients (whole + fp32 shard, zero1)": width * local + 4.0 * owned} if mode == "zero1" else
-           {"gradients (fp32 shard + buckets in flight, zero2)":
-            4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)}),
+        ("gradients (whole + fp32 shard, zero1)" if mode == "zero1" else
+         "gradients (fp32 shard + buckets in flight, zero2)"): zero_gradient_bytes(mode, local, owned, width),
         f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
     }
 

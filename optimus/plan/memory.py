@@ -23,8 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus.config import Config
-from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
-from optimus.parallel.dry_run import micro_batches_in_flight, rank_activation_bytes
+from optimus.parallel.dry_run import micro_batches_in_flight, rank_activation_bytes, zero_gradient_bytes
 from optimus.parallel.mesh import ParallelDims
 
 
@@ -95,11 +94,9 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         owned = dense / (dims.dp if config.parallel.ep_aware else expert_dp) + experts / expert_dp
         local = dense + experts
         master = 4 * owned if width == 2 else 0.0
-        if config.parallel.shard_mode == "zero1":  # whole gradients until the step, then the reduced fp32 shard
-            gradients = width * local + 4 * owned
-        else:  # zero2: the fp32 shard, plus about two buckets' gradients and reduce-scatter input in flight
-            gradients = 4 * owned + (4 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)
-        held = {"parameters": width * local, "gradients": gradients, "optimizer": master + 8 * owned}
+        held = {"parameters": width * local,
+                "gradients": zero_gradient_bytes(config.parallel.shard_mode, local, owned, width),
+                "optimizer": master + 8 * owned}
     act_config = config
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})

@@ -17,7 +17,8 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
                  tokens: float | None) -> str:
     """The `top` best layouts as plain text, one per line, with the energy columns when a token budget is given."""
     head = (f"{'#':>3} {'dp_r':>5} {'dp_s':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'mbs':>4} {'acc':>4} "
-            f"{'ckpt':<26} {'shard':<6} {'disp':<4} {'sched':<17} {'GiB':>6} {'fits':>4} {'step s':>8} {'tok/s':>11} {'MFU':>6}")
+            f"{'ckpt':<26} {'shard':<6} {'disp':<4} {'sched':<17} {'GiB':>6} {'fits':>4} {'step s':>8} {'tok/s':>11} "
+            f"{'MFU':>6}")
     if tokens:
         head += f" {'days':>7} {'MWh':>8} {'tCO2e':>7}"
     lines = [f"{len(candidates)} valid layouts of {devices} {cluster.name} devices "
@@ -28,7 +29,8 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
         sched = lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else "")
         line = (f"{rank:>3} {lay['dp_replicate']:>5} {lay['dp_shard']:>5} {lay['tp']:>3} {lay['pp']:>3} {lay['ep']:>3} "
                 f"{lay['micro_batch_size']:>4} {lay['grad_accum']:>4} {lay['activation_checkpointing']:<26.26} "
-                f"{lay['shard_mode']:<6} {DISPATCH_LABEL[lay['ep_dispatch']]:<4} {sched:<17} {c.memory_bytes / 1024**3:>6.1f} {'yes' if c.fits else 'NO':>4} "
+                f"{lay['shard_mode']:<6} {DISPATCH_LABEL[lay['ep_dispatch']]:<4} {sched:<17} "
+                f"{c.memory_bytes / 1024**3:>6.1f} {'yes' if c.fits else 'NO':>4} "
                 f"{c.step_s:>8.3f} {c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}")
         if tokens:
             cost = c.entry(cluster, tokens)

@@ -4,9 +4,9 @@ Candidates: every tp (dividing the heads, at most one node), pp (dividing the la
 ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or as HSDP groups of a node's
 size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
 none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2 / ddp (HSDP groups only under fsdp;
-ddp only where validation allows it: no tp, pp or ep), and pp_schedule 1f1b / gpipe /
-interleaved_1f1b (2 virtual stages) when pp > 1, and ep_dispatch all_to_all / allgather when ep > 1. Every candidate goes through the ONE validation function the
-trainer uses, so the planner never proposes a layout the trainer rejects.
+ddp only where validation allows it: no tp, pp or ep), pp_schedule 1f1b / gpipe / interleaved_1f1b (2 virtual
+stages) when pp > 1, and ep_dispatch all_to_all / allgather when ep > 1. Every candidate goes through the ONE
+validation function the trainer uses, so the planner never proposes a layout the trainer rejects.
 """
 
 from __future__ import annotations
