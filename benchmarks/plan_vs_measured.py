@@ -15,9 +15,9 @@ when there is none), and each rank's memory with the planner's stage_memory of t
 Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
 the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
 largest rank's. It therefore includes everything the training allocates on the host: what the planner counts
-(parameters, gradients, optimizer state, activations, FSDP transients), plus the data pipeline's token
-buffers and the CPU loss head's two [512, vocab] fp32 chunk buffers, which the comparison adds to the
-prediction (HOST_EXTRAS below), and what glibc keeps of freed memory, which it does not.
+(parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP transients),
+plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras below), and
+what glibc keeps of freed memory, which it does not.
 """
 
 from __future__ import annotations
@@ -62,12 +62,10 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
 
 
-def host_extras(config, has_loss_head: bool = True) -> float:
-    """Host bytes a CPU training step holds beyond the planner's device-memory terms: the chunked loss head's two
-    [512, V] fp32 buffers (optimus/ops/cross_entropy.py; only where the LM head is: the last pipeline stage) and
-    the data pipeline's input and label batch."""
-    m, t = config.model, config.train
-    return (2 * 512 * m.vocab_size * 4 if has_loss_head else 0) + 2 * 8 * t.global_batch_size * t.seq_len
+def host_extras(config) -> float:
+    """Host bytes a training step holds beyond the planner's terms: the data pipeline's input and label batch."""
+    t = config.train
+    return 2 * 8 * t.global_batch_size * t.seq_len
 
 
 def _rss() -> tuple[int, int]:
@@ -121,10 +119,10 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
     cluster = here_cluster(entry, ranks)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
-    # the largest rank, each pipeline stage with the host buffers it has (the loss head's on the last only)
-    last = layout.dims.pp - 1
-    memory, extras = max(((sum(stage_memory(layout.config, layout.dims, shape, s).values()),
-                           host_extras(layout.config, has_loss_head=s == last)) for s in {0, last}), key=sum)
+    # the largest rank of the first and last pipeline stage, its loss head as the CPU runs it
+    memory = max(sum(stage_memory(layout.config, layout.dims, shape, s, loss_on_cpu=True).values())
+                 for s in {0, layout.dims.pp - 1})
+    extras = host_extras(layout.config)
     return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": extras,
             "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
             "share": entry["machine"].get("share")}

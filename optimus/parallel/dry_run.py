@@ -13,7 +13,8 @@ those shapes we print what the rank holds:
                       norm, LM head), which stays gathered for the whole step
     activations       see activation_split(): what each micro-batch keeps, times the micro-batches
                       a pipeline schedule keeps in flight, plus once what only the micro-batch in
-                      its backward needs (the recomputed block, the LM head's weight gradient)
+                      its backward needs (the recomputed block, the loss head's logits buffers and
+                      gradients, as the device runs it: loss_head_bytes())
 
 The activation figure is an estimate (documented formula below, within ~10% of what autograd
 really keeps for these blocks); allocator fragmentation and communication buffers come on top,
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from optimus.config import Config
+from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.validate import BatchLayout, resolve_batch, validate_layout
 
@@ -90,21 +92,46 @@ def _gathered_numel(param: torch.Tensor) -> int:
     return numel
 
 
-def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool) -> float:
+def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
+                     loss_on_cpu: bool = False) -> float:
     """Activation bytes one rank keeps for one micro-batch alone: activation_split's two parts."""
-    return sum(activation_split(config, dims, layers, has_loss_head))
+    return sum(activation_split(config, dims, layers, has_loss_head, loss_on_cpu))
 
 
-def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: int) -> float:
+def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: int,
+                          loss_on_cpu: bool = False) -> float:
     """Activation bytes of a rank holding `in_flight` micro-batches: each keeps its saved tensors, but only one is
-    in its backward at a time, so the recompute working set and the loss head's weight gradient exist once."""
-    kept, once = activation_split(config, dims, layers, has_loss_head)
+    in its backward at a time, so the recompute working set and the loss head's buffers exist once."""
+    kept, once = activation_split(config, dims, layers, has_loss_head, loss_on_cpu)
     return in_flight * kept + once
 
 
-def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool) -> tuple[float, float]:
+def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu: bool) -> tuple[float, float]:
+    """(bytes kept per micro-batch, bytes held once) of the loss on the LM head's output, beyond the head's input,
+    as the trainer computes it on that device (w = compute width, V vocabulary, h d_model, t = tp, n tokens):
+      tp > 1, any device (parallel/vocab_parallel.py, chunks of r = min(512, n) rows): the [r, V/t] logits (w),
+        their fp32 softmax (4) and, under bf16, its bf16 copy (2); the fp32 gradient of the rank's head rows
+        (4 V h / t) and, under bf16, one bf16 partial product of it (2 V h / t).
+      CPU (ops/cross_entropy.py's chunked op): two [r, V] buffers (w each), the fp32 weight gradient (4 V h) and,
+        under bf16, its bf16 and fp32 partial products ((2 + 4) V h).
+      accelerators (the plain F.cross_entropy over fp32 logits): the fp32 log-softmax is kept (4 n V) and its
+        backward holds two more fp32 [n, V] gradients at once (8 n V); measured with MemTracker on CPU tensors.
+    """
+    m, t = config.model, dims.tp
+    vocab, h = m.vocab_size, m.d_model
+    w = 2 if config.train.dtype == "bf16" else 4
+    rows = min(DEFAULT_CHUNK_ROWS, tokens)
+    if t > 1:
+        return 0.0, rows * vocab / t * (w + 4 + (2 if w == 2 else 0)) + (4 + (2 if w == 2 else 0)) * vocab * h / t
+    if loss_on_cpu:
+        return 0.0, 2 * rows * vocab * w + (4 + (6 if w == 2 else 0)) * vocab * h
+    return 4.0 * tokens * vocab, 8.0 * tokens * vocab
+
+
+def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
+                     loss_on_cpu: bool = False) -> tuple[float, float]:
     """(bytes each micro-batch in flight keeps, bytes a rank needs once whatever its micro-batches in flight:
-    the block being recomputed, the LM head's fp32 weight-gradient rows) (estimate; formula below).
+    the block being recomputed, the loss head's buffers) (estimate; formula below).
 
     Bytes saved for backward per token and layer, with w = activation width (2 for bf16, 4 for
     fp32), h = d_model, kv = KV width, f = ffn width, k = top_k, fe = expert width, E = experts,
@@ -128,8 +155,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     full activations at a time. Ops (op-level policy) keeps matmul and attention outputs and
     recomputes norms and activations:
         attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h).
-    Plus the embedding output (w h / t) and, on the rank with the LM head, the fused loss head's
-    saved gradients: w h per token and the fp32 gradient of the rank's LM-head rows (4 V h / t).
+    Plus the embedding output (w h / t) and, on the rank with the LM head, its input (w h per token: saved, or
+    the CPU loss op's input gradient) and the loss's buffers (loss_head_bytes: they depend on the device).
     Checked against the tensors autograd really saves (tiny fp32 and bf16 models on CPU, no
     checkpointing): within 10%.
     """
@@ -168,8 +195,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * (attn_full + mlp_full)
     kept_bytes, once = (per_token + block_input) * tokens, working * tokens
     if has_loss_head:
-        kept_bytes += tokens * h * w
-        once += m.vocab_size * h * 4 / t
+        loss_kept, loss_once = loss_head_bytes(config, dims, tokens, loss_on_cpu)
+        kept_bytes += tokens * h * w + loss_kept
+        once += loss_once
     return kept_bytes, once
 
 

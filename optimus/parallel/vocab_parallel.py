@@ -35,12 +35,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from optimus.ops.cross_entropy import IGNORE_INDEX, _compute_dtype
+from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS, IGNORE_INDEX, _compute_dtype
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.group_autograd import sum_grad_over_group
 
-# Tokens per chunk of the loss: two [chunk_rows, V/tp] buffers per rank (as ops.cross_entropy's 512).
-DEFAULT_CHUNK_ROWS = 512
 
 
 def vocab_split(vocab_size: int, tp: int) -> list[int]:

@@ -47,6 +47,8 @@ class Cluster:
     # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
     # presets model theirs (optimus/plan/comms.py)
     measured_collectives: dict[str, dict[str, list]] | None = None
+    # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
+    host_cpu: bool = False
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""

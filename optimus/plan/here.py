@@ -164,7 +164,7 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
                    node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
                    auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
-                   core_share=min(1.0, m["cores"] / ranks),
+                   core_share=min(1.0, m["cores"] / ranks), host_cpu=True,
                    measured_peak_flops={"fp32": m["fp32_flops_per_thread"] * share,
                                         "bf16": m["bf16_flops_per_thread"] * share})
 

@@ -72,8 +72,10 @@ def _ceil_div(a: float, b: int) -> float:
     return -(-int(a) // b)
 
 
-def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: int) -> dict[str, float]:
-    """Bytes one rank of pipeline stage `stage` holds, by term (config: validated, micro-batch resolved)."""
+def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: int,
+                 loss_on_cpu: bool = False) -> dict[str, float]:
+    """Bytes one rank of pipeline stage `stage` holds, by term (config: validated, micro-batch resolved);
+    `loss_on_cpu`: the devices are CPUs, whose loss head holds other buffers (dry_run.loss_head_bytes)."""
     width = 2 if config.train.dtype in ("bf16", "auto") else 4
     layers = _ceil_div(shape.n_layers, dims.pp)
     first, last = stage == 0, stage == dims.pp - 1
@@ -101,11 +103,11 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
     in_flight = micro_batches_in_flight(act_config, dims, stage)
-    held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight)
+    held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
     return held
 
 
-def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape) -> float:
+def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False) -> float:
     """The largest per-rank total over the first and last pipeline stage, in bytes."""
     stages = {0, dims.pp - 1}
-    return max(sum(stage_memory(config, dims, shape, s).values()) for s in stages)
+    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu).values()) for s in stages)

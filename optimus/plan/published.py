@@ -94,7 +94,7 @@ def predict(config: Config, cluster: Cluster) -> tuple[StepTime, float]:
     layout = validate_layout(config, p.dp_replicate * p.dp_shard * p.tp * p.pp)
     shape = ModelShape.of(layout.config)
     return (step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches),
-            peak_memory(layout.config, layout.dims, shape))
+            peak_memory(layout.config, layout.dims, shape, cluster.host_cpu))
 
 
 def megatron_of_peak(config: Config, step_s: float, cluster: Cluster) -> float:

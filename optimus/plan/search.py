@@ -125,7 +125,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
             layout = validate_layout(candidate, devices)
         except LayoutError:
             continue
-        memory = peak_memory(layout.config, layout.dims, shape)
+        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu)
         time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches)
         out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
                              time.parts))

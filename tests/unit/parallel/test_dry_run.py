@@ -8,7 +8,8 @@ import time
 import pytest
 
 from optimus.config import build_config
-from optimus.parallel.dry_run import activation_bytes, activation_split, dry_run, format_report, rank_activation_bytes
+from optimus.parallel.dry_run import (activation_bytes, activation_split, dry_run, format_report, loss_head_bytes,
+                                     rank_activation_bytes)
 from optimus.parallel.mesh import ParallelDims
 from tests.helpers import in_forked_process
 
@@ -102,8 +103,79 @@ def test_micro_batches_in_flight_keep_their_saved_tensors_but_one_recompute_work
         assert activation_bytes(config, dims, 4, False) == kept + once
         assert rank_activation_bytes(config, dims, 4, False, in_flight=8) == 8 * kept + once
         assert (once > 0) == (mode != "none")
-    kept, once = activation_split(config, dims, 4, has_loss_head=True)  # the LM head's fp32 weight gradient: once
-    assert once == config.model.vocab_size * config.model.d_model * 4
+    kept, once = activation_split(config, dims, 4, has_loss_head=True)  # the loss's backward buffers: once
+    assert once == loss_head_bytes(config, dims, TRAIN["seq_len"] * TRAIN["micro_batch_size"], False)[1] > 0
+
+
+_CPU_LOSS_PEAK = """
+import sys, torch
+from pathlib import Path
+from optimus.ops.cross_entropy import linear_cross_entropy
+n, h, vocab, bf16 = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "bf16"
+x = torch.randn(n, h, requires_grad=True)
+weight = torch.randn(vocab, h, requires_grad=True)
+labels = torch.randint(0, vocab, (n,))
+with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # warm-up: the op's one-time set-up
+    linear_cross_entropy(x[:8], weight, labels[:8]).backward()
+x.grad = weight.grad = None
+status = lambda key: int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key)).split()[1])
+Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
+base = status("VmRSS")
+with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    loss = linear_cross_entropy(x, weight, labels)
+loss.backward()
+print((status("VmHWM") - base) * 1024)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32"])  # bf16 matmuls crawl on CPUs without native bf16 (AVX2): fp32 here
+def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
+    """The CPU loss kernel's peak (a fresh process's resident-set growth: its buffers live inside one op, out of
+    reach of tensor-level trackers) against dry_run.loss_head_bytes: two [512, V] chunk buffers and the fp32 weight
+    gradient (and under bf16 its partial products), plus the head input's gradient it keeps, plus what backward
+    hands the input and the weight (their .grad). Sizes where the chunk buffers dominate."""
+    import subprocess
+    import sys
+
+    n, h, vocab = 1024, 64, 32768
+    out = subprocess.run([sys.executable, "-c", _CPU_LOSS_PEAK, str(n), str(h), str(vocab), dtype],
+                         capture_output=True, text=True, check=True)
+    measured = int(out.stdout.split()[-1])
+    config = build_config({"model": {"preset": "mula-tiny-dense", "vocab_size": vocab, "d_model": h},
+                           "train": {"seq_len": n, "micro_batch_size": 1, "global_batch_size": 1, "dtype": dtype}})
+    kept, once = loss_head_bytes(config, ParallelDims(world_size=1), n, loss_on_cpu=True)
+    width = 2 if dtype == "bf16" else 4
+    input_grads = (n * h + vocab * h) * 4
+    assert measured == pytest.approx(kept + once + n * h * width + input_grads, rel=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_loss_head_bytes_match_what_the_plain_loss_allocates(dtype):
+    """The accelerators' plain path (F.cross_entropy over fp32 logits), tracked tensor by tensor (torch's
+    MemTracker, device-independent): the fp32 log-softmax kept for backward and the two [n, V] fp32 gradients its
+    backward holds with it, against dry_run.loss_head_bytes."""
+    import torch
+
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    from optimus.ops.cross_entropy import linear_cross_entropy_reference
+
+    n, h, vocab = 1024, 64, 8192
+    config = build_config({"model": {"preset": "mula-tiny-dense", "vocab_size": vocab, "d_model": h},
+                           "train": {"seq_len": n, "micro_batch_size": 1, "global_batch_size": 1, "dtype": dtype}})
+    x = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(vocab, h, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(x, weight)
+    with tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = linear_cross_entropy_reference(x, weight, labels)
+        loss.backward()
+    peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
+    inputs = (x.numel() + weight.numel()) * 4
+    kept, once = loss_head_bytes(config, ParallelDims(world_size=1), n, loss_on_cpu=False)
+    width = 2 if dtype == "bf16" else 4
+    assert peak - inputs == pytest.approx(kept + once + n * h * width, rel=0.1)
 
 
 def test_tensor_parallel_splits_activations():
@@ -159,7 +231,11 @@ def test_activation_estimate_is_close_to_what_autograd_saves(moe, dtype):
         model = model.to(torch.bfloat16)  # as FSDP's bf16 mixed precision hands the weights to forward
     ids = torch.randint(0, 2048, (2, 128), generator=torch.Generator().manual_seed(0))
     measured = _saved_activation_bytes(model, ids, dtype)
-    estimate = activation_bytes(config, ParallelDims(world_size=1), layers=2, has_loss_head=True)
+    estimate = activation_bytes(config, ParallelDims(world_size=1), layers=2, has_loss_head=True, loss_on_cpu=True)
+    # the CPU loss kernel saves its input and weight gradients; its chunk buffers and bf16 partial products are
+    # transients, not saved tensors (test_loss_head_bytes_match_what_the_cpu_loss_allocates counts those)
+    width, vocab, d_model = (2 if dtype == "bf16" else 4), 2048, 128
+    estimate -= 2 * min(512, 256) * vocab * width + (6 * vocab * d_model if dtype == "bf16" else 0)
     assert estimate == pytest.approx(measured, rel=0.15)
 
 
