@@ -8,7 +8,8 @@
                  passes per micro-batch, 4 when recomputed), which is what makes experts that see few
                  tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
-                 activations before/after attention and MLP, forward and backward, again when recomputed),
+                 activations before/after attention and MLP, forward and backward, again when recomputed;
+                 QK-norm's all-reduces; the embedding's, LM head's and loss's collectives),
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 
 from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
+from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
@@ -139,6 +141,29 @@ def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root
     return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
 
 
+def _tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int, act_bytes: float,
+                          attn_again: int, mlp_again: int) -> float:
+    """One micro-batch's tensor-parallel collectives on the last pipeline stage (parallel/tensor_parallel.py).
+
+    Per block: an all-gather before and a reduce-scatter after attention and the MLP (sequence parallel), each
+    mirrored in backward (the all-gather's gradient is a reduce-scatter and vice versa), again when recomputed;
+    QK-norm's full-width RMS all-reduces each token's sum of squares for q and k, forward and backward. The
+    root: the embedding's output reduce-scattered to sequence shards (an all-gather back), the LM head's input
+    all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows] statistics per chunk.
+    """
+    m, train = config.model, config.train
+    link = group_link(dims, ("tp",), cluster)
+    gather_scatter = ring_time(link, act_bytes) + ring_time(link, act_bytes, "reduce_scatter")
+    tokens = train.micro_batch_size * train.seq_len
+    blocks = layers * (2 * 2 + 2 * (attn_again + mlp_again)) * gather_scatter
+    qk_norm = layers * (2 * 2 + 2 * attn_again) * all_reduce_time(link, 4 * tokens) if m.qk_norm else 0.0
+    rows = min(DEFAULT_CHUNK_ROWS, tokens)
+    head = gather_scatter + -(-tokens // rows) * ring_time(link, dims.tp * 2 * 4 * rows)
+    # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
+    embedding = gather_scatter if dims.pp == 1 else 0.0
+    return blocks + qk_norm + head + embedding
+
+
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
               efficiency: Efficiency | None = None, micro_batches: int = 1) -> StepTime:
     """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`.
@@ -185,10 +210,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     attn_again = 1 if recomputed.get("attention") else 0
     mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts")) else 0
     tp_mb = 0.0
-    if dims.tp > 1:  # per layer: (all-gather + reduce-scatter) around attention and MLP, forward and backward
-        tp_link = group_link(dims, ("tp",), cluster)
-        passes = 2 * 2 + 2 * (attn_again + mlp_again)
-        tp_mb = layers * passes / 2 * (ring_time(tp_link, act_bytes) + ring_time(tp_link, act_bytes, "reduce_scatter"))
+    if dims.tp > 1:
+        tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, attn_again, mlp_again)
     ep_mb = 0.0
     if dims.ep > 1:  # per MoE layer: dispatch + combine, forward, backward, and again when recomputed
         ep_link = group_link(dims, ("ep",), cluster)

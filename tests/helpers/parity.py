@@ -15,6 +15,7 @@ of per-micro-batch losses, MoE aux losses included) is then the very same sum of
 
 Tolerances (fp32, stated once here and used by `assert_parity`):
     loss     step 1: relative 1e-5; later steps: relative 1e-4 (Adam amplifies rounding slowly)
+    norm     the global gradient norm (what clipping scales by), step 1: relative 1e-5; later: 1e-3
     grads    after step 1 (clipped, as the optimizer sees them): atol 1e-5, rtol 1e-4
 """
 
@@ -31,6 +32,7 @@ from optimus.config import Config, build_config
 
 LOSS_RTOL_FIRST_STEP = 1e-5
 LOSS_RTOL_LATER_STEPS = 1e-4
+NORM_RTOL_FIRST_STEP, NORM_RTOL_LATER_STEPS = 1e-5, 1e-3
 GRAD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
@@ -250,6 +252,11 @@ def assert_parity(reference: RunRecord, candidate: RunRecord, check_grads: bool 
     Tolerances: the module constants (loss rtol 1e-5 at step 1, 1e-4 later; grads atol 1e-5 rtol 1e-4).
     """
     assert len(reference.losses) == len(candidate.losses), (reference.losses, candidate.losses)
+    for step, (want, got) in enumerate(zip(reference.grad_norms, candidate.grad_norms), start=1):
+        rtol = NORM_RTOL_FIRST_STEP if step == 1 else NORM_RTOL_LATER_STEPS
+        assert abs(got - want) <= rtol * abs(want), (
+            f"step {step}: gradient norm {got!r} vs single-process {want!r} (rel diff {abs(got - want) / abs(want):.2e})"
+            f"\n  all norms: {candidate.grad_norms}\n  reference: {reference.grad_norms}")
     for step, (want, got) in enumerate(zip(reference.losses, candidate.losses), start=1):
         rtol = LOSS_RTOL_FIRST_STEP if step == 1 else LOSS_RTOL_LATER_STEPS
         assert abs(got - want) <= rtol * abs(want), (
