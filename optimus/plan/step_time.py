@@ -16,7 +16,8 @@
                  virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
-    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch), the zero modes' packing
+    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp the gradients'
+                 once per step), the zero modes' packing
                  of gradients into fp32 buffers (per reduction) and unpacking of the gathered parameters (per
                  step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
@@ -32,7 +33,8 @@
                  presets, where launches run ahead of the device; calibrated on a CPU)
     per micro-batch, zero2: its fp32 gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
-    per step, not overlapped: the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
+    per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
+                 backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
                  reduce-scatter (fp32), the zero modes' parameter all-gather after the update, ddp's fp32 all-reduce
                  beyond the last backward that hides it, and the AdamW update (memory bound: 30 bytes of HBM
                  traffic per owned element, at the memory_bound efficiency)
@@ -240,28 +242,39 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
-    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = zero_copy_step = 0.0
+    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = copies_step = 0.0
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
     expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
         # per FSDP unit (each block, and the root: embedding, head, final norm) two all-gathers in the compute
-        # dtype and one fp32 reduce-scatter per micro-batch
-        def unit(dense: float, experts: float) -> float:
-            return (2 * ring_time(shard_link, width * dense) + ring_time(shard_link, 4 * dense, "reduce_scatter") +
-                    2 * ring_time(expert_link, width * experts) + ring_time(expert_link, 4 * experts, "reduce_scatter"))
+        # dtype and one fp32 reduce-scatter per micro-batch; under pp torch's schedules defer the reduce-scatter
+        # to once per step, after the last backward (stage.perform_reduce_grad), where nothing hides it
+        def unit_gathers(dense: float, experts: float) -> float:
+            return 2 * ring_time(shard_link, width * dense) + 2 * ring_time(expert_link, width * experts)
+
+        def unit_reduce(dense: float, experts: float) -> float:
+            return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
+                    ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense = shape.block_tp_split / dims.tp + shape.block_replicated
-        fsdp_mb = layers * unit(block_dense, shape.block_experts / (dims.ep * dims.tp)) + unit(root, 0.0)
+        block_experts = shape.block_experts / (dims.ep * dims.tp)
+        fsdp_mb = layers * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0)
+        reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
+        gather_copies = reduce_copies = 0.0
         if dims.is_parallel:  # and their copies, which no link hides (the trainer applies FSDP at dp_shard = 1
             # too): each all-gather copies the shard in and the whole unit out, the reduce-scatter copies the whole
             # fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
             owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-            fsdp_copy_mb = (2 * 2 * width * (gathered + owned_now) + 2 * 4 * gathered) / hbm_eff
+            gather_copies, reduce_copies = 2 * 2 * width * (gathered + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
+        if dims.pp > 1:
+            fsdp_copy_mb, copies_step, step_sync = gather_copies, reduce_copies, reduce
+        else:
+            fsdp_mb, fsdp_copy_mb = fsdp_mb + reduce, gather_copies + reduce_copies
         if dims.dp_replicate > 1:
             rep_link = group_link(dims, ("dp_replicate",), cluster)
-            step_sync = all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
+            step_sync += all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     elif p.shard_mode == "ddp":  # one fp32 all-reduce of the whole gradients per step, bucket by bucket as the
         # last micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything
@@ -283,10 +296,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         unpack = 4 * width * local_elements / hbm_eff
         if p.shard_mode == "zero2":
             zero2_mb = max(0.0, reduce - hidden_by_backward)
-            zero_copy_mb, zero_copy_step = pack, unpack
+            zero_copy_mb, copies_step = pack, unpack
             reduce = 0.0
         else:
-            zero_copy_step = pack + unpack
+            copies_step = pack + unpack
         step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
@@ -307,7 +320,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                                                        sum(by_class[c] * share[c] for c in by_class))
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
-    step = pipeline + step_sync + zero_copy_step + optimizer
+    step = pipeline + step_sync + copies_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
@@ -317,6 +330,6 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
              "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "zero2_exposed": zero2_mb * micro_batches,
-             "buffer_copies": copies_mb * micro_batches + zero_copy_step,
+             "buffer_copies": copies_mb * micro_batches + copies_step,
              "bubble": pipeline - busy, "dp_sync": step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)
