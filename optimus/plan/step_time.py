@@ -21,11 +21,12 @@
                  of gradients into fp32 buffers (per reduction) and unpacking of the gathered parameters (per
                  step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
-    bubble       (m + (pp - 1) / v) micro-batch times for m micro-batches, pp stages, v virtual stages:
-                 a bubble fraction of (pp - 1) / (m + pp - 1) for 1F1B and GPipe, divided by v interleaved;
+    bubble       the last stage (LM head) runs its m micro-batches back to back; filling and draining the pipe
+                 add (pp - 1) / v micro-batch times of a stage without the head (pp stages, v virtual stages: the
+                 textbook (pp - 1) / (m + pp - 1) fraction for 1F1B and GPipe when the stages are equal);
                  where ranks outnumber cores (`here`, core_share = cores / ranks < 1), the idle ranks' cores serve
-                 the busy ones (work-conserving), so the step is max(the stages' average busy time, the last
-                 stage's busy x core_share / (1 - bubble fraction))
+                 the busy ones (work-conserving), so the step is max(the stages' average busy time, that critical
+                 path x core_share)
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
@@ -309,17 +310,20 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     copies_mb = fsdp_copy_mb + zero_copy_mb
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb + copies_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
-    bubble = bubble_fraction(dims.pp, micro_batches, virtual)
     busy = per_mb * micro_batches
-    # a rank idle in the bubble waits. Where ranks outnumber cores (`here`, core_share < 1) its core runs the other
-    # ranks meanwhile (work-conserving): the step is the larger of the pipeline's critical path at a whole core per
-    # rank and the stages' average busy time (all ranks' core-seconds over the cores); the other stages hold no LM
-    # head, so their compute is the last stage's scaled by their FLOPs. With a core per rank this is the textbook
-    # busy / (1 - bubble).
+    # The last stage (it holds the LM head) paces the pipe: it runs its m micro-batches back to back once the first
+    # has come through the other stages, and the step ends when the last backward has gone back through them, so the
+    # fill and drain cost (pp - 1) / v micro-batch times of a stage WITHOUT the head (torch's 1F1B and GPipe: the
+    # textbook (pp - 1) / (m + pp - 1) bubble when stages are equal). The other stages' compute is the last stage's
+    # scaled by their FLOPs. A rank idle in the fill/drain waits; where ranks outnumber cores (`here`,
+    # core_share < 1) its core runs the other ranks meanwhile (work-conserving): the step is then the larger of
+    # that critical path at the cores' share and the stages' average busy time (all ranks' core-seconds over cores).
     other_stage = busy - compute_mb * micro_batches * (1 - _first_stage_flops(by_class, shape, layers) /
                                                        sum(by_class[c] * share[c] for c in by_class))
+    fill_drain = (dims.pp - 1) / virtual * other_stage / micro_batches if dims.pp > 1 else 0.0
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
-    pipeline = max(average_busy, busy * cluster.core_share / (1 - bubble)) + pp_fill
+    pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill
+    bubble = fill_drain / (busy + fill_drain) if busy + fill_drain > 0 else 0.0
     step = pipeline + step_sync + copies_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k

@@ -71,14 +71,30 @@ def test_fsdp_collectives_hide_behind_compute_only_where_links_move_the_bytes():
     assert overlapped.parts["buffer_copies"] == on_the_cores.parts["buffer_copies"] > 0
 
 
+def _busy(time) -> float:
+    """The last stage's own work: the step less what the pipeline, the step's syncs and the update add."""
+    return time.step_s - time.parts["bubble"] - time.parts["dp_sync"] - time.parts["optimizer"]
+
+
+def test_the_pipeline_fills_and_drains_through_the_stages_without_the_head():
+    """1F1B, 2 stages, 4 micro-batches, compute only (instant links and copies). Equal stages (a small vocabulary):
+    the textbook bubble, one micro-batch of 4. The tiny model's 50k-vocabulary head makes the last stage the slow
+    one: it runs its 4 micro-batches back to back, and filling and draining go through the light first stage."""
+    fast = _host(hbm_gb_s=1e6, intra_node_gb_s=1e6, intra_node_latency_us=0)
+    pp = ["--parallel.pp=2", "--train.micro_batch_size=2"]
+    equal = _step([*pp, "--model.vocab_size=256"], 2, fast)
+    assert equal.parts["bubble"] == pytest.approx(_busy(equal) / 4, rel=0.15)
+    head_heavy = _step(pp, 2, fast)
+    assert 0 < head_heavy.parts["bubble"] < 0.5 * _busy(head_heavy) / 4
+
+
 def test_ranks_that_outnumber_the_cores_absorb_the_pipeline_bubble():
-    pp = ["--parallel.pp=2", "--train.micro_batch_size=2"]  # 4 micro-batches, 2 stages: a bubble of 1/5
+    pp = ["--parallel.pp=2", "--train.micro_batch_size=2", "--model.vocab_size=256"]  # equal stages, a bubble of 1/5
     whole_cores = _step(pp, 2, _host())
     shared = _step(pp, 2, _host(core_share=0.5))
-    busy = whole_cores.step_s - whole_cores.parts["bubble"] - whole_cores.parts["dp_sync"] - whole_cores.parts["optimizer"]
-    assert whole_cores.parts["bubble"] > 0.2 * busy
-    # at half a core per rank the critical path (busy x 0.5 / (1 - 1/5)) is shorter than the busy time: no idle
-    # micro-batch slots left, only the sends that fill the pipe
+    assert whole_cores.parts["bubble"] > 0.2 * _busy(whole_cores)
+    # at half a core per rank the critical path (busy x 0.5 x 5/4) is shorter than the stages' average busy time:
+    # no idle micro-batch slots left, only the sends that fill the pipe
     assert shared.parts["bubble"] < 0.02 * whole_cores.parts["bubble"]
 
 
