@@ -144,10 +144,10 @@ class ShardedOptimizer:
         self._init_masters(plan.compute_dtype)
         layout = [(bucket.group.mesh.size(), bucket.segment) for bucket in self.buckets]
         width = plan.compute_dtype.itemsize
-        self._buffers = BucketBuffers(buffer_nbytes(layout, width, accumulates=self.mode == "zero2"), self._device)
+        self.buffers = BucketBuffers(buffer_nbytes(layout, width, accumulates=self.mode == "zero2"), self._device)
         self._buffer_user: dict[int, _Bucket] = {}  # buffer -> the bucket whose reduce-scatter is using it
         for index, bucket in enumerate(self.buckets):
-            bucket.buffer = self._buffers.index(index)
+            bucket.buffer = self.buffers.index(index)
         groups = [{"params": [], "weight_decay": config.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for slot, _ in self._slots.values():
             groups[0 if decay_of[slot.param] > 0 else 1]["params"].append(slot.master)
@@ -299,7 +299,7 @@ class ShardedOptimizer:
         if size == 1 and first:  # nothing to reduce: the packed gradients are the shard
             self._pack(bucket, bucket.shard.view(1, -1))
             return
-        packed, out = self._buffers.views(bucket.buffer, size, bucket.segment, torch.float32)
+        packed, out = self.buffers.views(bucket.buffer, size, bucket.segment, torch.float32)
         self._pack(bucket, packed)
         if size == 1:
             bucket.grad_shard.add_(packed.view(-1))
@@ -373,7 +373,7 @@ class ShardedOptimizer:
                     owned_block(slot, local_tensor(slot.param)).copy_(slot.master)
             return None
         dtype = local_tensor(bucket.slots[0].param).dtype
-        gathered, mine = self._buffers.views(bucket.buffer, size, bucket.segment, dtype)
+        gathered, mine = self.buffers.views(bucket.buffer, size, bucket.segment, dtype)
         for slot in bucket.slots:
             mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
             mine[slot.offset + slot.owned:slot.offset + slot.padded].zero_()  # (the padding: sent, never read)
@@ -385,7 +385,7 @@ class ShardedOptimizer:
             return
         work.wait()
         dtype = local_tensor(bucket.slots[0].param).dtype
-        gathered, _ = self._buffers.views(bucket.buffer, bucket.group.mesh.size(), bucket.segment, dtype)
+        gathered, _ = self.buffers.views(bucket.buffer, bucket.group.mesh.size(), bucket.segment, dtype)
         for slot in bucket.slots:
             unpack_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local_tensor(slot.param))
 
@@ -472,7 +472,7 @@ class ShardedOptimizer:
     def buffer_bytes(self) -> int:
         """Bytes of the persistent communication buffers allocated so far (optim/buffers.py: about two buckets'
         reduce-scatter input and output, reused for the all-gathers)."""
-        return self._buffers.allocated_bytes()
+        return self.buffers.allocated_bytes()
 
     def state_numel(self) -> dict[str, int]:
         """Optimizer-state elements on this rank by kind: fp32 moments plus separate fp32 master copies."""
