@@ -459,7 +459,9 @@ class ShardedOptimizer:
         with warnings.catch_warnings():  # strided shards gather in two steps: fine for a test helper
             warnings.simplefilter("ignore", UserWarning)
             for slot, bucket, _ in self._each_state():
-                out[slot.name] = self._as_dtensor(slot, bucket, slot.master.grad.contiguous()).full_tensor()
+                # a copy: the shards are reused by the next step (a replicated DTensor's full_tensor is its local)
+                grad = slot.master.grad.clone(memory_format=torch.contiguous_format)
+                out[slot.name] = self._as_dtensor(slot, bucket, grad).full_tensor()
         return out
 
     def gradient_bytes(self) -> int:
