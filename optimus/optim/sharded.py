@@ -28,7 +28,9 @@ Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradient
 Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
 each rank's state is then a plain Shard(0) piece of each parameter, checkpointed per parameter name
 like FSDP's and resharded by DCP, at the price of FSDP2's copy-in/copy-out around the collectives
-(the parameters are not views into the bucket buffers).
+(the parameters are not views into the bucket buffers): one copy each way, through two persistent
+buffers that the buckets take turns over (optim/buffers.py): gradients packed straight into one, cast
+to fp32 in the copy; gathered blocks copied straight from it into the parameters.
 
 Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives for FSDP
 ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
