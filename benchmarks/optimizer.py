@@ -5,8 +5,9 @@
 1. Measured, on 4 gloo ranks (tests.helpers.distributed.run_distributed), a tiny MoE scaled so
    that the optimizer matters (d_model 128, 8 experts of ffn 256, vocab 4096, 2 micro-batches of
    2 x 32 tokens per rank), in two layouts: dp 2 x ep 2 (dp_shard 4, ep 2) and pp 2 x ep 2
-   (pp 2, dp_shard 2 = ep 2, 1F1B). For every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2
-   EP-unaware), all built in the same processes and timed in interleaved rounds
+   (pp 2, dp_shard 2 = ep 2, 1F1B); and on 2 ranks, dp 2 alone (the zero modes' own work: packing,
+   reduce-scatter, update, all-gather, unpacking; EP-aware and -unaware are the same there). For
+   every variant (fsdp; zero1/zero2 EP-aware; zero1/zero2 EP-unaware), all built in the same processes and timed in interleaved rounds
    (_common.time_interleaved): the full step, the optimizer step (gradient clipping + step():
    for zero1 that includes the gradient reduce-scatter, for zero2 and fsdp it ran in backward),
    in wall time and in process CPU time (steadier when 4 ranks share 2 cores: a rank waiting
@@ -14,7 +15,7 @@
    bytes per step and rank by collective (_common.CollectiveCounter, averaged over ranks), the
    optimizer state per rank (fp32 moments, plus fp32 masters where they are copies), and the
    gradient bytes per rank held when backward is done (before clipping: fsdp's sharded gradients,
-   zero1's whole ones, zero2's reduced fp32 shards).
+   zero1's whole ones, zero2's reduced fp32 shards); the zero modes' persistent bucket buffers too.
    Ratios are against the EP-unaware variant of the same zero mode (fsdp: against zero1 EP-unaware).
    Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each parameter's
    local rows padded to a multiple of its sharding group; zero1 once per step, zero2 once per
@@ -66,7 +67,10 @@ from tests.helpers.parity import tiny_config  # noqa: E402
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, vocab_size=4096, n_experts=8, top_k=2, expert_ffn_hidden=256)
 BATCH, SEQ, MICRO = 2, 32, 2
-LAYOUTS = {"dp2 x ep2": dict(dp_shard=4, ep=2), "pp2 x ep2": dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")}
+LAYOUTS = {  # name -> (ranks, parallel)
+    "dp2 x ep2": (4, dict(dp_shard=4, ep=2)), "pp2 x ep2": (4, dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")),
+    "dp2": (2, dict(dp_shard=2, ep=1)),  # 2 ranks, nothing but the optimizer's sharding: its buffer copies show
+}
 VARIANTS = {  # name -> (shard_mode, ep_aware)
     "zero1 ep-unaware": ("zero1", False), "zero1 ep-aware": ("zero1", True),
     "zero2 ep-unaware": ("zero2", False), "zero2 ep-aware": ("zero2", True), "fsdp": ("fsdp", True),
@@ -189,7 +193,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
             analytic["all_to_all_single"] = MICRO * ep_all_to_all_bytes(
                 moe_layers, BATCH * SEQ, MODEL["top_k"], MODEL["d_model"], MODEL["n_experts"])
         out[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "analytic": analytic,
-                     "state_bytes": _optimizer_state_bytes(optimizer), "grad_bytes": grad_held[0]}
+                     "state_bytes": _optimizer_state_bytes(optimizer), "grad_bytes": grad_held[0],
+                     "buffer_bytes": optimizer.buffer_bytes() if hasattr(optimizer, "buffer_bytes") else 0}
         opt_samples.clear()
         runs[name] = (one_step, opt_samples)
     full = time_interleaved({name: fn for name, (fn, _) in runs.items()}, rounds, steps, warmup=0)
@@ -210,6 +215,7 @@ def _merge(ranks: list[dict]) -> dict:
                         "opt_cpu_s": max(r["opt_cpu_s"] for r in per),
                         "state_bytes": max(r["state_bytes"] for r in per),
                         "grad_bytes": max(r["grad_bytes"] for r in per),
+                        "buffer_bytes": max(r["buffer_bytes"] for r in per),
                         "bytes": {k: sum(r["bytes"].get(k, 0) for r in per) / len(per) for k in sorted(kinds)},
                         # pipeline stages hold different parameters: the analytic count averaged as the bytes are
                         "analytic": {k: sum(r["analytic"][k] for r in per) / len(per) for k in per[0]["analytic"]}}
@@ -359,9 +365,10 @@ def main(argv: list[str] | None = None) -> dict:
                "micro_batch": [BATCH, SEQ], "dtype": "fp32", "steps": args.steps, "rounds": args.rounds,
                "layouts": {}, "mula": [], "defer_grad_sync": {}}
     for name in layouts:
-        merged = _merge(run_distributed(_layout_rank, 4, LAYOUTS[name], args.steps, args.rounds, timeout=900))
+        world, parallel = LAYOUTS[name]
+        merged = _merge(run_distributed(_layout_rank, world, parallel, args.steps, args.rounds, timeout=900))
         payload["layouts"][name] = merged
-        print(f"\n{name} (4 gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
+        print(f"\n{name} ({world} gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
               "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware)")
         print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
               f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'grads/rank':>11} {'bytes/step':>11} {'bytes r':>7}")
@@ -371,6 +378,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['step_speedup']:>6.2f} {row['state_bytes'] / 1e6:>8.2f} MB {row['state_ratio']:>7.2f} "
                   f"{row['grad_bytes'] / 1e6:>8.2f} MB {row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
         print("  grads/rank: gradient bytes held when backward is done (zero1 whole, zero2 fp32 shards, fsdp shards)")
+        buffers = {variant: row["buffer_bytes"] for variant, row in merged.items() if row["buffer_bytes"]}
+        if buffers:
+            print("  zero modes' persistent bucket buffers per rank (besides grads/rank): " +
+                  "; ".join(f"{variant} {held / 1e6:.2f} MB" for variant, held in buffers.items()))
         print("  bytes per step and rank by collective: measured / analytic (where exact)")
         for variant, row in merged.items():
             cells = [f"{kind} {got:,.0f}" + (f" / {row['analytic'][kind]:,.0f}" if kind in row["analytic"] else "")

@@ -2,9 +2,10 @@
 
 A parameter's local tensor (after TP/EP) is cut along one dim into ceil-sized blocks, one per rank of
 its sharding group, as torch.chunk and FSDP2's Shard(0) cut it (the last blocks short or empty).
-Gradients travel in flat buckets: `split_for_ranks` lays a tensor out as every rank's block side by
-side (zero-padded to the common block size) for a reduce-scatter, `join_from_ranks` undoes it after
-the all-gather of the updated blocks.
+Gradients travel in flat buckets: `pack_for_ranks` writes a tensor into a bucket buffer as every rank's
+block side by side (zero-padded to the common block size) for a reduce-scatter, `unpack_from_ranks`
+copies the all-gathered blocks back into the whole parameter. `cut_buckets` lays parameters out in
+buckets (the optimizer and the dry run share it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -64,22 +64,41 @@ def owned_block(slot: "Slot", local: torch.Tensor) -> torch.Tensor:
     return local.narrow(slot.dim, slot.own_start, slot.own_rows)
 
 
-def split_for_ranks(slot: "Slot", tensor: torch.Tensor, size: int) -> torch.Tensor:
-    """[size, slot.padded] fp32: row r is rank r's block of `tensor`, flattened and zero-padded."""
-    if slot.dim == 0:
-        flat = F.pad(tensor.reshape(-1).float(), (0, size * slot.padded - tensor.numel()))
-        return flat.view(size, slot.padded)
-    # dim 1 (divides evenly): [d0, size, chunk, ...] -> [size, d0, chunk, ...]
-    shape = tensor.shape
-    return tensor.reshape(shape[0], size, -1).transpose(0, 1).reshape(size, slot.padded).float()
+def pack_for_ranks(slot: "Slot", tensor: torch.Tensor, region: torch.Tensor) -> None:
+    """Write `tensor` into `region` ([ranks, slot.padded], a view of a bucket buffer): row r is rank r's block,
+    flattened; the padding tail after the last element is zeroed (the buffer is reused: it holds old data).
+
+    One copy per element (the cast to the buffer's dtype fused into it), no padded intermediate."""
+    if slot.dim != 0:  # dim 1 divides evenly (shard_dim): [d0, ranks, chunk, ...] -> [ranks, d0, chunk, ...]
+        d0 = tensor.shape[0]
+        region.view(region.shape[0], d0, -1).copy_(tensor.reshape(d0, region.shape[0], -1).transpose(0, 1))
+        return
+    if slot.padded == 0:
+        return
+    flat = tensor.reshape(-1)
+    full, rest = divmod(flat.numel(), slot.padded)  # whole rank blocks, then the elements of a short one
+    region[:full].copy_(flat[:full * slot.padded].view(full, slot.padded))
+    if rest:
+        region[full, :rest].copy_(flat[full * slot.padded:])
+        region[full, rest:].zero_()
+        full += 1
+    region[full:].zero_()
 
 
-def join_from_ranks(slot: "Slot", blocks: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Inverse of split_for_ranks: the whole parameter from every rank's block ([size, slot.padded])."""
-    if slot.dim == 0:
-        return blocks.reshape(-1)[:local.numel()].view_as(local)
-    size = blocks.shape[0]
-    return blocks.reshape(size, local.shape[0], -1).transpose(0, 1).reshape(local.shape)
+def unpack_from_ranks(slot: "Slot", region: torch.Tensor, local: torch.Tensor) -> None:
+    """Inverse of pack_for_ranks: copy every rank's block ([ranks, slot.padded]) into the whole `local` tensor
+    (one copy per element; the padding is not read)."""
+    ranks = region.shape[0]
+    if slot.dim != 0:
+        local.view(local.shape[0], ranks, -1).copy_(region.view(ranks, local.shape[0], -1).transpose(0, 1))
+        return
+    if slot.padded == 0:
+        return
+    flat = local.view(-1)  # parameters are contiguous (a non-viewable one raises here rather than being missed)
+    full, rest = divmod(flat.numel(), slot.padded)
+    flat[:full * slot.padded].view(full, slot.padded).copy_(region[:full])
+    if rest:
+        flat[full * slot.padded:].copy_(region[full, :rest])
 
 
 def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int, expert_dp: int,
@@ -96,3 +115,26 @@ def owned_numel(params: list[nn.Parameter], experts: set[nn.Parameter], dp: int,
         rows = local.shape[shard_dim(local, ranks, param in experts)] if local.ndim else 1
         total += math.ceil(rows / ranks) * (local.numel() // max(rows, 1))
     return total
+
+
+def cut_buckets(named: list[tuple[str, nn.Parameter]], ranks: int, rank: int, expert: bool,
+                bucket_numel: int) -> list[tuple[list[Slot], int]]:
+    """Lay `named` out in buckets of about `bucket_numel` elements (over all `ranks`), in order: each bucket as
+    (its slots, with `rank`'s owned rows, and its segment: elements per rank). Works on meta (the dry run)."""
+    buckets, slots, segment = [], [], 0
+    for name, param in named:
+        local = local_tensor(param)
+        dim = shard_dim(local, ranks, expert)
+        rows = local.shape[dim] if local.ndim else 1
+        row_numel = local.numel() // rows if rows else 0
+        chunk = math.ceil(rows / ranks)
+        start = min(rank * chunk, rows)
+        slots.append(Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start,
+                          dim=dim))
+        segment += slots[-1].padded
+        if segment * ranks >= bucket_numel:
+            buckets.append((slots, segment))
+            slots, segment = [], 0
+    if slots:
+        buckets.append((slots, segment))
+    return buckets

@@ -28,7 +28,9 @@ Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradient
 Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
 each rank's state is then a plain Shard(0) piece of each parameter, checkpointed per parameter name
 like FSDP's and resharded by DCP, at the price of FSDP2's copy-in/copy-out around the collectives
-(the parameters are not views into the bucket buffers).
+(the parameters are not views into the bucket buffers): one copy each way, through two persistent
+buffers that the buckets take turns over (optim/buffers.py): gradients packed straight into one, cast
+to fp32 in the copy; gathered blocks copied straight from it into the parameters.
 
 Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives for FSDP
 ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
@@ -52,7 +54,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from optimus.optim.blocks import Slot, join_from_ranks, local_tensor, owned_block, shard_dim, split_for_ranks
+from optimus.optim.blocks import Slot, cut_buckets, local_tensor, owned_block, pack_for_ranks, unpack_from_ranks
+from optimus.optim.buffers import BucketBuffers, bucket_order, buffer_nbytes
 from optimus.optim.config import OptimConfig
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 
@@ -87,14 +90,18 @@ class _Bucket:
     group: _ShardGroup
     slots: list[Slot]
     segment: int  # elements per rank
-    grad_shard: torch.Tensor | None = None  # fp32 [segment], this rank's blocks summed over ranks (and micro-batches)
-    # reduce-scatters in flight: (work, packed input kept alive until it completes, output to add to grad_shard)
-    pending: list = None
+    buffer: int = 0  # which of the persistent communication buffers (optim/buffers.py) it packs into
+    shard: torch.Tensor | None = None  # persistent fp32 [segment], allocated on the first reduction
+    grad_shard: torch.Tensor | None = None  # `shard` once this step reduced into it: this rank's blocks summed
+    # over ranks (and micro-batches)
+    # its reduce-scatter in flight (at most one: its buffer is claimed before the next packing):
+    # (work, the buffer's output to add to grad_shard when it lands, or None: it writes grad_shard itself)
+    pending: tuple | None = None
     finished: bool = False  # grad_shard averaged and handed to the masters as .grad
     arrived: set = None  # zero2: parameters whose gradient this backward has produced
 
     def __post_init__(self) -> None:
-        self.pending, self.arrived = [], set()
+        self.arrived = set()
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -109,13 +116,13 @@ class ShardedOptimizer:
 
     zero_grad, clip_grad_norm_(max_norm) -> global norm, step(), param_groups (for the learning
     rate), state_dict()/load_state_dict() (DCP), full_gradients() (tests), state_numel() (per-rank
-    optimizer-state elements by kind) and gradient_bytes() (gradient memory held now).
+    optimizer-state elements by kind), gradient_bytes() (gradient memory held now) and buffer_bytes()
+    (its persistent communication buffers).
     """
 
     def __init__(self, model: nn.Module, config: OptimConfig, plan: ZeroPlan,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         from optimus.optim.build import param_groups
-        from optimus.parallel.parallelize import single_process_name
 
         if plan.mode not in ("zero1", "zero2"):
             raise ValueError(f"ShardedOptimizer needs shard_mode zero1 or zero2, got {plan.mode!r}")
@@ -131,16 +138,18 @@ class ShardedOptimizer:
             dense_group = _ShardGroup("non_expert", mesh["expert_dp"], mesh["ep"], dp, ("ep",))
         self._mesh = mesh
         decay_of = {p: g["weight_decay"] for g in param_groups(model, config.weight_decay) for p in g["params"]}
-        named = [(single_process_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-        # reverse registration order ~ the order backward produces gradients (zero2 reduces early buckets first)
-        by_group: dict[str, list] = {"non_expert": [], "expert": []}
-        for name, param in reversed(named):
-            by_group["expert" if param in experts else "non_expert"].append((name, param))
+        by_group = bucket_order(model, experts)
         self.buckets: list[_Bucket] = []
         for kind, group in (("non_expert", dense_group), ("expert", expert_group)):
             self.buckets += self._make_buckets(by_group[kind], group, bucket_numel)
         self._slots = {slot.param: (slot, bucket) for bucket in self.buckets for slot in bucket.slots}
         self._init_masters(plan.compute_dtype)
+        layout = [(bucket.group.mesh.size(), bucket.segment) for bucket in self.buckets]
+        width = plan.compute_dtype.itemsize
+        self.buffers = BucketBuffers(buffer_nbytes(layout, width, accumulates=self.mode == "zero2"), self._device)
+        self._buffer_user: dict[int, _Bucket] = {}  # buffer -> the bucket whose reduce-scatter is using it
+        for index, bucket in enumerate(self.buckets):
+            bucket.buffer = self.buffers.index(index)
         groups = [{"params": [], "weight_decay": config.weight_decay}, {"params": [], "weight_decay": 0.0}]
         for slot, _ in self._slots.values():
             groups[0 if decay_of[slot.param] > 0 else 1]["params"].append(slot.master)
@@ -166,24 +175,8 @@ class ShardedOptimizer:
     # --- construction -------------------------------------------------------------------------
     @staticmethod
     def _make_buckets(named: list, group: _ShardGroup, bucket_numel: int) -> list[_Bucket]:
-        size, rank = group.mesh.size(), group.mesh.get_local_rank()
-        buckets, slots, segment = [], [], 0
-        for name, param in named:
-            local = local_tensor(param)
-            dim = shard_dim(local, size, expert=group.kind == "expert")
-            rows = local.shape[dim] if local.ndim else 1
-            row_numel = local.numel() // rows if rows else 0
-            chunk = math.ceil(rows / size)
-            start = min(rank * chunk, rows)
-            slot = Slot(name, param, rows, chunk, row_numel, segment, start, min(rows, start + chunk) - start, dim=dim)
-            slots.append(slot)
-            segment += slot.padded
-            if segment * size >= bucket_numel:
-                buckets.append(_Bucket(group, slots, segment))
-                slots, segment = [], 0
-        if slots:
-            buckets.append(_Bucket(group, slots, segment))
-        return buckets
+        cut = cut_buckets(named, group.mesh.size(), group.mesh.get_local_rank(), group.kind == "expert", bucket_numel)
+        return [_Bucket(group, slots, segment) for slots, segment in cut]
 
     @torch.no_grad()
     def _init_masters(self, compute_dtype: torch.dtype) -> None:
@@ -241,11 +234,11 @@ class ShardedOptimizer:
         """AdamW on the owned blocks, then all-gather them into the whole parameters."""
         self._reduce_all()
         self.inner.step()
-        # two buckets' all-gathers in flight: the next one travels while this one is copied out
-        # (more would hold more gathered copies of the parameters at once)
+        # two buckets' all-gathers in flight (in their two buffers): the next one travels while this one is
+        # copied out
         in_flight: list = []
         for bucket in self.buckets:
-            in_flight.append((bucket, *self._start_gather(bucket)))
+            in_flight.append((bucket, self._start_gather(bucket)))
             if len(in_flight) > 1:
                 self._finish_gather(*in_flight.pop(0))
         while in_flight:
@@ -288,54 +281,70 @@ class ShardedOptimizer:
     def _reduce_all(self) -> None:
         """At the step: reduce-scatter what is not reduced yet (zero1: everything), then finish every bucket."""
         for bucket in self.buckets:
-            if bucket.grad_shard is None and not bucket.pending:
+            if bucket.grad_shard is None:
                 self._reduce_bucket(bucket)
         for bucket in self.buckets:
             self._finish(bucket)
 
     @torch.no_grad()
     def _reduce_bucket(self, bucket: _Bucket) -> None:
-        """Pack the bucket's whole gradients (fp32, each rank's blocks side by side), free them, and start
-        their reduce-scatter; its output is summed into grad_shard when it lands (_land)."""
-        group = bucket.group
-        size = group.mesh.size()
-        packed = torch.zeros(size, bucket.segment, dtype=torch.float32, device=self._device)
+        """Pack the bucket's whole gradients (fp32, each rank's blocks side by side) into its persistent buffer,
+        free them, and start their reduce-scatter: the step's first straight into the bucket's shard, later
+        ones (zero2's micro-batches) into the buffer, summed into the shard when they land (_land)."""
+        size = bucket.group.mesh.size()
+        self._claim(bucket.buffer)  # the buffer's previous reduce-scatter (this bucket's own too) has landed
+        first = bucket.grad_shard is None
+        if bucket.shard is None:
+            bucket.shard = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
+        if first:
+            bucket.grad_shard = bucket.shard
+        if size == 1 and first:  # nothing to reduce: the packed gradients are the shard
+            self._pack(bucket, bucket.shard.view(1, -1))
+            return
+        packed, out = self.buffers.views(bucket.buffer, size, bucket.segment, torch.float32)
+        self._pack(bucket, packed)
+        if size == 1:
+            bucket.grad_shard.add_(packed.view(-1))
+            return
+        target = bucket.grad_shard if first else out
+        work = reduce_scatter_single(target, packed.view(-1), group=bucket.group.mesh.get_group(), async_op=True)
+        bucket.pending = (work, None if first else out)
+        self._buffer_user[bucket.buffer] = bucket
+        self._in_flight.append(bucket)
+
+    def _pack(self, bucket: _Bucket, packed: torch.Tensor) -> None:
+        """Every slot's whole gradient into its columns of `packed` ([ranks, segment], every element written),
+        then drop the whole gradients (zero2 frees them in every backward: its memory saving)."""
         for slot in bucket.slots:
+            region = packed[:, slot.offset:slot.offset + slot.padded]
             grad = slot.param.grad
-            if grad is None:
-                continue  # no gradient this step: it contributes zeros, as one process would see
+            if grad is None:  # no gradient this step: it contributes zeros, as one process would see
+                region.zero_()
+                continue
             if isinstance(grad, DTensor):
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            packed[:, slot.offset:slot.offset + slot.padded].copy_(split_for_ranks(slot, grad, size))
-            # the whole gradient is no longer needed (zero2 frees it in every backward: its memory saving)
+            pack_for_ranks(slot, grad, region)
             slot.param.grad = None
         bucket.arrived.clear()
-        if size == 1:
-            self._accumulate(bucket, packed.view(-1))
-            return
-        out = torch.empty(bucket.segment, dtype=torch.float32, device=self._device)
-        work = reduce_scatter_single(out, packed.view(-1), group=group.mesh.get_group(), async_op=True)
-        bucket.pending.append((work, packed, out))
-        self._in_flight.append(bucket)
-        # two buckets in flight: the next one travels while this one is packed, and no more fp32 copies of
-        # whole gradients are held at once
-        if len(self._in_flight) > 2:
-            self._land(self._in_flight.pop(0))
 
-    @staticmethod
-    def _accumulate(bucket: _Bucket, reduced: torch.Tensor) -> None:
-        if bucket.grad_shard is None:
-            bucket.grad_shard = reduced
-        else:
-            bucket.grad_shard.add_(reduced)
+    def _claim(self, buffer: int) -> None:
+        """Land the reduce-scatter using `buffer`, if one is, before the buffer is packed again: this also bounds
+        what is in flight to BUFFERS buckets (the next one travels while this one is packed)."""
+        user = self._buffer_user.get(buffer)
+        if user is not None:
+            self._in_flight.remove(user)
+            self._land(user)
 
     def _land(self, bucket: _Bucket) -> None:
-        """Wait for the bucket's oldest reduce-scatter and add its output to grad_shard."""
-        work, _, out = bucket.pending.pop(0)
+        """Wait for the bucket's reduce-scatter and add its output to grad_shard (unless it wrote grad_shard)."""
+        work, out = bucket.pending
+        bucket.pending = None
+        del self._buffer_user[bucket.buffer]
         work.wait()
-        self._accumulate(bucket, out)
+        if out is not None:
+            bucket.grad_shard.add_(out)
 
     def _land_all(self) -> None:
         while self._in_flight:
@@ -345,7 +354,7 @@ class ShardedOptimizer:
         """Once per step: the EP-unaware all-reduce over ep, averaging, and the shards as the masters' grads."""
         if bucket.finished:
             return
-        while bucket.pending:
+        if bucket.pending is not None:
             self._in_flight.remove(bucket)
             self._land(bucket)
         group, shard = bucket.group, bucket.grad_shard
@@ -356,26 +365,31 @@ class ShardedOptimizer:
             slot.master.grad = shard[slot.offset:slot.offset + slot.owned].view_as(slot.master)
         bucket.finished = True
 
-    def _start_gather(self, bucket: _Bucket) -> tuple:
-        """Pack this rank's updated blocks (cast to the parameters' dtype) and start their all-gather."""
+    def _start_gather(self, bucket: _Bucket):
+        """Write this rank's updated blocks (cast to the parameters' dtype) into the bucket's persistent buffer and
+        start their all-gather into the same buffer (None: one rank, the blocks were written into the parameters)."""
         size = bucket.group.mesh.size()
+        if size == 1:  # this rank owns the whole parameters: no buffer, no collective
+            for slot in bucket.slots:
+                if not slot.aliased:  # (an aliased fp32 master is the parameter's own rows: already updated)
+                    owned_block(slot, local_tensor(slot.param)).copy_(slot.master)
+            return None
         dtype = local_tensor(bucket.slots[0].param).dtype
-        mine = torch.zeros(bucket.segment, dtype=dtype, device=self._device)
+        gathered, mine = self.buffers.views(bucket.buffer, size, bucket.segment, dtype)
         for slot in bucket.slots:
             mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
-        if size == 1:
-            return None, mine.view(1, -1), mine
-        gathered = torch.empty(size, bucket.segment, dtype=dtype, device=self._device)
-        work = all_gather_single(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
-        return work, gathered, mine  # `mine` stays referenced until the gather completes
+            mine[slot.offset + slot.owned:slot.offset + slot.padded].zero_()  # (the padding: sent, never read)
+        return all_gather_single(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
 
-    def _finish_gather(self, bucket: _Bucket, work, gathered: torch.Tensor, mine: torch.Tensor) -> None:
+    def _finish_gather(self, bucket: _Bucket, work) -> None:
         """Wait for a bucket's all-gather and copy every rank's blocks into the whole parameters."""
-        if work is not None:
-            work.wait()
+        if work is None:
+            return
+        work.wait()
+        dtype = local_tensor(bucket.slots[0].param).dtype
+        gathered, _ = self.buffers.views(bucket.buffer, bucket.group.mesh.size(), bucket.segment, dtype)
         for slot in bucket.slots:
-            local = local_tensor(slot.param)
-            local.copy_(join_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local))
+            unpack_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local_tensor(slot.param))
 
     # --- views for checkpoints and tests ------------------------------------------------------
     def _as_dtensor(self, slot: Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
@@ -447,17 +461,22 @@ class ShardedOptimizer:
         with warnings.catch_warnings():  # strided shards gather in two steps: fine for a test helper
             warnings.simplefilter("ignore", UserWarning)
             for slot, bucket, _ in self._each_state():
-                out[slot.name] = self._as_dtensor(slot, bucket, slot.master.grad.contiguous()).full_tensor()
+                # a copy: the shards are reused by the next step (a replicated DTensor's full_tensor is its local)
+                grad = slot.master.grad.clone(memory_format=torch.contiguous_format)
+                out[slot.name] = self._as_dtensor(slot, bucket, grad).full_tensor()
         return out
 
     def gradient_bytes(self) -> int:
-        """Bytes of gradient memory this rank holds now: whole parameter gradients (zero1 until the step),
-        reduced fp32 shards, and reduce-scatter buffers in flight."""
+        """Bytes of gradient memory this rank holds now: whole parameter gradients (zero1 until the step) and
+        the fp32 shards (persistent once allocated). Reduce-scatters pack into buffer_bytes()."""
         held = [local_tensor(p.grad) for p in self._slots if p.grad is not None]
-        for bucket in self.buckets:
-            held += [] if bucket.grad_shard is None else [bucket.grad_shard]
-            held += [t for _, packed, out in bucket.pending for t in (packed, out)]
+        held += [bucket.shard for bucket in self.buckets if bucket.shard is not None]
         return sum(t.numel() * t.element_size() for t in held)
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the persistent communication buffers allocated so far (optim/buffers.py: about two buckets'
+        reduce-scatter input and output, reused for the all-gathers)."""
+        return self.buffers.allocated_bytes()
 
     def state_numel(self) -> dict[str, int]:
         """Optimizer-state elements on this rank by kind: fp32 moments plus separate fp32 master copies."""

@@ -279,24 +279,28 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     return memory
 
 
-def zero_gradient_bytes(mode: str, local: float, owned: float, width: int) -> float:
-    """Gradient bytes a zero1/zero2 rank holds (optim/sharded.py): zero1 keeps the whole gradients in the compute
-    dtype until the step plus the reduced fp32 shard; zero2 the fp32 shard plus what is in flight during a
-    backward (about two buckets' fp32 reduce-scatter input and the whole gradients filling the next)."""
+def zero_gradient_bytes(mode: str, local: float, owned: float, width: int, buffers: float | None = None) -> float:
+    """Gradient bytes a zero1/zero2 rank holds (optim/sharded.py): the reduced fp32 shard and the persistent
+    communication buffers (`buffers` bytes, optim/buffers.py; when not given, estimated as two buckets' fp32
+    reduce-scatter input and output, or the whole model's when it fills fewer), plus the whole gradients in the
+    compute dtype: zero1 all of them until the step, zero2 those of about two buckets filling during a backward."""
     from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
-    if mode == "zero1":
-        return width * local + 4.0 * owned
-    return 4.0 * owned + (4.0 + width) * min(local, 2 * DEFAULT_BUCKET_NUMEL)
+    in_flight = min(local, 2 * DEFAULT_BUCKET_NUMEL)  # elements of the two buckets the buffers hold
+    if buffers is None:  # each buffer: a bucket's [ranks, segment] input and its [segment] output
+        buffers = max(4, width) * in_flight * (1 + owned / local) if local else 0.0
+    whole = width * (local if mode == "zero1" else in_flight)
+    return whole + 4.0 * owned + buffers
 
 
 def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[str, float]:
     """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
-    dtype until the step plus the reduced fp32 shard (zero1), or the fp32 shard plus what is in flight during a
-    backward (zero2: about two buckets' fp32 reduce-scatter input and the whole gradients filling the next);
-    fp32 master (a copy only under bf16) + AdamW moments for the owned blocks only."""
+    dtype until the step (zero1) or about two buckets' filling during a backward (zero2), the reduced fp32 shard,
+    and the persistent bucket buffers (as the optimizer sizes them: optim/buffers.py); fp32 master (a copy only
+    under bf16) + AdamW moments for the owned blocks only."""
     from optimus.optim.blocks import owned_numel
-    from optimus.optim.sharded import expert_parameters
+    from optimus.optim.buffers import buffer_bytes_for
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
 
     width = 2 if config.train.dtype == "bf16" else 4
     params, experts = list(model.parameters()), expert_parameters(model)
@@ -304,10 +308,13 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     owned = owned_numel(params, experts, dims.dp, dims.expert_dp, config.parallel.ep_aware)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
     mode = config.parallel.shard_mode
+    dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else dims.expert_dp
+    buffers = buffer_bytes_for(model, dense_ranks, dims.expert_dp, width, mode, DEFAULT_BUCKET_NUMEL)
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
-        ("gradients (whole + fp32 shard, zero1)" if mode == "zero1" else
-         "gradients (fp32 shard + buckets in flight, zero2)"): zero_gradient_bytes(mode, local, owned, width),
+        ("gradients (whole + fp32 shard + 2 bucket buffers, zero1)" if mode == "zero1" else
+         "gradients (fp32 shard + 2 bucket buffers + buckets filling, zero2)"):
+            zero_gradient_bytes(mode, local, owned, width, buffers),
         f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
     }
 

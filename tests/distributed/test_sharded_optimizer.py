@@ -153,6 +153,90 @@ def test_zero2_holds_a_1_over_dp_share_of_zero1s_gradients_after_backward():
         assert zero2["scatters"] == zero2["micro_batches"] * zero2["buckets"] == 2 * zero2["buckets"]
 
 
+def _train_watching_buffers(rank: int, world: int, poison: bool) -> dict:
+    """zero1 and zero2, 3 steps of 2 micro-batches at dp 2 with small buckets (more buckets than the two buffers;
+    3 experts: the router's 3 rows leave a padding tail). Per step: where the buffers and gradient shards live,
+    and this rank's shard padding. With `poison`, every buffer and shard is filled with NaN before each step
+    (as if an earlier use had left anything there). Losses and a hash of the parameters, to compare runs."""
+    import functools
+    import hashlib
+
+    import torch
+
+    from optimus.optim.buffers import buffer_bytes_for
+    from optimus.optim.sharded import ShardedOptimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from optimus.train.step import train_step
+    from tests.helpers import parity
+
+    dims = ParallelDims(dp_shard=2, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    out = {}
+    for mode in ("zero1", "zero2"):
+        config = tiny_config(moe=True, model={"n_experts": 3}, parallel=dict(dp_shard=2, shard_mode=mode))
+        model = build_parallel_model(config, dims, mesh, torch.device("cpu"))
+        optimizer = ShardedOptimizer(model, config.optim, model.zero_plan, bucket_numel=20_000)
+        micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
+                                  dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))
+        padded = [(b, s) for b in optimizer.buckets for s in b.slots if s.padded > s.owned]  # short blocks
+        run = {"buckets": len(optimizer.buckets), "buffers": [], "shards": [], "tails": [], "losses": []}
+        for batch in parity.global_batches(config, 3):
+            if poison:
+                for bucket in optimizer.buckets:
+                    for view in optimizer.buffers.views(bucket.buffer, 2, bucket.segment, torch.float32):
+                        view.fill_(float("nan"))
+                    if bucket.shard is not None:
+                        bucket.shard.fill_(float("nan"))
+            result = train_step(model, optimizer, micro(batch), device=torch.device("cpu"), dtype="fp32",
+                                grad_clip=config.optim.grad_clip, dp_mesh=mesh["dp"])
+            run["losses"].append(result.loss)
+            run["buffers"].append([optimizer.buffers.data_ptr(i) for i in range(len(optimizer.buffers.nbytes))])
+            run["shards"].append([b.shard.data_ptr() for b in optimizer.buckets])
+            run["tails"].append([b.shard[s.offset + s.owned:s.offset + s.padded].tolist() for b, s in padded])
+        run["buffer_bytes"] = optimizer.buffer_bytes()
+        run["predicted_buffer_bytes"] = buffer_bytes_for(model, 2, 2, 4, mode, 20_000)
+        run["params"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        out[mode] = run
+    return out
+
+
+def test_bucket_buffers_are_allocated_once_and_reused_every_step():
+    """The reduce-scatters and all-gathers go through two persistent buffers (optim/buffers.py) and one fp32
+    shard per bucket, all allocated at the first step and at the same addresses in every later one; what is
+    allocated is what the dry run's formula (buffer_bytes_for) predicts."""
+    from tests.helpers.distributed import run_distributed
+
+    for rank in run_distributed(_train_watching_buffers, 2, False):
+        for mode, run in rank.items():
+            assert run["buckets"] > 2, run["buckets"]  # buckets take turns over the buffers
+            first = run["buffers"][0]
+            assert len(first) == 2 and all(first), (mode, first)
+            assert run["buffers"] == [first] * 3, (mode, run["buffers"])
+            assert run["shards"] == [run["shards"][0]] * 3, mode
+            assert run["buffer_bytes"] == run["predicted_buffer_bytes"] > 0, (mode, run["buffer_bytes"])
+
+
+def test_padding_tails_reduce_to_zero_whatever_the_reused_buffers_held():
+    """A parameter that does not fill its blocks (the router's 3 rows over 2 ranks): with every buffer and shard
+    filled with NaN before each step, the shard's padding is reduced to zeros every step (each rank zeroes its
+    tail when packing) and training is bitwise the same as without the poison."""
+    from tests.helpers.distributed import run_distributed
+
+    clean = run_distributed(_train_watching_buffers, 2, False)
+    poisoned = run_distributed(_train_watching_buffers, 2, True)
+    tails = 0
+    for clean_rank, poisoned_rank in zip(clean, poisoned):
+        for mode, run in poisoned_rank.items():
+            for step_tails in run["tails"]:
+                for tail in step_tails:
+                    assert tail == [0.0] * len(tail), (mode, tail[:8])
+                    tails += len(tail)
+            assert run["losses"] == clean_rank[mode]["losses"], mode
+            assert run["params"] == clean_rank[mode]["params"], mode
+    assert tails > 0  # rank 1 owns 1 of the router's 3 rows: its shard has a padding tail to check
+
+
 def _state_numel(rank: int, world: int, config):
     import math
 
