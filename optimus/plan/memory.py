@@ -97,7 +97,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         local = dense + experts
         master = 4 * owned if width == 2 else 0.0
         held = {"parameters": width * local,
-                "gradients": zero_gradient_bytes(config.parallel.shard_mode, local, owned, width),
+                "gradients": zero_gradient_bytes(config.parallel.shard_mode, local, owned, width,
+                                                 _zero_buffer_bytes(config, dims, shape, local, first, last, width)),
                 "optimizer": master + 8 * owned}
     act_config = config
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
@@ -105,6 +106,25 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
     return held
+
+
+def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, local: float, first: bool, last: bool,
+                       width: int) -> float:
+    """The zero modes' two persistent bucket buffers (optim/buffers.py): each holds a bucket's [ranks, segment]
+    input and [segment] output, at least 4 B an element, sized by the largest bucket that uses it; a bucket is
+    DEFAULT_BUCKET_NUMEL elements, or one parameter alone when it is larger (the embedding, the LM head, an
+    expert weight). None where the data-parallel group is one rank."""
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
+
+    group = dims.dp if config.parallel.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep
+    if group == 1 or not dims.is_parallel:
+        return 0.0
+    largest = sorted([shape.embedding / dims.tp if first else 0.0, shape.head / dims.tp if last else 0.0,
+                      2 / 3 * shape.block_experts / (dims.ep * dims.tp),  # the fused gate/up expert weight
+                      (shape.block_tp_split - shape.block_attention) / 3 / dims.tp], reverse=True)
+    buckets = max(DEFAULT_BUCKET_NUMEL, largest[0]), max(DEFAULT_BUCKET_NUMEL, largest[1])
+    in_buffers = min(local, buckets[0]) + min(max(0.0, local - buckets[0]), buckets[1])
+    return max(4, width) * (1 + 1 / group) * in_buffers
 
 
 def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False) -> float:

@@ -288,13 +288,14 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         reduce = (ring_time(dense_link, 4 * dense_stage, "reduce_scatter") +
                   ring_time(expert_dp_link, 4 * expert_stage, "reduce_scatter"))
         gather = ring_time(dense_link, width * dense_stage) + ring_time(expert_dp_link, width * expert_stage)
-        # and their buffers, which no link hides (optim/sharded.py): each reduction zero-fills an fp32 buffer and
-        # packs the gradients into it through an fp32 per-rank split (fill 4 B, read the gradient, write 4 B, and
-        # the split's copy 8 B per element); after the update each rank's blocks are gathered back into the whole
-        # parameters (read and write them twice: the re-join and the copy)
+        # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): each reduction packs the
+        # gradients into a persistent fp32 bucket buffer (read w B, write 4 B per element); after the update each
+        # rank writes its masters into the send area (4 + w B per owned element) and the gathered blocks are
+        # copied into the parameters (read and write w B)
         local_elements = (dense_stage + expert_stage) if dims.is_parallel else 0.0  # one process: a plain optimizer
-        pack = (16 + width) * local_elements / hbm_eff
-        unpack = 4 * width * local_elements / hbm_eff
+        group = dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep
+        pack = (4 + width) * local_elements / hbm_eff
+        unpack = (2 * width + (4 + width) / group) * local_elements / hbm_eff
         if p.shard_mode == "zero2":
             zero2_mb = max(0.0, reduce - hidden_by_backward)
             zero_copy_mb, copies_step = pack, unpack
