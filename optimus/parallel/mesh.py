@@ -13,13 +13,16 @@ Nothing else in Optimus creates process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import ConfigDict, Field, ValidationError
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from optimus.config import ConfigError
 from optimus.models.config import ModelConfig
 from optimus.parallel.config import ParallelDegrees
+
+if TYPE_CHECKING:  # torch only where a mesh is built: loading a config (every Config validates its layout
+    from torch.distributed.device_mesh import DeviceMesh  # here) then needs no torch, e.g. run_finished.py
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
@@ -107,6 +110,8 @@ class ParallelDims(ParallelDegrees):
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The job's DeviceMesh with every dimension named, plus its flattened views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         shape = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         flattened = {
