@@ -21,8 +21,10 @@ from optimus.config import ConfigError
 from optimus.models.config import ModelConfig
 from optimus.parallel.config import ParallelDegrees
 
-if TYPE_CHECKING:  # torch only where a mesh is built: loading a config (every Config validates its layout
-    from torch.distributed.device_mesh import DeviceMesh  # here) then needs no torch, e.g. run_finished.py
+# torch is imported only where a mesh is built: every Config validates its layout with this module, and
+# loading a config (examples/launch/run_finished.py) then costs no torch start-up
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
