@@ -13,13 +13,18 @@ Nothing else in Optimus creates process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import ConfigDict, Field, ValidationError
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from optimus.config import ConfigError
 from optimus.models.config import ModelConfig
 from optimus.parallel.config import ParallelDegrees
+
+# torch is imported only where a mesh is built: every Config validates its layout with this module, and
+# loading a config (examples/launch/run_finished.py) then costs no torch start-up
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
@@ -107,6 +112,8 @@ class ParallelDims(ParallelDegrees):
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The job's DeviceMesh with every dimension named, plus its flattened views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         shape = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.tp)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         flattened = {

@@ -154,7 +154,9 @@ class Trainer:
         self.straggler_report.monitor = monitor
 
     def _default_callbacks(self, progress_bar: bool) -> list[Callback]:
-        callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), LossPlot(self.run_dir), EventLines()]
+        callbacks: list[Callback] = [JsonlMetrics(self.run_dir / "metrics.jsonl"), EventLines()]
+        if self.config.train.loss_plot:
+            callbacks.insert(1, LossPlot(self.run_dir))  # after JsonlMetrics: it plots what that one wrote
         if progress_bar:
             callbacks.insert(0, ConsoleProgress())
         if self.config.train.tensorboard:

@@ -32,7 +32,8 @@ def tiny_config(token_dir: Path, **sections) -> dict:
                   "vocab_size": 50304},
         "train": {"seq_len": 64, "micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "log_every": 1,
                   "eval_every": 4, "eval_batches": 2, "ckpt_every": 2, "keep_last_k": 2, "dtype": "fp32",
-                  "report": False},  # the report page costs ~2 s of plotting per run: tests/unit/report covers it
+                  "report": False,  # the report page costs ~2 s of plotting per run: tests/unit/report covers it
+                  "loss_plot": False},  # loss.png: ~1 s of matplotlib per process; test_cli_verbs draws it
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "data": {"sources": [{"path": str(token_dir), "weight": 1.0}]},
     }

@@ -23,6 +23,7 @@ def two_checkpoints(tmp_path_factory, token_dir) -> tuple[Path, Path]:
     cfg = tmp / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 4, "ckpt_every": 2, "eval_every": 0})))
     assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
+    assert not (tmp / "run" / "loss.png").exists()  # train.loss_plot=false (tiny_config) draws none
     return cfg, tmp / "run"
 
 

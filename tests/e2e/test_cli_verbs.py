@@ -15,7 +15,9 @@ from tests.e2e.conftest import tiny_config
 def trained_run(tmp_path_factory, token_dir):
     tmp = tmp_path_factory.mktemp("run")
     cfg = tmp / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 4, "ckpt_every": 4, "eval_every": 0})))
+    # loss.png on (tiny_config switches it off): this run is the one that proves it is drawn
+    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 4, "ckpt_every": 4, "eval_every": 0,
+                                                                "loss_plot": True})))
     assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
     return tmp / "run"
 

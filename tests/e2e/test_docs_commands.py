@@ -178,6 +178,7 @@ def _small(token_dir: Path, config: str) -> list[str]:
     else:
         model += ["--model.ffn_hidden=128"]
     return [*model, "--train.max_steps=2", "--train.seq_len=32", "--train.dtype=fp32", "--train.eval_every=0",
+            "--train.loss_plot=false",  # loss.png: ~1 s of matplotlib per run; test_cli_verbs draws it
             "--train.eval_batches=1", "--train.ckpt_every=0", f"--data.sources=[{{path: {token_dir}}}]"]
 
 

@@ -57,7 +57,8 @@ def test_sigkill_anywhere_then_rerun_gives_identical_losses(tmp_path, config_fil
     assert sorted(expected) == list(range(1, 9))
 
     run = tmp_path / "killed"
-    args = ["train", str(config_file), f"--run.dir={run}", "--no-progress"]
+    # loss.png on (tiny_config switches it off): redrawn across the kills, it must end whole
+    args = ["train", str(config_file), f"--run.dir={run}", "--no-progress", "--train.loss_plot=true"]
     # 1) mid-step, after a checkpoint: steps 3+ are recomputed from step 2
     kill_when(run, args, lambda: last_step(run) >= 3)
     # 2) during a checkpoint write: the half-written one must be ignored

@@ -42,14 +42,15 @@ def tiny_run_config(
 
     Defaults: model d_model 32, 1 layer, 2 heads, dense (ffn_hidden 64); train seq_len 32, micro and
     global batch 2, eval_batches 1, fp32 (so no test depends on
-    whether this CPU has native bf16), no report page (~2 s of plotting; tests/unit/report asks for it). Each section dict given is merged over its defaults; resilience
+    whether this CPU has native bf16), no report page (~2 s of plotting; tests/unit/report asks for it), no
+    loss.png (~0.2 s a checkpoint; tests/e2e/test_cli_verbs.py draws it). Each section dict given is merged over its defaults; resilience
     and parallel are left out unless given.
     """
     raw: dict[str, Any] = {
         "model": {**dict(d_model=32, n_layers=1, n_heads=2, n_experts=0, ffn_hidden=64, vocab_size=50304),
                   **(model or {})},
         "train": {**dict(seq_len=32, micro_batch_size=2, global_batch_size=2, eval_batches=1, dtype="fp32",
-                                 report=False), **(train or {})},
+                                 report=False, loss_plot=False), **(train or {})},
         "data": dict(sources=[dict(path=str(token_dir))]),
         "run": dict(dir=str(run_dir)),
     }

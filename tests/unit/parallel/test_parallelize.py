@@ -24,10 +24,23 @@ def _grads(config) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
     return names, model
 
 
+@pytest.fixture(scope="module")
+def plain_grads():
+    """_grads of the plain tiny model (no recompute), per moe: computed once, the reference of every case below."""
+    done: dict[bool, tuple[dict[str, torch.Tensor], torch.nn.Module]] = {}
+
+    def get(moe: bool):
+        if moe not in done:
+            done[moe] = _grads(tiny_config(moe=moe))
+        return done[moe]
+
+    return get
+
+
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("mode", ["full", "selective_ops"])
-def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode):
-    want, plain = _grads(tiny_config(moe=moe))
+def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode, plain_grads):
+    want, plain = plain_grads(moe)
     got, wrapped = _grads(tiny_config(moe=moe, train=dict(activation_checkpointing=mode)))
     assert set(got) == set(want)
     for name in want:
@@ -41,10 +54,10 @@ MASKS = [["moe"], ["attention", "norms"], ["attention", "moe", "norms"], ["mlp",
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("recompute", MASKS, ids="+".join)
-def test_selective_mask_keeps_gradients_and_names(moe, recompute):
+def test_selective_mask_keeps_gradients_and_names(moe, recompute, plain_grads):
     if recompute == ["moe"] and not moe:
         recompute = ["mlp"]  # ["moe"] alone names nothing in a dense model (a config error)
-    want, plain = _grads(tiny_config(moe=moe))
+    want, plain = plain_grads(moe)
     config = tiny_config(moe=moe, train=dict(activation_checkpointing="selective", recompute=recompute))
     got, masked = _grads(config)
     for name in want:
