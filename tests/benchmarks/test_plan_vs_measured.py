@@ -40,7 +40,7 @@ def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypat
     # the cores' share timed for 0.1 s per world instead of 1 s (~7 s of CPU less); the benchmark still measures
     # it and reads it through, and test_plan_calibrate checks what measure_share returns
     share = calibrate.measure_share
-    monkeypatch.setattr(calibrate, "measure_share", lambda: share(seconds=0.1))
+    monkeypatch.setattr(calibrate, "measure_share", lambda: share(seconds=0.1, samples=1))
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"
     assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", "--repeats", "1", f"--model={SMALL_MODEL}",
