@@ -15,7 +15,7 @@ of per-micro-batch losses, MoE aux losses included) is then the very same sum of
 
 Tolerances (fp32, stated once here and used by `assert_parity`):
     loss     step 1: relative 1e-5; later steps: relative 1e-4 (Adam amplifies rounding slowly)
-    norm     the global gradient norm (what clipping scales by), step 1: relative 1e-5; later: 1e-3
+    norm     the global gradient norm (what clipping scales by), step 1: relative 1e-4; later: 1e-3
     grads    after step 1 (clipped, as the optimizer sees them): atol 1e-5, rtol 1e-4
 """
 
@@ -32,7 +32,7 @@ from optimus.config import Config, build_config
 
 LOSS_RTOL_FIRST_STEP = 1e-5
 LOSS_RTOL_LATER_STEPS = 1e-4
-NORM_RTOL_FIRST_STEP, NORM_RTOL_LATER_STEPS = 1e-5, 1e-3
+NORM_RTOL_FIRST_STEP, NORM_RTOL_LATER_STEPS = 1e-4, 1e-3  # as the gradients (rtol 1e-4)
 GRAD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
 
