@@ -81,15 +81,22 @@ def _local_numel(param: torch.Tensor) -> int:
 
 
 def _gathered_numel(param: torch.Tensor) -> int:
-    """Elements of `param` once FSDP has gathered it: still split over tp and ep."""
+    """Elements FSDP's all-gather of `param` produces: still split over tp and ep, and along its FSDP-sharded dim
+    rounded up to whole shards (FSDP2 gathers every rank's padded shard: a [64, ...] tensor over 3,072 ranks
+    gathers 3,072 rows)."""
     if not hasattr(param, "device_mesh"):
         return param.numel()
-    numel = param.numel()
+    shape = list(param.shape)
     names = param.device_mesh.mesh_dim_names or ()
-    for index, placement in enumerate(param.placements):
-        if getattr(placement, "dim", None) is not None and index < len(names) and names[index] in _MODEL_PARALLEL_DIMS:
-            numel //= param.device_mesh.size(index)
-    return numel
+    placed = [(index, getattr(placement, "dim", None)) for index, placement in enumerate(param.placements)]
+    model_parallel = [(i, d) for i, d in placed if d is not None and i < len(names) and names[i] in _MODEL_PARALLEL_DIMS]
+    for index, dim in model_parallel:
+        shape[dim] = -(-shape[dim] // param.device_mesh.size(index))
+    for index, dim in placed:
+        if dim is not None and (index, dim) not in model_parallel:
+            ranks = param.device_mesh.size(index)
+            shape[dim] = -(-shape[dim] // ranks) * ranks
+    return math.prod(shape)
 
 
 def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,

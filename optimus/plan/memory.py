@@ -6,7 +6,10 @@ the unsplit model (ModelShape) and the layout's degrees:
 
     fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
                   weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
-                  plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit)
+                  plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit);
+                  FSDP2 cuts each tensor along one dim into ceil-sized shards: the largest shard is held, and an
+                  all-gather produces every rank's padded shard (fsdp_elements: a [64, ...] expert tensor over
+                  3,072 ranks gathers 3,072 rows)
     zero1/zero2   whole parameters in the compute dtype, an fp32 gradient shard, fp32 master (under bf16) and
                   moments for the owned share: non-expert over dp (EP-aware) or expert_dp, experts over expert_dp;
                   zero1 also holds the whole gradients until the step, zero2 only about two buckets in flight
@@ -20,11 +23,28 @@ saved gradients) are counted; the larger is the rank's peak. tests/unit/plan che
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from optimus.config import Config
 from optimus.parallel.dry_run import micro_batches_in_flight, rank_activation_bytes, zero_gradient_bytes
 from optimus.parallel.mesh import ParallelDims
+
+
+# How tensor parallelism splits each weight (parallel/tensor_parallel.py's plan): column-parallel weights, the
+# vocabulary-parallel embedding and head, and QK-norm's sharded weight along dim 0; row-parallel ones along dim 1
+_TP_DIM0 = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".q_norm.", ".k_norm.", "embed.", "lm_head.")
+_TP_DIM1 = (".o_proj.", ".down_proj.")
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """One weight of the unsplit model, as FSDP's sharding sees it after tp and ep have split it."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim tensor parallelism splits (experts: dim 0, over ep x tp)
+    expert: bool
+    where: str  # "block" (one block's), "embedding" or "head" (root, with the final norm)
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,7 @@ class ModelShape:
     block_experts: int  # per block: expert weights (split over ep x tp)
     embedding: int
     head: int  # LM head (split over tp along the vocabulary) and final norm (whole, negligible)
+    tensors: tuple[TensorShape, ...] = ()  # one block's weights and the root's, for FSDP's per-tensor padding
 
     @classmethod
     def of(cls, config: Config) -> "ModelShape":
@@ -46,13 +67,20 @@ class ModelShape:
 
         model = build_model(config.model, device="meta")
         split = replicated = experts = embedding = head = attention = 0
+        tensors = []
         for name, param in model.named_parameters():
             n = param.numel()
+            expert = ".experts." in name
+            where = "embedding" if name.startswith("embed.") else "block" if name.startswith("layers.") else "head"
+            if where != "block" or name.startswith("layers.0."):
+                tp_dim = 0 if expert or any(k in name for k in _TP_DIM0) else 1 if any(k in name for k in _TP_DIM1) \
+                    else None
+                tensors.append(TensorShape(tuple(param.shape), tp_dim, expert, where))
             if name.startswith("embed."):
                 embedding += n
             elif not name.startswith("layers."):
                 head += n
-            elif ".experts." in name:
+            elif expert:
                 experts += n
             elif param.ndim >= 2 and ".router." not in name:
                 split += n
@@ -60,12 +88,62 @@ class ModelShape:
             else:
                 replicated += n
         layers = config.model.n_layers
-        return cls(layers, split // layers, replicated // layers, attention // layers, experts // layers, embedding, head)
+        return cls(layers, split // layers, replicated // layers, attention // layers, experts // layers, embedding,
+                   head, tuple(tensors))
 
     @property
     def total(self) -> int:
         """All parameters."""
         return self.n_layers * (self.block_tp_split + self.block_replicated + self.block_experts) + self.embedding + self.head
+
+
+def fsdp_elements(tensor: TensorShape, dims: ParallelDims) -> tuple[int, int]:
+    """(the largest rank's shard, the all-gather's output) in elements of one weight under FSDP2: split over tp (and
+    ep for experts), then cut along dim 0 into ceil-sized shards over dp_shard (experts: dp_shard_mod_ep, along
+    dim 1 when their experts do not divide but dim 1 does: data_parallel._expert_shard_dim)."""
+    shape = list(tensor.shape)
+    if tensor.tp_dim is not None and shape:
+        shape[tensor.tp_dim] = -(-shape[tensor.tp_dim] // (dims.tp * (dims.ep if tensor.expert else 1)))
+    ranks = dims.dp_shard_mod_ep if tensor.expert else dims.dp_shard
+    if not shape:
+        return 1, ranks
+    dim = 1 if tensor.expert and len(shape) > 1 and shape[0] % ranks and shape[1] % ranks == 0 else 0
+    rest = math.prod(shape) // max(shape[dim], 1)
+    shard = -(-shape[dim] // ranks) * rest
+    return shard, shard * ranks
+
+
+def fsdp_gathered_block(shape: ModelShape, dims: ParallelDims) -> tuple[float, float]:
+    """(non-expert, expert) elements one block's FSDP all-gathers produce (and its reduce-scatters consume), padding
+    included: what the collectives move."""
+    if not shape.tensors:
+        return shape.block_tp_split / dims.tp + shape.block_replicated, shape.block_experts / (dims.ep * dims.tp)
+    dense = experts = 0
+    for tensor in shape.tensors:
+        if tensor.where == "block":
+            gathered = fsdp_elements(tensor, dims)[1]
+            dense, experts = (dense, experts + gathered) if tensor.expert else (dense + gathered, experts)
+    return dense, experts
+
+
+def fsdp_stage_elements(shape: ModelShape, dims: ParallelDims, layers: int, first: bool, last: bool
+                        ) -> tuple[int, int, int]:
+    """(the largest rank's shard of a stage, one block gathered, the stage's root gathered) in elements, FSDP2's
+    padding included; falls back to even splits for a shape without its tensors."""
+    if not shape.tensors:
+        block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / (dims.ep * dims.tp)
+        root = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
+        local = (layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root) / dims.dp_shard + \
+            layers * shape.block_experts / (dims.ep * dims.tp * dims.dp_shard_mod_ep)
+        return local, block, root
+    local = block = root = 0
+    for tensor in shape.tensors:
+        held, gathered = fsdp_elements(tensor, dims)
+        if tensor.where == "block":
+            local, block = local + layers * held, block + gathered
+        elif (tensor.where == "embedding" and first) or (tensor.where == "head" and last):
+            local, root = local + held, root + gathered
+    return local, block, root
 
 
 def _ceil_div(a: float, b: int) -> float:
@@ -83,10 +161,9 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
     dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
-    gathered_block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / (dims.ep * dims.tp)
     if config.parallel.shard_mode == "fsdp":
-        local = dense / dims.dp_shard + experts / dims.dp_shard_mod_ep
-        transient = (2 * gathered_block + root_dense) * width + 4 * gathered_block if dims.is_parallel else 0.0
+        local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
+        transient = (2 * gathered_block + gathered_root) * width + 4 * gathered_block if dims.is_parallel else 0.0
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts

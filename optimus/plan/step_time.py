@@ -12,7 +12,7 @@
                  QK-norm's all-reduces; the embedding's, LM head's and loss's collectives),
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
-                 gradient reduce-scatter (fp32); pp sends of activations and gradients (asynchronous, 2 per
+                 gradient reduce-scatter (fp32), of every rank's padded shard (memory.fsdp_elements); pp sends of activations and gradients (asynchronous, 2 per
                  virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
@@ -55,7 +55,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
-from optimus.plan.memory import ModelShape
+from optimus.plan.memory import ModelShape, fsdp_gathered_block
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
 # aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
@@ -258,8 +258,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         def unit_reduce(dense: float, experts: float) -> float:
             return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
                     ring_time(expert_link, 4 * experts, "reduce_scatter"))
-        block_dense = shape.block_tp_split / dims.tp + shape.block_replicated
-        block_experts = shape.block_experts / (dims.ep * dims.tp)
+        block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
         fsdp_mb = layers * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0)
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
