@@ -48,7 +48,7 @@ class RankMemory:
     stage: int
     layers: int
     parameters: int
-    in_flight: int = 1  # micro-batches whose activations are held at once
+    in_flight: float = 1  # micro-batches whose activations are held at once (interleaved: a half counts)
     bytes: dict[str, float] = field(default_factory=dict)  # what the rank holds: summed into the total
     activations_per_micro_batch: dict[str, float] = field(default_factory=dict)  # by checkpointing mode
 
@@ -105,7 +105,7 @@ def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_h
     return sum(activation_split(config, dims, layers, has_loss_head, loss_on_cpu))
 
 
-def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: int,
+def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: float,
                           loss_on_cpu: bool = False) -> float:
     """Activation bytes of a rank holding `in_flight` micro-batches: each keeps its saved tensors, but only one is
     in its backward at a time, so the recompute working set and the loss head's buffers exist once."""
@@ -240,17 +240,24 @@ def _batch(config: Config, dims: ParallelDims) -> BatchLayout:
     return resolve_batch(config.train, dims, config.parallel.pp_schedule)
 
 
-def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> int:
-    """Micro-batches whose activations pipeline stage `stage` holds at once.
+def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> float:
+    """Micro-batches whose activations pipeline stage `stage` holds at once, in units of the whole stage's layers.
 
-    GPipe: all of the rank's micro-batches. 1F1B (and, to first order, interleaved 1F1B): the warm-up
-    depth pp - stage, so the first stage holds the most. No pipeline: one at a time.
+    GPipe: all of the rank's micro-batches. 1F1B: the warm-up depth pp - stage, so the first stage holds the most.
+    Interleaved 1F1B (v virtual stages of layers / v each): torch's warm-up of (v - 1) x (micro-batches per round)
+    + 2 (pp - 1 - stage) chunk forwards plus the first steady one (ScheduleInterleaved1F1B's _get_warmup_ops),
+    over v: rank 0 of pp = 32, v = 2 holds 47.5 stages' worth, not 32. No pipeline: one at a time.
     """
     n_micro = _batch(config, dims).micro_batches
     if dims.pp == 1:
         return 1
     if config.parallel.pp_schedule == "gpipe":
         return n_micro
+    virtual = config.parallel.pp_virtual_stages
+    if config.parallel.pp_schedule == "interleaved_1f1b" and virtual > 1:
+        per_round = n_micro // max(1, n_micro // dims.pp)
+        warmup = min((virtual - 1) * per_round + 2 * (dims.pp - 1 - stage), n_micro * virtual)
+        return min(n_micro, (warmup + 1) / virtual)
     return min(n_micro, dims.pp - stage)
 
 
@@ -395,7 +402,7 @@ def format_report(report: DryRunReport) -> str:
     lines.append(" " * label_width + "".join(h.rjust(col) for h in headers))
     lines.append("parameters on rank".ljust(label_width) + "".join(f"{r.parameters / 1e6:,.1f} M".rjust(col)
                                                                    for r in report.ranks))
-    lines.append("micro-batches in flight".ljust(label_width) + "".join(f"{r.in_flight}".rjust(col)
+    lines.append("micro-batches in flight".ljust(label_width) + "".join(f"{r.in_flight:g}".rjust(col)
                                                                         for r in report.ranks))
     for key in report.ranks[0].bytes:
         cells = [f"{r.bytes[k] / GIB:,.2f} GiB".rjust(col) for r in report.ranks for k in r.bytes if k == key]

@@ -286,3 +286,34 @@ def test_dry_run_derives_the_micro_batch_as_the_trainer_does():
     assert report.batch.micro_batch_size == 4 and report.batch.micro_batches == 2
     assert [r.in_flight for r in report.ranks] == [2, 1]
     assert "2 micro-batch(es) of 4 per step (derived" in format_report(report)
+
+
+def _torch_interleaved_peak(pp: int, virtual: int, n_micro: int, rank: int) -> float:
+    """The most chunk forwards torch's ScheduleInterleaved1F1B keeps un-backwarded on `rank`, over `virtual`."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)  # its order only: no stages, no group
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, virtual, n_micro
+    schedule.number_of_rounds = max(1, n_micro // pp)
+    schedule.microbatches_per_round = n_micro // schedule.number_of_rounds
+    live = most = 0
+    for action in schedule._calculate_single_rank_operations(rank):
+        if action is not None and action.computation_type == _ComputationType.FORWARD:
+            live += 1
+        elif action is not None and action.computation_type in (_ComputationType.FULL_BACKWARD,
+                                                                 _ComputationType.BACKWARD_INPUT):
+            live -= 1
+        most = max(most, live)
+    return most / virtual
+
+
+@pytest.mark.parametrize("pp,virtual,n_micro", [(2, 2, 4), (4, 2, 8), (4, 2, 12), (4, 4, 16), (8, 2, 8), (32, 2, 64)])
+def test_interleaved_in_flight_follows_torchs_schedule(pp, virtual, n_micro):
+    from optimus.parallel.dry_run import micro_batches_in_flight
+
+    config = build_config({"model": {"preset": "mula-tiny-dense", "n_layers": pp * virtual},
+                           "parallel": dict(pp=pp, pp_schedule="interleaved_1f1b", pp_virtual_stages=virtual),
+                           "train": {"global_batch_size": n_micro, "micro_batch_size": 1, "seq_len": 32}})
+    dims = ParallelDims.from_config(config.parallel, pp)
+    for stage in range(pp):
+        assert micro_batches_in_flight(config, dims, stage) == _torch_interleaved_peak(pp, virtual, n_micro, stage)
