@@ -437,24 +437,33 @@ class CheckpointManager:
 
 
 def _take_stand_ins(state: dict[str, Stateful | Any], target: dict[str, Any], path: Path) -> dict[str, tuple]:
-    """Entries the checkpoint lacks but can fill from others it holds, taken out of `target`.
+    """Entries to read from other checkpoint keys than their own, taken out of `target`.
 
-    A Stateful may name them with `stand_ins()` -> {its key: checkpoint key to read instead} (a bf16
-    zero1/zero2 optimizer's fp32 master weights are the fp32 parameters an fsdp run saved). Returns
+    A Stateful may name them with `stand_ins()` -> {its key: checkpoint key to read instead}, used where the
+    checkpoint lacks the key (a bf16 zero1/zero2 optimizer's fp32 master weights are the fp32 parameters an
+    fsdp run saved), and with `better_sources()`, used wherever the checkpoint holds the other key (an fp32
+    model resuming a bf16 zero run reads that run's fp32 masters, not its bf16-rounded parameters). Returns
     {checkpoint key: (entry, key, live tensor)} for a second load; one line on stderr (rank 0) says so.
     """
-    offered = {entry: value.stand_ins() for entry, value in state.items()
-               if hasattr(value, "stand_ins") and isinstance(target.get(entry), dict)}
-    if not any(offered.values()):
+    def offers(method: str) -> dict[str, dict[str, str]]:
+        return {entry: getattr(value, method)() for entry, value in state.items()
+                if hasattr(value, method) and isinstance(target.get(entry), dict)}
+
+    missing, better = offers("stand_ins"), offers("better_sources")
+    if not any(missing.values()) and not any(better.values()):
         return {}
     saved = set(read_index(path).state_dict_metadata)
     taken: dict[str, tuple] = {}
-    for entry, stand_ins in offered.items():
-        for key, source in stand_ins.items():
+    for entry, sources in better.items():
+        for key, source in sources.items():
+            if source in saved and key in target[entry]:
+                taken[source] = (entry, key, target[entry].pop(key))
+    for entry, sources in missing.items():
+        for key, source in sources.items():
             if f"{entry}.{key}" not in saved and source in saved and key in target[entry]:
                 taken[source] = (entry, key, target[entry].pop(key))
     if taken and _is_rank0():
         source, (entry, key, _) = next(iter(taken.items()))
-        print(f"checkpoint {path.name} lacks {len(taken)} {entry} entries: initialised from the entries it holds in "
-              f"their place (e.g. {entry}.{key} from {source})", file=sys.stderr, flush=True)
+        print(f"checkpoint {path.name}: {len(taken)} entries read from other entries it holds (e.g. {entry}.{key} "
+              f"from {source})", file=sys.stderr, flush=True)
     return taken

@@ -17,10 +17,24 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class ModelState(Stateful):
-    """Model weights (full or sharded: DCP reshards on load)."""
+    """Model weights (full or sharded: DCP reshards on load).
 
-    def __init__(self, model: nn.Module):
+    optimizer_key: the entry under which the optimizer is checkpointed beside it ("optimizer").
+    """
+
+    def __init__(self, model: nn.Module, optimizer_key: str = "optimizer"):
         self.model = model
+        self.optimizer_key = optimizer_key
+
+    def better_sources(self) -> dict[str, str]:
+        """For CheckpointManager.load: keys of state_dict() to read from another checkpoint key where the checkpoint
+        has it. A model whose weights are fp32 (fsdp, ddp, one process) resuming a bf16 zero1/zero2 run: that run's
+        parameters were saved in bf16, its fp32 master weights beside them; the masters are the weights."""
+        if any(p.dtype != torch.float32 for p in self.model.parameters()):
+            return {}  # bf16 weights (zero modes): their masters live in the optimizer, which loads them itself
+        from optimus.parallel.parallelize import single_process_name
+
+        return {key: f"{self.optimizer_key}.state.{single_process_name(key)}.master" for key in self.state_dict()}
 
     def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
