@@ -59,7 +59,7 @@ def _load(path, value):
 def test_ranges_load_their_boxes_from_a_whole_tensor_and_save_as_it(tmp_path):
     """A checkpoint of a whole [5, 3, 4] tensor read into ranges of it (what a zero rank loads after fsdp or one
     process saved it); a range that covers the tensor saves as that tensor. (Several ranks saving their ranges of
-    one key: tests/distributed/test_flat_zero.py.)"""
+    one key: tests/distributed/test_zero_flat_buckets.py.)"""
     import torch.distributed.checkpoint as dcp
 
     whole = torch.randn(5, 3, 4)
