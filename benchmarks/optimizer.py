@@ -17,8 +17,8 @@
    gradient bytes per rank held when backward is done (before clipping: fsdp's sharded gradients,
    zero1's whole ones, zero2's reduced fp32 shards); the zero modes' persistent bucket buffers too.
    Ratios are against the EP-unaware variant of the same zero mode (fsdp: against zero1 EP-unaware).
-   Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each parameter's
-   local rows padded to a multiple of its sharding group; zero1 once per step, zero2 once per
+   Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each sharding group's
+   parameters end to end, padded to a multiple of the group's size; zero1 once per step, zero2 once per
    micro-batch, its price for holding only shards) and parameter all-gather, and EP's
    all_to_all (per MoE layer and micro-batch: the [T*k, D] token rows out and back, forward and
    backward, plus the [E] counts). EP-unaware also all-reduces the reduced non-expert gradient shard
@@ -88,22 +88,23 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def zero_analytic_bytes(model, mesh, ep_aware: bool, scatters_per_step: int = 1) -> dict[str, int]:
     """The zero modes' optimizer collectives per step and rank: fp32 gradient reduce-scatter input (zero1: once
-    per step; zero2: once per micro-batch, pass scatters_per_step) and parameter all-gather output, each
-    parameter's local rows padded to a multiple of its group's size."""
-    from optimus.optim.sharded import expert_parameters
+    per step; zero2: once per micro-batch, pass scatters_per_step) and parameter all-gather output. Each sharding
+    group's parameters are one flat bucket here (the model is far below DEFAULT_BUCKET_NUMEL), padded only to a
+    multiple of the group's size (optim/flat.py)."""
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
 
     experts = expert_parameters(model)
-    total = ep_shard = 0
-    for param in model.parameters():
-        local = _local(param)
-        group = "expert_dp" if (param in experts or not ep_aware) else "dp"
+    expert = sum(_local(p).numel() for p in model.parameters() if p in experts)
+    non_expert = sum(_local(p).numel() for p in model.parameters() if p not in experts)
+    if max(expert, non_expert) >= DEFAULT_BUCKET_NUMEL:
+        raise ValueError("zero_analytic_bytes counts one bucket per group: the model is too large for that")
+    total = 0
+    for elements, group in ((non_expert, "dp" if ep_aware else "expert_dp"), (expert, "expert_dp")):
         size = mesh.size(group)
-        rows = local.shape[0] if local.ndim else 1
-        padded = math.ceil(rows / size) * size * (local.numel() // max(rows, 1)) * 4
-        if size > 1:
-            total += padded
-        if param not in experts and not ep_aware:
-            ep_shard += padded // size  # EP-unaware: the reduced non-expert shard is all-reduced over ep
+        if size > 1 and elements:
+            total += math.ceil(elements / size) * size * 4
+    # EP-unaware: the reduced non-expert shard is all-reduced over ep
+    ep_shard = 0 if ep_aware else math.ceil(non_expert / mesh.size("expert_dp")) * 4
     out = {"reduce_scatter_single": scatters_per_step * total, "all_gather_single": total}
     if ep_shard and mesh.size("ep") > 1:
         out["all_reduce"] = ep_shard  # measured all_reduce adds a few scalars (gradient norm, losses)

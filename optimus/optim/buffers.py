@@ -7,10 +7,11 @@ collectives are in flight and the memory held is about two buckets, not the whol
 per-bucket buffers would hold: zero2 would lose its 1/dp gradient memory). Each buffer is raw bytes,
 sized for the largest of its buckets, and viewed per use in the dtype the collective moves:
 
-    reduce-scatter (fp32):       [ranks, segment] packed gradients | [segment] output to accumulate
-    all-gather (parameter dtype): [ranks, segment] gathered blocks  | [segment] this rank's blocks
+    reduce-scatter (fp32):        [ranks, segment] packed gradients  | [segment] output to accumulate
+    all-gather (parameter dtype): [ranks, segment] gathered segments | [segment] this rank's segment
 
-The reduced gradient shard itself (fp32 [segment] per bucket) is not here: it lives through the step.
+where ranks x segment is the bucket's elements padded to a multiple of ranks (optim/flat.py). The reduced
+gradient shard itself (fp32 [segment] per bucket) is not here: it lives through the step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from optimus.optim.blocks import cut_buckets
+from optimus.optim.flat import cut_buckets
 
 BUFFERS = 2  # one bucket's collective travels while the next bucket is packed (double buffering)
 
@@ -78,16 +79,22 @@ def bucket_order(model: nn.Module, experts: set[nn.Parameter]) -> dict[str, list
     return by_group
 
 
+def zero_layout(model: nn.Module, dense_ranks: int, expert_ranks: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """ShardedOptimizer's buckets for `model` as (ranks, segment), in order (works on meta: the dry run),
+    non-expert state sharded over `dense_ranks`, expert state over `expert_ranks`. Rank 0 owns a whole
+    segment of every bucket: the most state any rank holds is the sum of the segments."""
+    from optimus.optim.sharded import expert_parameters
+
+    by_group = bucket_order(model, expert_parameters(model))
+    layout = []
+    for kind, ranks in (("non_expert", dense_ranks), ("expert", expert_ranks)):
+        layout += [(ranks, bucket.segment) for bucket in cut_buckets(by_group[kind], ranks, 0, bucket_numel)]
+    return layout
+
+
 def buffer_bytes_for(model: nn.Module, dense_ranks: int, expert_ranks: int, width: int, mode: str,
                      bucket_numel: int) -> int:
     """Bytes of the persistent communication buffers ShardedOptimizer allocates for `model` (works on meta: the
     dry run), non-expert state sharded over `dense_ranks`, expert state over `expert_ranks`."""
-    from optimus.optim.sharded import expert_parameters
-
-    experts = expert_parameters(model)
-    by_group = bucket_order(model, experts)
-    layout = []
-    for kind, ranks in (("non_expert", dense_ranks), ("expert", expert_ranks)):
-        layout += [(ranks, segment) for _, segment in cut_buckets(by_group[kind], ranks, 0, kind == "expert",
-                                                                   bucket_numel)]
+    layout = zero_layout(model, dense_ranks, expert_ranks, bucket_numel)
     return sum(buffer_nbytes(layout, width, accumulates=mode == "zero2"))

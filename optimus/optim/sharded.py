@@ -1,9 +1,13 @@
 """The distributed optimizer: parallel.shard_mode zero1 / zero2 (fsdp is FSDP2's own sharding).
 
 Parameters stay whole on every data-parallel rank (in the compute dtype; TP and EP placements
-unchanged: we work on their local tensors). Each rank owns a dim-0 row block of every parameter,
-cut as torch.chunk / FSDP2's Shard(0) cut it (ceil-sized blocks, the last ones short or empty), and
-keeps fp32 master weights and AdamW moments for its blocks only. A step:
+unchanged: we work on their local tensors). They are laid end to end in flat buckets, each padded only
+to a multiple of its sharding group's size, and each rank owns one contiguous segment of every bucket
+(optim/flat.py), as Megatron-Core's distributed optimizer shards them: of a parameter a rank owns
+nothing, all of it or a flat range, and keeps fp32 master weights and AdamW moments for what it owns
+only. Cutting each parameter into per-rank row blocks instead (as FSDP2's Shard(0)) pads a parameter
+with fewer rows than the group has ranks to one row per rank: 64-expert tensors over 3,072 ranks, 48x.
+A step:
 
     zero1: gradients accumulate whole over the micro-batches, then are reduce-scattered in flat
            buckets at the step (one reduce-scatter per bucket and step; whole gradients held until then)
@@ -13,8 +17,8 @@ keeps fp32 master weights and AdamW moments for its blocks only. A step:
            gradient shards (1/group of zero1's whole gradients), during one the buckets in flight;
            the price is a reduce-scatter per micro-batch instead of per step
     -> global gradient norm from the shards (one all-reduce), clipping
-    -> torch AdamW on the owned blocks (the same elementwise math as one process)
-    -> all-gather of the updated blocks back into the whole parameters.
+    -> torch AdamW on the owned ranges (AdamW is elementwise: the same math as one process)
+    -> all-gather of the updated segments back into the whole parameters.
 
 Sharding groups (EP-aware, the default): non-expert parameters are replicated over every
 data-parallel rank, expert parallel ones included, so their state is sharded over mesh["dp"]
@@ -25,25 +29,23 @@ gradients are reduce-scattered over expert_dp and then all-reduced over ep.
 Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradients over expert_dp
 (expert_parallel already scaled them by 1/ep in the forward).
 
-Why row blocks of every parameter rather than Megatron-Core's contiguous slices of one flat buffer:
-each rank's state is then a plain Shard(0) piece of each parameter, checkpointed per parameter name
-like FSDP's and resharded by DCP, at the price of FSDP2's copy-in/copy-out around the collectives
-(the parameters are not views into the bucket buffers): one copy each way, through two persistent
-buffers that the buckets take turns over (optim/buffers.py): gradients packed straight into one, cast
-to fp32 in the copy; gathered blocks copied straight from it into the parameters.
+The parameters are not views into the bucket buffers (they stay ordinary whole tensors, as every other
+mode has them): one copy each way, through two persistent buffers that the buckets take turns over
+(optim/buffers.py): gradients packed straight into one, cast to fp32 in the copy; gathered segments
+copied straight from it into the parameters.
 
-Checkpoints: state_dict() is the flattened form get_optimizer_state_dict gives for FSDP
-("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment a DTensor of the parameter's
-global shape, Shard(0) over the sharding group (combined with the parameter's own EP/TP
-placements as FSDP2 combines them), so DCP reshards between layouts and between shard modes.
-Under bf16 the fp32 master blocks are saved too ("state.<name>.master"). A checkpoint without them
-(fsdp, whose sharded fp32 parameters are its masters, or an fp32 zero run) fills them from the saved
-parameters at full precision: OptimizerState.stand_ins names "model.<name>" for CheckpointManager.
+Checkpoints stay per parameter, whatever the buckets: state_dict() is the flattened form
+get_optimizer_state_dict gives for FSDP ("state.<name>.exp_avg", "param_groups.<name>.lr"), each moment
+of the parameter's global shape, this rank holding its flat range of the parameter's local (EP/TP)
+tensor as a few rectangular boxes placed at that tensor's global offset (checkpoint/flat_range.py), so
+DCP reshards between layouts, group sizes and shard modes. Under bf16 the fp32 master ranges are saved
+too ("state.<name>.master"). A checkpoint without them (fsdp, whose sharded fp32 parameters are its
+masters, or an fp32 zero run) fills them from the saved parameters at full precision:
+OptimizerState.stand_ins names "model.<name>" for CheckpointManager.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -51,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
-from optimus.optim.blocks import Slot, cut_buckets, local_tensor, owned_block, pack_for_ranks, unpack_from_ranks
+from optimus.checkpoint.flat_range import FlatRangeTensor
+from optimus.optim.flat import Slot, checkpoint_view, cut_buckets, local_tensor
 from optimus.optim.buffers import BucketBuffers, bucket_order, buffer_nbytes
 from optimus.optim.config import OptimConfig
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
@@ -90,9 +92,11 @@ class _Bucket:
     group: _ShardGroup
     slots: list[Slot]
     segment: int  # elements per rank
+    total: int  # elements of the bucket's parameters (ranks x segment, less the padding tail)
+    held: int  # of this rank's segment, those that are parameters' (then the padding tail)
     buffer: int = 0  # which of the persistent communication buffers (optim/buffers.py) it packs into
     shard: torch.Tensor | None = None  # persistent fp32 [segment], allocated on the first reduction
-    grad_shard: torch.Tensor | None = None  # `shard` once this step reduced into it: this rank's blocks summed
+    grad_shard: torch.Tensor | None = None  # `shard` once this step reduced into it: this rank's segment summed
     # over ranks (and micro-batches)
     # its reduce-scatter in flight (at most one: its buffer is claimed before the next packing):
     # (work, the buffer's output to add to grad_shard when it lands, or None: it writes grad_shard itself)
@@ -175,18 +179,20 @@ class ShardedOptimizer:
     # --- construction -------------------------------------------------------------------------
     @staticmethod
     def _make_buckets(named: list, group: _ShardGroup, bucket_numel: int) -> list[_Bucket]:
-        cut = cut_buckets(named, group.mesh.size(), group.mesh.get_local_rank(), group.kind == "expert", bucket_numel)
-        return [_Bucket(group, slots, segment) for slots, segment in cut]
+        cut = cut_buckets(named, group.mesh.size(), group.mesh.get_local_rank(), bucket_numel)
+        return [_Bucket(group, layout.slots, layout.segment, layout.total, layout.held) for layout in cut]
 
     @torch.no_grad()
     def _init_masters(self, compute_dtype: torch.dtype) -> None:
         for slot, _ in self._slots.values():
             local = local_tensor(slot.param).detach()
-            block = owned_block(slot, local)
-            if slot.dim == 0 and local.dtype == torch.float32 and compute_dtype == torch.float32:
-                slot.master, slot.aliased = block, True  # fp32 parameters: the owned rows are the masters
+            if not local.is_contiguous():  # (the buckets are the local tensors' memory order)
+                raise ValueError(f"zero1/zero2 need contiguous parameters; {slot.name} is not")
+            owned = slot.owned(local)
+            if local.dtype == torch.float32 and compute_dtype == torch.float32:
+                slot.master, slot.aliased = owned, True  # fp32 parameters: the owned elements are the masters
             else:
-                slot.master = block.float().clone(memory_format=torch.contiguous_format)
+                slot.master = owned.float().clone()
             if local.dtype != compute_dtype:  # whole parameters are kept in the compute dtype
                 slot.param.data = slot.param.data.to(compute_dtype)
 
@@ -231,7 +237,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the owned blocks, then all-gather them into the whole parameters."""
+        """AdamW on the owned ranges, then all-gather the segments into the whole parameters."""
         self._reduce_all()
         self.inner.step()
         # two buckets' all-gathers in flight (in their two buffers): the next one travels while this one is
@@ -288,7 +294,7 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _reduce_bucket(self, bucket: _Bucket) -> None:
-        """Pack the bucket's whole gradients (fp32, each rank's blocks side by side) into its persistent buffer,
+        """Pack the bucket's whole gradients (fp32, end to end) into its persistent buffer,
         free them, and start their reduce-scatter: the step's first straight into the bucket's shard, later
         ones (zero2's micro-batches) into the buffer, summed into the shard when they land (_land)."""
         size = bucket.group.mesh.size()
@@ -299,10 +305,10 @@ class ShardedOptimizer:
         if first:
             bucket.grad_shard = bucket.shard
         if size == 1 and first:  # nothing to reduce: the packed gradients are the shard
-            self._pack(bucket, bucket.shard.view(1, -1))
+            self._pack(bucket, bucket.shard)
             return
         packed, out = self.buffers.views(bucket.buffer, size, bucket.segment, torch.float32)
-        self._pack(bucket, packed)
+        self._pack(bucket, packed.view(-1))
         if size == 1:
             bucket.grad_shard.add_(packed.view(-1))
             return
@@ -313,10 +319,12 @@ class ShardedOptimizer:
         self._in_flight.append(bucket)
 
     def _pack(self, bucket: _Bucket, packed: torch.Tensor) -> None:
-        """Every slot's whole gradient into its columns of `packed` ([ranks, segment], every element written),
-        then drop the whole gradients (zero2 frees them in every backward: its memory saving)."""
+        """Every slot's whole gradient into its place in `packed` ([ranks * segment]: every element written, the
+        padding tail zeroed, as the buffer is reused), then drop the whole gradients (zero2 frees them in every
+        backward: its memory saving)."""
+        packed[bucket.total:].zero_()
         for slot in bucket.slots:
-            region = packed[:, slot.offset:slot.offset + slot.padded]
+            region = packed[slot.offset:slot.offset + slot.numel]
             grad = slot.param.grad
             if grad is None:  # no gradient this step: it contributes zeros, as one process would see
                 region.zero_()
@@ -325,7 +333,7 @@ class ShardedOptimizer:
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            pack_for_ranks(slot, grad, region)
+            region.copy_(grad.reshape(-1))  # (the cast to fp32 fused into the copy)
             slot.param.grad = None
         bucket.arrived.clear()
 
@@ -362,69 +370,54 @@ class ShardedOptimizer:
             dist.all_reduce(shard, group=group.extra_sum.get_group())
         shard.div_(group.average_over)
         for slot in bucket.slots:
-            slot.master.grad = shard[slot.offset:slot.offset + slot.owned].view_as(slot.master)
+            slot.master.grad = shard[slot.shard_offset:slot.shard_offset + slot.own_numel]
         bucket.finished = True
 
     def _start_gather(self, bucket: _Bucket):
-        """Write this rank's updated blocks (cast to the parameters' dtype) into the bucket's persistent buffer and
-        start their all-gather into the same buffer (None: one rank, the blocks were written into the parameters)."""
+        """Write this rank's updated segment (cast to the parameters' dtype) into the bucket's persistent buffer and
+        start its all-gather into the same buffer (None: one rank, the masters were written into the parameters)."""
         size = bucket.group.mesh.size()
         if size == 1:  # this rank owns the whole parameters: no buffer, no collective
             for slot in bucket.slots:
-                if not slot.aliased:  # (an aliased fp32 master is the parameter's own rows: already updated)
-                    owned_block(slot, local_tensor(slot.param)).copy_(slot.master)
+                if not slot.aliased:  # (an aliased fp32 master is the parameter's own elements: already updated)
+                    slot.owned(local_tensor(slot.param)).copy_(slot.master)
             return None
         dtype = local_tensor(bucket.slots[0].param).dtype
         gathered, mine = self.buffers.views(bucket.buffer, size, bucket.segment, dtype)
         for slot in bucket.slots:
-            mine[slot.offset:slot.offset + slot.owned].copy_(slot.master.reshape(-1))
-            mine[slot.offset + slot.owned:slot.offset + slot.padded].zero_()  # (the padding: sent, never read)
+            mine[slot.shard_offset:slot.shard_offset + slot.own_numel].copy_(slot.master)
+        mine[bucket.held:].zero_()  # (the padding tail: sent, never read)
         return all_gather_single(gathered.view(-1), mine, group=bucket.group.mesh.get_group(), async_op=True)
 
     def _finish_gather(self, bucket: _Bucket, work) -> None:
-        """Wait for a bucket's all-gather and copy every rank's blocks into the whole parameters."""
+        """Wait for a bucket's all-gather and copy the gathered parameters, end to end, into the whole ones."""
         if work is None:
             return
         work.wait()
         dtype = local_tensor(bucket.slots[0].param).dtype
         gathered, _ = self.buffers.views(bucket.buffer, bucket.group.mesh.size(), bucket.segment, dtype)
+        flat = gathered.view(-1)
         for slot in bucket.slots:
-            unpack_from_ranks(slot, gathered[:, slot.offset:slot.offset + slot.padded], local_tensor(slot.param))
+            local_tensor(slot.param).view(-1).copy_(flat[slot.offset:slot.offset + slot.numel])
 
     # --- views for checkpoints and tests ------------------------------------------------------
-    def _as_dtensor(self, slot: Slot, bucket: _Bucket, block: torch.Tensor) -> DTensor:
-        """`block` (this rank's rows of a parameter-shaped tensor) as a DTensor of the parameter's global
-        shape: Shard(0) over the sharding group, then the parameter's own EP/TP placements (FSDP2's form)."""
-        group_mesh, param = bucket.group.mesh, slot.param
-        if isinstance(param, DTensor):
-            mesh = DeviceMesh._concatenate([group_mesh, param.device_mesh])
-            # dim 0 already split by EP/TP: our split is inside theirs (strided), as FSDP2 writes it
-            split = math.prod(mesh_size for mesh_size, p in zip(param.device_mesh.shape, param.placements)
-                              if p.is_shard(0))
-            first = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)  # (dim 1: replaced below)
-            placements = (first, *param.placements)
-        else:
-            mesh, placements = group_mesh, (Shard(0),)
-        if slot.dim != 0:
-            placements = (Shard(slot.dim), *placements[1:])
-        return DTensor.from_local(block, mesh, placements, shape=param.shape, stride=param.stride(), run_check=False)
-
     def _each_state(self):
         for bucket in self.buckets:
             for slot in bucket.slots:
                 yield slot, bucket, self.inner.state[slot.master]
 
     def state_dict(self) -> dict[str, object]:
-        """Flattened, keyed by parameter name, moments as DTensors of the parameters' global shapes."""
+        """Flattened, keyed by parameter name, moments (and bf16 runs' fp32 masters) of the parameters' global
+        shapes, of which this rank holds its flat ranges (FlatRangeTensor: views of the live state)."""
         out: dict[str, object] = {}
         # bf16 parameters: the fp32 masters hold more than the parameters (fp32 copies do not)
         separate_master = self.plan.compute_dtype != torch.float32
-        for slot, bucket, state in self._each_state():
+        for slot, _, state in self._each_state():
             out[f"state.{slot.name}.step"] = state["step"]
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"state.{slot.name}.{key}"] = self._as_dtensor(slot, bucket, state[key])
+                out[f"state.{slot.name}.{key}"] = checkpoint_view(slot, state[key])
             if separate_master:  # bf16 parameters: the fp32 master weights are state of their own
-                out[f"state.{slot.name}.master"] = self._as_dtensor(slot, bucket, slot.master)
+                out[f"state.{slot.name}.master"] = checkpoint_view(slot, slot.master)
             for key, value in self._group_of[id(slot.master)].items():
                 if key != "params":
                     out[f"param_groups.{slot.name}.{key}"] = value
@@ -439,31 +432,42 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         """Copy a (DCP-loaded) state_dict() into the optimizer; masters missing from it are taken from the
-        loaded whole parameters (CheckpointManager fills them from a checkpoint's fp32 parameters first)."""
+        loaded whole parameters (CheckpointManager fills them from a checkpoint's fp32 parameters first).
+        A state_dict() loaded in place already holds the live state: nothing is copied twice."""
         for slot, _, state in self._each_state():
             state["step"].copy_(torch.as_tensor(state_dict[f"state.{slot.name}.step"]))
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(local_tensor(state_dict[f"state.{slot.name}.{key}"]))
+                _copy_range(state[key], state_dict[f"state.{slot.name}.{key}"])
             master = state_dict.get(f"state.{slot.name}.master")
             if master is not None:
-                slot.master.copy_(local_tensor(master))
+                _copy_range(slot.master, master)
             elif not slot.aliased:  # no saved masters: take them from the loaded (whole) parameters
-                slot.master.copy_(owned_block(slot, local_tensor(slot.param)))
+                slot.master.copy_(slot.owned(local_tensor(slot.param)))
             group = self._group_of[id(slot.master)]
             for key in group:
                 if key != "params" and f"param_groups.{slot.name}.{key}" in state_dict:
                     group[key] = state_dict[f"param_groups.{slot.name}.{key}"]
 
+    @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's reduced (and clipped) gradient, whole, by single-process name. Collective."""
         self._reduce_all()
         out = {}
-        with warnings.catch_warnings():  # strided shards gather in two steps: fine for a test helper
+        with warnings.catch_warnings():  # (DTensor's full_tensor may warn about uneven shards: a test helper)
             warnings.simplefilter("ignore", UserWarning)
-            for slot, bucket, _ in self._each_state():
-                # a copy: the shards are reused by the next step (a replicated DTensor's full_tensor is its local)
-                grad = slot.master.grad.clone(memory_format=torch.contiguous_format)
-                out[slot.name] = self._as_dtensor(slot, bucket, grad).full_tensor()
+            for bucket in self.buckets:
+                size = bucket.group.mesh.size()
+                whole = bucket.grad_shard  # (one rank: the shard is the whole bucket)
+                if size > 1:
+                    whole = torch.empty(size * bucket.segment, dtype=torch.float32, device=self._device)
+                    all_gather_single(whole, bucket.grad_shard, group=bucket.group.mesh.get_group())
+                for slot in bucket.slots:
+                    local = whole[slot.offset:slot.offset + slot.numel].view(local_tensor(slot.param).shape)
+                    param = slot.param
+                    if isinstance(param, DTensor):
+                        local = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                                   stride=param.stride(), run_check=False).full_tensor()
+                    out[slot.name] = local.clone()
         return out
 
     def gradient_bytes(self) -> int:
@@ -483,7 +487,14 @@ class ShardedOptimizer:
         counts = {"non_expert": 0, "expert": 0}
         for slot, bucket, state in self._each_state():
             numel = state["exp_avg"].numel() + state["exp_avg_sq"].numel()
-            if not slot.aliased and slot.own_rows:
+            if not slot.aliased:
                 numel += slot.master.numel()
             counts[bucket.group.kind] += numel
         return counts
+
+
+def _copy_range(target: torch.Tensor, value: object) -> None:
+    """A loaded state entry (FlatRangeTensor over this rank's range) into the live 1-D `target`."""
+    source = value.local() if isinstance(value, FlatRangeTensor) else torch.as_tensor(value).reshape(-1)
+    if source.data_ptr() != target.data_ptr() or source.numel() != target.numel():
+        target.copy_(source)

@@ -311,25 +311,24 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     """zero1/zero2 (optim/sharded.py): whole parameters in the compute dtype; gradients whole in the compute
     dtype until the step (zero1) or about two buckets' filling during a backward (zero2), the reduced fp32 shard,
     and the persistent bucket buffers (as the optimizer sizes them: optim/buffers.py); fp32 master (a copy only
-    under bf16) + AdamW moments for the owned blocks only."""
-    from optimus.optim.blocks import owned_numel
-    from optimus.optim.buffers import buffer_bytes_for
-    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
+    under bf16) + AdamW moments for the owned segments only."""
+    from optimus.optim.buffers import buffer_nbytes, zero_layout
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
     width = 2 if config.train.dtype == "bf16" else 4
-    params, experts = list(model.parameters()), expert_parameters(model)
-    local = sum(_local_numel(p) for p in params)
-    owned = owned_numel(params, experts, dims.dp, dims.expert_dp, config.parallel.ep_aware)
-    master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
+    local = sum(_local_numel(p) for p in model.parameters())
     mode = config.parallel.shard_mode
     dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else dims.expert_dp
-    buffers = buffer_bytes_for(model, dense_ranks, dims.expert_dp, width, mode, DEFAULT_BUCKET_NUMEL)
+    layout = zero_layout(model, dense_ranks, dims.expert_dp, DEFAULT_BUCKET_NUMEL)
+    owned = sum(segment for _, segment in layout)  # rank 0's: a whole segment of every bucket (optim/flat.py)
+    master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
+    buffers = sum(buffer_nbytes(layout, width, accumulates=mode == "zero2"))
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
         ("gradients (whole + fp32 shard + 2 bucket buffers, zero1)" if mode == "zero1" else
          "gradients (fp32 shard + 2 bucket buffers + buckets filling, zero2)"):
             zero_gradient_bytes(mode, local, owned, width, buffers),
-        f"optimizer ({'master + ' if master else ''}AdamW, owned blocks)": master + 8.0 * owned,
+        f"optimizer ({'master + ' if master else ''}AdamW, owned segments)": master + 8.0 * owned,
     }
 
 

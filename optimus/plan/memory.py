@@ -175,7 +175,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         master = 4 * owned if width == 2 else 0.0
         held = {"parameters": width * local,
                 "gradients": zero_gradient_bytes(config.parallel.shard_mode, local, owned, width,
-                                                 _zero_buffer_bytes(config, dims, shape, local, first, last, width)),
+                                                 _zero_buffer_bytes(config, dims, shape, dense, experts, first, last,
+                                                                    width)),
                 "optimizer": master + 8 * owned}
     act_config = config
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
@@ -185,23 +186,35 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     return held
 
 
-def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, local: float, first: bool, last: bool,
-                       width: int) -> float:
-    """The zero modes' two persistent bucket buffers (optim/buffers.py): each holds a bucket's [ranks, segment]
-    input and [segment] output, at least 4 B an element, sized by the largest bucket that uses it; a bucket is
-    DEFAULT_BUCKET_NUMEL elements, or one parameter alone when it is larger (the embedding, the LM head, an
-    expert weight). None where the data-parallel group is one rank."""
+def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, dense: float, experts: float,
+                       first: bool, last: bool, width: int) -> float:
+    """The zero modes' two persistent bucket buffers, sized by the optimizer's own rule (optim/buffers.py
+    buffer_nbytes) for this stage's buckets: the non-expert parameters over their group, then the experts over
+    expert_dp, each group in buckets of DEFAULT_BUCKET_NUMEL elements, a larger parameter (the embedding, the LM
+    head, a large matrix) in a bucket of its own; each bucket cut into equal segments (optim/flat.py)."""
+    from optimus.optim.buffers import buffer_nbytes
     from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
-    group = dims.dp if config.parallel.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep
-    if group == 1 or not dims.is_parallel:
+    if not dims.is_parallel:
         return 0.0
-    largest = sorted([shape.embedding / dims.tp if first else 0.0, shape.head / dims.tp if last else 0.0,
-                      2 / 3 * shape.block_experts / (dims.ep * dims.tp),  # the fused gate/up expert weight
-                      (shape.block_tp_split - shape.block_attention) / 3 / dims.tp], reverse=True)
-    buckets = max(DEFAULT_BUCKET_NUMEL, largest[0]), max(DEFAULT_BUCKET_NUMEL, largest[1])
-    in_buffers = min(local, buckets[0]) + min(max(0.0, local - buckets[0]), buckets[1])
-    return max(4, width) * (1 + 1 / group) * in_buffers
+    expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
+    dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else expert_dp
+    large_dense = [shape.embedding / dims.tp if first else 0.0, shape.head / dims.tp if last else 0.0,
+                   (shape.block_tp_split - shape.block_attention) / 3 / dims.tp]  # a dense MLP matrix
+    large_expert = [2 / 3 * shape.block_experts / (dims.ep * dims.tp)]  # the fused gate/up expert weight
+    layout = []
+    for numel, ranks, large in ((dense, dense_ranks, large_dense), (experts, expert_dp, large_expert)):
+        layout += [(ranks, math.ceil(size / ranks)) for size in _bucket_sizes(numel, large, DEFAULT_BUCKET_NUMEL)]
+    return float(sum(buffer_nbytes(layout, width, accumulates=config.parallel.shard_mode == "zero2")))
+
+
+def _bucket_sizes(numel: float, large: list[float], bucket: int) -> list[int]:
+    """A group of `numel` elements in buckets, the largest first: up to two parameters above `bucket` alone (the
+    two buffers' sizes are set by the two largest buckets), the rest in buckets of `bucket`, the last short."""
+    sizes = [int(p) for p in sorted(large, reverse=True)[:2] if p > bucket]
+    rest = max(0, int(numel) - sum(sizes))
+    full, tail = divmod(rest, bucket)
+    return sizes + [bucket] * full + ([tail] if tail else [])
 
 
 def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False) -> float:

@@ -282,7 +282,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         owned = dense_stage + expert_stage
     else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
         # parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
-        # backward as it is produced (optim/blocks.py), so that backward (about 2/3 of its compute) hides it
+        # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it
         dense_link = dp_link if p.ep_aware else expert_dp_link
         reduce = (ring_time(dense_link, 4 * dense_stage, "reduce_scatter") +
                   ring_time(expert_dp_link, 4 * expert_stage, "reduce_scatter"))

@@ -142,7 +142,7 @@ def _gradients_held_after_backward(rank: int, world: int) -> dict:
 
 def test_zero2_holds_a_1_over_dp_share_of_zero1s_gradients_after_backward():
     """zero1 keeps whole fp32 gradients until the step; zero2 reduce-scatters every bucket in every micro-batch's
-    backward and keeps only its fp32 shard (1/dp of the elements, up to row padding: within 1%)."""
+    backward and keeps only its fp32 shard (1/dp of the elements, up to a bucket tail: within 1%)."""
     from tests.helpers.distributed import run_distributed
 
     for rank in run_distributed(_gradients_held_after_backward, 2):
@@ -154,10 +154,11 @@ def test_zero2_holds_a_1_over_dp_share_of_zero1s_gradients_after_backward():
 
 
 def _train_watching_buffers(rank: int, world: int, poison: bool) -> dict:
-    """zero1 and zero2, 3 steps of 2 micro-batches at dp 2 with small buckets (more buckets than the two buffers;
-    3 experts: the router's 3 rows leave a padding tail). Per step: where the buffers and gradient shards live,
-    and this rank's shard padding. With `poison`, every buffer and shard is filled with NaN before each step
-    (as if an earlier use had left anything there). Losses and a hash of the parameters, to compare runs."""
+    """zero1 and zero2, 3 steps of 2 micro-batches at dp `world` with small buckets (more buckets than the two
+    buffers). Per step: where the buffers and gradient shards live, and this rank's shard padding (the tail of
+    a bucket whose size is not a multiple of the ranks: at dp 3 some are). With `poison`, every buffer and shard
+    is filled with NaN before each step (as if an earlier use had left anything there). Losses and a hash of
+    the parameters, to compare runs."""
     import functools
     import hashlib
 
@@ -170,21 +171,21 @@ def _train_watching_buffers(rank: int, world: int, poison: bool) -> dict:
     from optimus.train.step import train_step
     from tests.helpers import parity
 
-    dims = ParallelDims(dp_shard=2, world_size=world)
+    dims = ParallelDims(dp_shard=world, world_size=world)
     mesh = dims.build_mesh("cpu")
     out = {}
     for mode in ("zero1", "zero2"):
-        config = tiny_config(moe=True, model={"n_experts": 3}, parallel=dict(dp_shard=2, shard_mode=mode))
+        config = tiny_config(moe=True, model={"n_experts": 3}, parallel=dict(dp_shard=world, shard_mode=mode),
+                             train=dict(global_batch_size=4 * world))
         model = build_parallel_model(config, dims, mesh, torch.device("cpu"))
         optimizer = ShardedOptimizer(model, config.optim, model.zero_plan, bucket_numel=20_000)
         micro = functools.partial(parity.rank_micro_batches, micro_batch_size=config.train.micro_batch_size,
                                   dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))
-        padded = [(b, s) for b in optimizer.buckets for s in b.slots if s.padded > s.owned]  # short blocks
         run = {"buckets": len(optimizer.buckets), "buffers": [], "shards": [], "tails": [], "losses": []}
         for batch in parity.global_batches(config, 3):
             if poison:
                 for bucket in optimizer.buckets:
-                    for view in optimizer.buffers.views(bucket.buffer, 2, bucket.segment, torch.float32):
+                    for view in optimizer.buffers.views(bucket.buffer, world, bucket.segment, torch.float32):
                         view.fill_(float("nan"))
                     if bucket.shard is not None:
                         bucket.shard.fill_(float("nan"))
@@ -193,9 +194,9 @@ def _train_watching_buffers(rank: int, world: int, poison: bool) -> dict:
             run["losses"].append(result.loss)
             run["buffers"].append([optimizer.buffers.data_ptr(i) for i in range(len(optimizer.buffers.nbytes))])
             run["shards"].append([b.shard.data_ptr() for b in optimizer.buckets])
-            run["tails"].append([b.shard[s.offset + s.owned:s.offset + s.padded].tolist() for b, s in padded])
+            run["tails"].append([b.shard[b.held:].tolist() for b in optimizer.buckets])
         run["buffer_bytes"] = optimizer.buffer_bytes()
-        run["predicted_buffer_bytes"] = buffer_bytes_for(model, 2, 2, 4, mode, 20_000)
+        run["predicted_buffer_bytes"] = buffer_bytes_for(model, world, world, 4, mode, 20_000)
         run["params"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
         out[mode] = run
     return out
@@ -218,13 +219,13 @@ def test_bucket_buffers_are_allocated_once_and_reused_every_step():
 
 
 def test_padding_tails_reduce_to_zero_whatever_the_reused_buffers_held():
-    """A parameter that does not fill its blocks (the router's 3 rows over 2 ranks): with every buffer and shard
-    filled with NaN before each step, the shard's padding is reduced to zeros every step (each rank zeroes its
+    """Buckets whose size is not a multiple of the ranks (dp 3): with every buffer and shard filled with NaN
+    before each step, the last segment's padding tail is reduced to zeros every step (each rank zeroes the
     tail when packing) and training is bitwise the same as without the poison."""
     from tests.helpers.distributed import run_distributed
 
-    clean = run_distributed(_train_watching_buffers, 2, False)
-    poisoned = run_distributed(_train_watching_buffers, 2, True)
+    clean = run_distributed(_train_watching_buffers, 3, False)
+    poisoned = run_distributed(_train_watching_buffers, 3, True)
     tails = 0
     for clean_rank, poisoned_rank in zip(clean, poisoned):
         for mode, run in poisoned_rank.items():
@@ -234,7 +235,7 @@ def test_padding_tails_reduce_to_zero_whatever_the_reused_buffers_held():
                     tails += len(tail)
             assert run["losses"] == clean_rank[mode]["losses"], mode
             assert run["params"] == clean_rank[mode]["params"], mode
-    assert tails > 0  # rank 1 owns 1 of the router's 3 rows: its shard has a padding tail to check
+    assert tails > 0  # some bucket's elements do not divide by 3: the last rank's segment has a tail to check
 
 
 def _state_numel(rank: int, world: int, config):
@@ -255,14 +256,12 @@ def _state_numel(rank: int, world: int, config):
     def local(param):
         return param.to_local() if hasattr(param, "to_local") else param
 
-    # what a rank owns when a parameter's local rows are cut into `ranks` blocks (torch.chunk)
+    # what a rank owns when the parameters' local tensors are laid end to end (one bucket at the default size)
+    # and cut into `ranks` equal segments
     def owned(ranks: int, index: int, params) -> int:
-        total = 0
-        for param in params:
-            rows = local(param).shape[0]
-            chunk = math.ceil(rows / ranks)
-            total += max(0, min(rows, (index + 1) * chunk) - min(rows, index * chunk)) * (local(param).numel() // rows)
-        return total
+        total = sum(local(param).numel() for param in params)
+        segment = math.ceil(total / ranks)
+        return max(0, min(total, (index + 1) * segment) - index * segment)
 
     dense = [q for q in model.parameters() if q not in experts]
     out = {"non_expert_numel": sum(q.numel() for q in dense), "expert_numel": sum(q.numel() for q in experts),

@@ -47,16 +47,7 @@ def _dry_run_fits(name: str) -> list[bool]:
     return [rank.total <= 0.9 * 64 * 1024**3 for rank in report.ranks]
 
 
-# Known defect, found when the dry run began counting the zero modes' bucket buffers (stop 10): zero1 cuts each
-# parameter into per-rank blocks along one dim, so over 3,072 ranks mula-7b-a1b's [64, ...] expert tensors pad to
-# 3,072 rows (48x) in the fp32 reduce-scatter buffer, ~72 GiB per rank. The optimizer allocated that before too,
-# uncounted. Fix: flat sharding of each bucket (as Megatron's distributed optimizer and the Aurora team's code do).
-# strict: this test fails the day the recipe fits again, so the marker cannot outlive the fix.
-_DOES_NOT_FIT_YET = {"mula-7b-a1b": "zero1's per-parameter blocks pad 64-expert tensors 48x over 3,072 ranks"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_DOES_NOT_FIT_YET[n], strict=True))
-                                  if n in _DOES_NOT_FIT_YET else n for n in sorted(PUBLISHED)])
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_recipe_fits_64_gb_tiles_at_its_published_layout(name):
     fits = run_forked(_dry_run_fits, name, timeout=240)
     assert fits and all(fits), f"{name} does not fit a 64 GB tile at its published layout: {fits}"

@@ -1,4 +1,4 @@
-"""The dry run under parallel.shard_mode zero1/zero2: whole parameters, owned optimizer-state blocks."""
+"""The dry run under parallel.shard_mode zero1/zero2: whole parameters, owned optimizer-state segments."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_zero1_counts_whole_parameters_and_ep_aware_owned_state():
         parallel = dict(dp_shard=384, ep=12, shard_mode="zero1", ep_aware=aware)
         config = build_config({"model": {"preset": "mula-20b-a2b"}, "parallel": parallel, "train": TRAIN})
         rank = dry_run(config, 384).ranks[0]
-        optimizer_bytes[aware] = rank.bytes["optimizer (master + AdamW, owned blocks)"]
+        optimizer_bytes[aware] = rank.bytes["optimizer (master + AdamW, owned segments)"]
         parameter_bytes[aware] = rank.bytes["parameters (whole, bf16)"]
         assert "FSDP transient" not in rank.bytes
     assert parameter_bytes[True] == parameter_bytes[False] == 2 * rank.parameters
