@@ -8,7 +8,8 @@ those shapes we print what the rank holds:
     parameters        fp32 master weights, this rank's shards            4 B / element
     gradients         fp32, sharded like the parameters (FSDP reduce-scatters in fp32)   4 B
     optimizer state   AdamW exp_avg + exp_avg_sq, fp32                   8 B / element
-    FSDP transient    weights gathered for two blocks (the running one + the prefetched one)
+    FSDP transient    weights gathered for two blocks (the running one + the prefetched one); under pp the
+                      whole stage's weights and fp32 gradients (torch's stages defer resharding and reduction)
                       and one block's unreduced gradients, plus the root unit (embedding, final
                       norm, LM head), which stays gathered for the whole step
     activations       see activation_split(): what each micro-batch keeps, times the micro-batches
@@ -261,6 +262,20 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> f
     return min(n_micro, dims.pp - stage)
 
 
+def _fsdp_transient(blocks: list[int], root: int, width: int, dims: ParallelDims) -> float:
+    """Bytes FSDP holds gathered beyond the shards: two blocks' weights (the running and the prefetched one), one
+    block's unreduced gradients and the root unit; under pp the whole stage's weights and fp32 gradients, since
+    torch's pipeline stages keep blocks gathered after their backward and accumulate unsharded gradients until
+    the step's one reduce-scatter (pipelining/stage.py: reshard_after_backward and requires_gradient_sync off
+    between micro-batches). One process has no FSDP: nothing is gathered."""
+    if not dims.is_parallel:
+        return 0.0
+    if dims.pp > 1:
+        return (sum(blocks) + root) * (width + 4.0)
+    largest = max(blocks, default=0)
+    return (2 * largest + root) * width + 4.0 * largest
+
+
 def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int) -> RankMemory:
     params = list(model.parameters())
     local = sum(_local_numel(p) for p in params)
@@ -269,7 +284,6 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     has_head = getattr(model, "lm_head", None) is not None
     width = 2 if config.train.dtype == "bf16" else 4
     blocks = [sum(_gathered_numel(p) for p in block.parameters()) for block in model.layers.values()]
-    largest_block = max(blocks, default=0)
     block_ids = {id(p) for p in model.layers.parameters()}
     root = sum(_gathered_numel(p) for p in params if id(p) not in block_ids)
     in_flight = micro_batches_in_flight(config, dims, stage)
@@ -279,7 +293,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # one process has no FSDP: nothing is gathered
-        "FSDP transient": (2 * largest_block + root) * width + 4.0 * largest_block if dims.is_parallel else 0.0,
+        "FSDP transient": _fsdp_transient(blocks, root, width, dims),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }

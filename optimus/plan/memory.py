@@ -6,7 +6,8 @@ the unsplit model (ModelShape) and the layout's degrees:
 
     fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
                   weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
-                  plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit);
+                  plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit;
+                  under pp the whole stage's weights and fp32 gradients: dry_run._fsdp_transient);
                   FSDP2 cuts each tensor along one dim into ceil-sized shards: the largest shard is held, and an
                   all-gather produces every rank's padded shard (fsdp_elements: a [64, ...] expert tensor over
                   3,072 ranks gathers 3,072 rows)
@@ -164,6 +165,10 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
         transient = (2 * gathered_block + gathered_root) * width + 4 * gathered_block if dims.is_parallel else 0.0
+        if dims.pp > 1:  # torch's pipeline stages keep every block gathered after its backward and accumulate
+            # unsharded gradients until the step's one reduce-scatter (stage.py: reshard_after_backward and
+            # requires_gradient_sync off between micro-batches): the whole stage, weights and fp32 gradients
+            transient = (layers * gathered_block + gathered_root) * (width + 4)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts
