@@ -14,7 +14,7 @@ when there is none), and each rank's memory with the planner's stage_memory of t
 
 Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
 the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
-largest rank's. It therefore includes everything the training allocates on the host: what the planner counts
+largest rank's, the least of the `--repeats` runs (the peak moves 5-10% between runs). It therefore includes everything the training allocates on the host: what the planner counts
 (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP transients),
 plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras below), and
 what glibc keeps of freed memory, which it does not.
@@ -151,7 +151,12 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     measured, ranks_out, wall = runs[fastest]
     predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
     step = statistics.median(measured)
-    memory = max(r["growth"] for r in ranks_out)
+    # the least of the runs' peaks, as the fastest of their times: the same layout's peak resident set moved by
+    # 5-10% between runs (what glibc keeps of freed memory, and EP's routing, vary), and the run that kept the
+    # least is the closest reading of what the layout needs
+    peaks = [max(r["growth"] for r in run[1]) for run in runs]
+    ranks_out = runs[min(range(len(runs)), key=peaks.__getitem__)][1]
+    memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
     return {"layout": name, "ranks": ranks, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
             "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
