@@ -91,19 +91,28 @@ def best_matmul_rate(dtype: torch.dtype, size: int, seconds: float, device: torc
     return best
 
 
+# A probe matmul is tried at a larger size only if one of it would take at most this long at the rate seen so far:
+# on a busy machine the small probes can misjudge emulated bf16 as native, and one 2048 matmul of emulated bf16
+# (~0.1 GFLOP/s here) would take three minutes
+MAX_PROBE_MATMUL_S = 0.25
+
+
 def measure_cpu_speed() -> CpuSpeed:
     """Probe fp32 and bf16 matmul rates (about 2 s; well under 1 s for bf16 on a CPU without it).
 
     bf16 is first tried small: where it is emulated (a hundred times slower) a large probe would take
-    minutes and tells nothing more. Large sizes give the peak MFU is read against.
+    minutes and tells nothing more. Large sizes give the peak MFU is read against; each is tried only
+    where one matmul of it is quick at the rate the smaller size gave (MAX_PROBE_MATMUL_S).
     """
     fp32_small = best_matmul_rate(torch.float32, 256, 0.05)
     bf16_small = best_matmul_rate(torch.bfloat16, 256, 0.05, min_repeats=2)
     fp32 = max(best_matmul_rate(torch.float32, 1024, 0.3), best_matmul_rate(torch.float32, 2048, 0.6))
-    if bf16_small < 0.5 * fp32_small:
-        bf16 = bf16_small
-    else:
-        bf16 = max(best_matmul_rate(torch.bfloat16, 1024, 0.3), best_matmul_rate(torch.bfloat16, 2048, 0.6))
+    bf16 = bf16_small
+    if bf16_small >= 0.5 * fp32_small:  # perhaps native: its peak needs large matmuls
+        for size, seconds in ((1024, 0.3), (2048, 0.6)):
+            if 2 * size**3 / bf16 > MAX_PROBE_MATMUL_S:
+                break
+            bf16 = max(bf16, best_matmul_rate(torch.bfloat16, size, seconds))
     floor = CPU_FP32_FLOOR_PER_THREAD * torch.get_num_threads()
     return CpuSpeed(max(fp32, floor), bf16, torch.backends.cpu.get_cpu_capability(), _cpu_bf16_flags())
 

@@ -86,3 +86,29 @@ def test_cache_location_and_kernel_settings_come_from_the_environment(tmp_path):
     path, kernel_env = cpu_speed_cache({"XDG_CACHE_HOME": str(tmp_path), "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert path == tmp_path / "optimus" / "cpu_speed.json" and kernel_env == "ONEDNN_MAX_CPU_ISA=AVX2"
     assert cpu_speed_cache({"HOME": str(tmp_path)})[1] == ""
+
+
+def test_bf16_probe_never_grows_to_a_size_that_would_take_minutes(monkeypatch):
+    """On a busy machine the 256 probes can misjudge emulated bf16 (~1 GFLOP/s) as native: the larger probes are
+    then skipped, since one 2048 matmul at that rate would take seconds to minutes (it did, in CI-like runs)."""
+    import torch
+
+    from optimus.train import hardware
+
+    sizes = []
+
+    def fake_rate(dtype, size, seconds, device=None, min_repeats=3):
+        sizes.append((dtype, size))
+        return 2e9 if dtype == torch.float32 else 1.1e9  # fp32 slowed by load: bf16 looks "not much slower"
+
+    monkeypatch.setattr(hardware, "best_matmul_rate", fake_rate)
+    speed = hardware.measure_cpu_speed()
+    assert (torch.bfloat16, 1024) not in sizes and (torch.bfloat16, 2048) not in sizes
+    assert speed.bf16_flops == 1.1e9
+
+    sizes.clear()  # native bf16 (fast): both larger probes run and the best rate counts
+    monkeypatch.setattr(hardware, "best_matmul_rate",
+                        lambda dtype, size, seconds, device=None, min_repeats=3: sizes.append((dtype, size)) or
+                        (4e10 if size == 256 else 2e11))
+    assert hardware.measure_cpu_speed().bf16_flops == 2e11
+    assert (torch.bfloat16, 2048) in sizes
