@@ -12,9 +12,10 @@ Batches are real text (a State of the Union speech tokenized with the OLMoE toke
 step, so a run is a pure function of the config. The model's vocabulary is small (TINY_VOCAB rows,
 not the tokenizer's 50,304: that LM head alone cost most of a parity run's time and 77 MB per
 checkpoint), so token ids are folded into it (id % vocab_size): still fixed text-shaped sequences, and
-spread over the whole vocabulary, so every tensor-parallel shard of the head sees labels. Each parallel rank takes its data-parallel slice
-of the same global batch, in the same micro-batches the single process uses: the objective (a mean
-of per-micro-batch losses, MoE aux losses included) is then the very same sum of terms.
+spread over the whole vocabulary, so every tensor-parallel shard of the head sees labels. Each
+parallel rank takes its data-parallel slice of the same global batch, in the same micro-batches the
+single process uses: the objective (a mean of per-micro-batch losses, MoE aux losses included) is
+then the very same sum of terms.
 
 Tolerances (fp32, stated once here and used by `assert_parity`):
     loss     step 1: relative 1e-5; later steps: relative 1e-4 (Adam amplifies rounding slowly)
@@ -46,9 +47,9 @@ TinyBatch = list[tuple[torch.Tensor, torch.Tensor]]  # micro-batches of (inputs,
 
 
 def tiny_config(moe: bool = False, parallel: dict | None = None, **sections: dict) -> Config:
-    """A CPU-sized fp32 Config (d_model 64, 2 layers, vocabulary 1,000, seq 32, global batch 8 in micro-batches of 2).
+    """A CPU-sized fp32 Config (d_model 64, 2 layers, vocabulary 1,000, seq 32, global batch 8).
 
-    moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense post-norm block (OLMo-2
+    Micro-batches of 2. moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense post-norm block (OLMo-2
     style, as mula-1b). `parallel` sets ParallelConfig fields; other keyword arguments are
     section dicts merged over the defaults, e.g. model={"n_layers": 4}.
     """
