@@ -49,9 +49,9 @@ TinyBatch = list[tuple[torch.Tensor, torch.Tensor]]  # micro-batches of (inputs,
 def tiny_config(moe: bool = False, parallel: dict | None = None, **sections: dict) -> Config:
     """A CPU-sized fp32 Config (d_model 64, 2 layers, vocabulary 1,000, seq 32, global batch 8).
 
-    Micro-batches of 2. moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense post-norm block (OLMo-2
-    style, as mula-1b). `parallel` sets ParallelConfig fields; other keyword arguments are
-    section dicts merged over the defaults, e.g. model={"n_layers": 4}.
+    Micro-batches of 2. moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense
+    post-norm block (OLMo-2 style, as mula-1b). `parallel` sets ParallelConfig fields; other keyword
+    arguments are section dicts merged over the defaults, e.g. model={"n_layers": 4}.
     """
     model = dict(d_model=64, n_layers=2, n_heads=4, vocab_size=TINY_VOCAB, qk_norm=True, init_std=0.02)
     if moe:
