@@ -39,8 +39,12 @@ setup: $(STAMP)
 train: setup
 	$(VENV)/bin/optimus train configs/mula-tiny-moe.yaml
 
+# two pytest-xdist workers: many tests wait on a subprocess or a forked rank's start-up, so two at once use the
+# cores better (tests/conftest.py gives each worker its own torchrun port and one thread); a file's tests stay
+# on one worker, so module fixtures run once. TEST_WORKERS=0 runs in this process only.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -m "not gpu and not soak and not slow" --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not soak and not slow" --durations=15 tests
 
 # the slow tier also cross-checks `optimus eval` against lm-evaluation-harness: its package comes here, not in
 # setup (it pulls datasets, evaluate and friends; about a minute from a local index)

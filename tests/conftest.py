@@ -10,6 +10,15 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # the CPU speed probe's cache (optimus.train.hardware): the repository's own, never the user's home
 os.environ["XDG_CACHE_HOME"] = str(Path(__file__).resolve().parents[1] / ".cache")
 
+# Under pytest-xdist (`make test` runs two workers): each worker gets its own torchrun / TCPStore port, so two
+# launches at once do not both bind the default 29500, and one thread per worker, so the two workers do not
+# oversubscribe the cores (the gloo ranks the tests fork use one thread each already).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw"):
+    _port = str(29600 + 50 * int(_WORKER[2:]))
+    os.environ["MASTER_PORT"] = os.environ["PET_MASTER_PORT"] = _port  # PET_*: torchrun's --master-port default
+    os.environ["OMP_NUM_THREADS"] = "1"  # read when torch is imported (the test modules, after this file)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

@@ -50,7 +50,8 @@ def test_the_training_loops_downstream_eval_under_fsdp_and_ep_matches_one_proces
     from tests.helpers.distributed import run_distributed
     from tests.helpers.parity import tiny_config
 
-    config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2),
+    # the real tokenizer's ids: the full vocabulary (tiny_config's default is smaller)
+    config = tiny_config(moe=True, model=dict(vocab_size=50304), parallel=dict(dp_shard=2, ep=2),
                          train=dict(eval_tasks=["copa", "arc_easy"], eval_tasks_limit=5))
     one = downstream_accuracies(build_model(config.model, "cpu", seed=config.train.seed), config, torch.device("cpu"))
     results = run_distributed(_downstream_on_fsdp_rank, 2, config)

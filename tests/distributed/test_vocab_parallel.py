@@ -96,13 +96,13 @@ def test_vocab_parallel_head_gives_the_single_device_logits_loss_and_gradients(s
 
 
 def test_tp_2_with_a_vocabulary_tp_does_not_divide_matches_one_process():
-    # 50,287 rows: 25,144 on rank 0, 25,143 on rank 1 (embedding and head alike); no padding token
-    check_layout(tiny_config(model=dict(vocab_size=50287), parallel=dict(tp=2)), world_size=2, steps=3)
+    # 1,001 rows: 501 on rank 0, 500 on rank 1 (embedding and head alike); no padding token
+    check_layout(tiny_config(model=dict(vocab_size=1001), parallel=dict(tp=2)), world_size=2, steps=3)
 
 
 @pytest.mark.slow  # extra coverage: the uneven head under FSDP's 2-D (dp_shard x tp) sharding
 def test_tp_2_dp_shard_2_with_an_uneven_vocabulary_matches_one_process():
-    check_layout(tiny_config(moe=True, model=dict(vocab_size=50287), parallel=dict(tp=2, dp_shard=2)),
+    check_layout(tiny_config(moe=True, model=dict(vocab_size=1001), parallel=dict(tp=2, dp_shard=2)),
                  world_size=4, steps=3)
 
 

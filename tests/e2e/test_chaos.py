@@ -16,7 +16,10 @@ QUICK_KINDS = "kill_rank,kill_group,bitflip_newest,disk_full,nan_step"
 
 def _chaos(tmp_path, token_dir, faults: int, ranks: int, kinds: str | None, max_steps: int, timeout: float):
     config = tmp_path / "chaos.yaml"
-    train = dict(max_steps=max_steps, ckpt_every=2, eval_every=0, keep_last_k=3, global_batch_size=4 * ranks)
+    # 64 tokens per rank and step (the 50k-row LM head is most of a step's cost): --min-step-seconds keeps
+    # the steps long enough to strike at a chosen one; the faults and recoveries are what is tested
+    train = dict(max_steps=max_steps, ckpt_every=2, eval_every=0, keep_last_k=3, seq_len=32, micro_batch_size=2,
+                 global_batch_size=2 * ranks, eval_batches=1)
     config.write_text(yaml.safe_dump(tiny_config(token_dir, train=train)))
     args = ["chaos", str(config), f"--faults={faults}", f"--ranks={ranks}", f"--out={tmp_path / 'out'}",
             "--timeout=300", "--min-step-seconds=0.3"] + ([f"--kinds={kinds}"] if kinds else [])

@@ -9,9 +9,13 @@ call in a test:
     assert_parity(reference, merge_rank_records(results))
 
 Batches are real text (a State of the Union speech tokenized with the OLMoE tokenizer), fixed per
-step, so a run is a pure function of the config. Each parallel rank takes its data-parallel slice
-of the same global batch, in the same micro-batches the single process uses: the objective (a mean
-of per-micro-batch losses, MoE aux losses included) is then the very same sum of terms.
+step, so a run is a pure function of the config. The model's vocabulary is small (TINY_VOCAB rows,
+not the tokenizer's 50,304: that LM head alone cost most of a parity run's time and 77 MB per
+checkpoint), so token ids are folded into it (id % vocab_size): still fixed text-shaped sequences, and
+spread over the whole vocabulary, so every tensor-parallel shard of the head sees labels. Each
+parallel rank takes its data-parallel slice of the same global batch, in the same micro-batches the
+single process uses: the objective (a mean of per-micro-batch losses, MoE aux losses included) is
+then the very same sum of terms.
 
 Tolerances (fp32, stated once here and used by `assert_parity`):
     loss     step 1: relative 1e-5; later steps: relative 1e-4 (Adam amplifies rounding slowly)
@@ -35,18 +39,21 @@ LOSS_RTOL_LATER_STEPS = 1e-4
 NORM_RTOL_FIRST_STEP, NORM_RTOL_LATER_STEPS = 1e-4, 1e-3  # as the gradients (rtol 1e-4)
 GRAD_ATOL = 1e-5
 GRAD_RTOL = 1e-4
+# the parity models' vocabulary: divisible by every tp (and dp_shard x tp) the tests use, and no other
+# dimension of the tiny model (64, 128, 192, 256, 32 tokens...) equals it or its tp shares
+TINY_VOCAB = 1000
 
 TinyBatch = list[tuple[torch.Tensor, torch.Tensor]]  # micro-batches of (inputs, labels), each [mb, seq]
 
 
 def tiny_config(moe: bool = False, parallel: dict | None = None, **sections: dict) -> Config:
-    """A CPU-sized fp32 Config (d_model 64, 2 layers, seq 32, global batch 8 in micro-batches of 2).
+    """A CPU-sized fp32 Config (d_model 64, 2 layers, vocabulary 1,000, seq 32, global batch 8).
 
-    moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense post-norm block (OLMo-2
-    style, as mula-1b). `parallel` sets ParallelConfig fields; other keyword arguments are
-    section dicts merged over the defaults, e.g. model={"n_layers": 4}.
+    Micro-batches of 2. moe=True gives 8 experts top-2 (pre-norm, OLMoE style); otherwise a dense
+    post-norm block (OLMo-2 style, as mula-1b). `parallel` sets ParallelConfig fields; other keyword
+    arguments are section dicts merged over the defaults, e.g. model={"n_layers": 4}.
     """
-    model = dict(d_model=64, n_layers=2, n_heads=4, vocab_size=50304, qk_norm=True, init_std=0.02)
+    model = dict(d_model=64, n_layers=2, n_heads=4, vocab_size=TINY_VOCAB, qk_norm=True, init_std=0.02)
     if moe:
         model.update(n_experts=8, top_k=2, expert_ffn_hidden=64, norm_placement="pre")
     else:
@@ -79,10 +86,13 @@ def _token_stream(n_tokens: int) -> torch.Tensor:
 
 
 def global_batches(config: Config, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` global batches (inputs, labels), each [global_batch_size, seq_len], of real tokens."""
+    """`steps` global batches (inputs, labels), each [global_batch_size, seq_len], of real tokens.
+
+    Token ids are folded into the model's vocabulary (id % vocab_size; a no-op for the full 50,304).
+    """
     t = config.train
     window = t.seq_len + 1
-    stream = _token_stream(steps * t.global_batch_size * window)
+    stream = _token_stream(steps * t.global_batch_size * window) % config.model.vocab_size
     windows = stream.view(steps, t.global_batch_size, window)
     return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
 

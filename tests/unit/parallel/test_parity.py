@@ -22,6 +22,14 @@ def test_global_batches_are_fixed_real_tokens():
     assert torch.equal(inputs[:, 1:], labels[:, :-1])  # labels are the inputs shifted by one
     assert torch.equal(first[1][0], again[1][0])  # a step's batch does not depend on the run length
     assert 0 < int(inputs.max()) < config.model.vocab_size and len(inputs.unique()) > 50
+    # folded into the small vocabulary, the ids still reach every tp shard of the LM head
+    assert int(inputs.min()) < config.model.vocab_size // 4 and int(inputs.max()) >= 3 * config.model.vocab_size // 4
+
+
+def test_the_full_vocabulary_keeps_the_tokenizers_ids():
+    config = tiny_config(model=dict(vocab_size=50304))
+    inputs, _ = global_batches(config, 1)[0]
+    assert int(inputs.max()) >= 1000  # not folded: the OLMoE ids as they are
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
