@@ -73,3 +73,15 @@ def test_share_is_measured_with_forked_processes_running_at_once():
 
     shares = measure_share(worlds=(2,), seconds=0.1, samples=1)
     assert set(shares) == {"1", "2"} and all(0 < v <= 1 for v in shares.values())
+
+
+def test_share_never_exceeds_what_the_cores_allow(monkeypatch):
+    """A disturbed single-rank sample inflates the ratio (4 ranks on 2 cores read 0.72 once): the share is capped
+    at cores / ranks."""
+    from optimus.plan import calibrate
+
+    monkeypatch.setattr(calibrate, "sustained_matmul_rate", lambda seconds: 1.0)
+    monkeypatch.setattr(calibrate, "run_on_local_ranks", lambda fn, world, seconds, timeout: [0.72] * world)
+    monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
+    shares = calibrate.measure_share((2, 4), seconds=0.0, samples=1)
+    assert shares == {"2": 0.72, "4": 0.5, "1": 1.0}
