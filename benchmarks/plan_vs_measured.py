@@ -14,8 +14,8 @@ when there is none), and each rank's memory with the planner's stage_memory of t
 
 Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
 the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
-largest rank's, the least of the `--repeats` runs (the peak moves 5-10% between runs). It therefore includes everything the training allocates on the host: what the planner counts
-(parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP transients),
+largest rank's, the least of the `--repeats` runs (the peak moves 5-10% between runs). It therefore includes
+everything the training allocates on the host: what the planner counts (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP transients),
 plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras below), and
 what glibc keeps of freed memory, which it does not.
 """

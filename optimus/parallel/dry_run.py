@@ -307,17 +307,13 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     return memory
 
 
-def zero_gradient_bytes(mode: str, local: float, owned: float, width: int, buffers: float | None = None) -> float:
+def zero_gradient_bytes(mode: str, local: float, owned: float, width: int, buffers: float) -> float:
     """Gradient bytes a zero1/zero2 rank holds (optim/sharded.py): the reduced fp32 shard and the persistent
-    communication buffers (`buffers` bytes, optim/buffers.py; when not given, estimated as two buckets' fp32
-    reduce-scatter input and output, or the whole model's when it fills fewer), plus the whole gradients in the
-    compute dtype: zero1 all of them until the step, zero2 those of about two buckets filling during a backward."""
+    communication buffers (`buffers` bytes, optim/buffers.py), plus the whole gradients in the compute dtype:
+    zero1 all of them until the step, zero2 those of about two buckets filling during a backward."""
     from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
-    in_flight = min(local, 2 * DEFAULT_BUCKET_NUMEL)  # elements of the two buckets the buffers hold
-    if buffers is None:  # each buffer: a bucket's [ranks, segment] input and its [segment] output
-        buffers = max(4, width) * in_flight * (1 + owned / local) if local else 0.0
-    whole = width * (local if mode == "zero1" else in_flight)
+    whole = width * (local if mode == "zero1" else min(local, 2 * DEFAULT_BUCKET_NUMEL))
     return whole + 4.0 * owned + buffers
 
 

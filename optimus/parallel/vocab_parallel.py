@@ -40,7 +40,6 @@ from optimus.parallel.collectives import all_gather_single, reduce_scatter_singl
 from optimus.parallel.group_autograd import sum_grad_over_group
 
 
-
 def vocab_split(vocab_size: int, tp: int) -> list[int]:
     """Rows of the vocabulary each tp rank holds, as DTensor's Shard(0) splits them (torch.chunk)."""
     block = -(-vocab_size // tp)

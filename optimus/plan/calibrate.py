@@ -20,7 +20,6 @@ planned model uses (micro-batch x sequence tokens), and read against the same fo
 from __future__ import annotations
 
 import os
-
 import statistics
 import time
 from typing import Any, Callable

@@ -47,6 +47,17 @@ class TensorShape:
     expert: bool
     where: str  # "block" (one block's), "embedding" or "head" (root, with the final norm)
 
+    def local_shape(self, dims: ParallelDims) -> list[int]:
+        """Its shape on one rank once tp (and ep, for experts) have split it (ceil-sized, as DTensor splits)."""
+        shape = list(self.shape)
+        if self.tp_dim is not None and shape:
+            shape[self.tp_dim] = -(-shape[self.tp_dim] // (dims.tp * (dims.ep if self.expert else 1)))
+        return shape
+
+    def on_stage(self, first: bool, last: bool) -> bool:
+        """Whether a pipeline stage holds it: every stage its blocks', the first the embedding, the last the head."""
+        return self.where == "block" or (self.where == "embedding" and first) or (self.where == "head" and last)
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -59,7 +70,7 @@ class ModelShape:
     block_experts: int  # per block: expert weights (split over ep x tp)
     embedding: int
     head: int  # LM head (split over tp along the vocabulary) and final norm (whole, negligible)
-    tensors: tuple[TensorShape, ...] = ()  # one block's weights and the root's, for FSDP's per-tensor padding
+    tensors: tuple[TensorShape, ...]  # one block's weights and the root's, for FSDP's per-tensor padding
 
     @classmethod
     def of(cls, config: Config) -> "ModelShape":
@@ -102,9 +113,7 @@ def fsdp_elements(tensor: TensorShape, dims: ParallelDims) -> tuple[int, int]:
     """(the largest rank's shard, the all-gather's output) in elements of one weight under FSDP2: split over tp (and
     ep for experts), then cut along dim 0 into ceil-sized shards over dp_shard (experts: dp_shard_mod_ep, along
     dim 1 when their experts do not divide but dim 1 does: data_parallel._expert_shard_dim)."""
-    shape = list(tensor.shape)
-    if tensor.tp_dim is not None and shape:
-        shape[tensor.tp_dim] = -(-shape[tensor.tp_dim] // (dims.tp * (dims.ep if tensor.expert else 1)))
+    shape = tensor.local_shape(dims)
     ranks = dims.dp_shard_mod_ep if tensor.expert else dims.dp_shard
     if not shape:
         return 1, ranks
@@ -117,8 +126,6 @@ def fsdp_elements(tensor: TensorShape, dims: ParallelDims) -> tuple[int, int]:
 def fsdp_gathered_block(shape: ModelShape, dims: ParallelDims) -> tuple[float, float]:
     """(non-expert, expert) elements one block's FSDP all-gathers produce (and its reduce-scatters consume), padding
     included: what the collectives move."""
-    if not shape.tensors:
-        return shape.block_tp_split / dims.tp + shape.block_replicated, shape.block_experts / (dims.ep * dims.tp)
     dense = experts = 0
     for tensor in shape.tensors:
         if tensor.where == "block":
@@ -130,19 +137,13 @@ def fsdp_gathered_block(shape: ModelShape, dims: ParallelDims) -> tuple[float, f
 def fsdp_stage_elements(shape: ModelShape, dims: ParallelDims, layers: int, first: bool, last: bool
                         ) -> tuple[int, int, int]:
     """(the largest rank's shard of a stage, one block gathered, the stage's root gathered) in elements, FSDP2's
-    padding included; falls back to even splits for a shape without its tensors."""
-    if not shape.tensors:
-        block = shape.block_tp_split / dims.tp + shape.block_replicated + shape.block_experts / (dims.ep * dims.tp)
-        root = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
-        local = (layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root) / dims.dp_shard + \
-            layers * shape.block_experts / (dims.ep * dims.tp * dims.dp_shard_mod_ep)
-        return local, block, root
+    padding included."""
     local = block = root = 0
     for tensor in shape.tensors:
         held, gathered = fsdp_elements(tensor, dims)
         if tensor.where == "block":
             local, block = local + layers * held, block + gathered
-        elif (tensor.where == "embedding" and first) or (tensor.where == "head" and last):
+        elif tensor.on_stage(first, last):
             local, root = local + held, root + gathered
     return local, block, root
 
@@ -196,7 +197,8 @@ def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, de
     """The zero modes' two persistent bucket buffers, sized by the optimizer's own rule (optim/buffers.py
     buffer_nbytes) for this stage's buckets: the non-expert parameters over their group, then the experts over
     expert_dp, each group in buckets of DEFAULT_BUCKET_NUMEL elements, a larger parameter (the embedding, the LM
-    head, a large matrix) in a bucket of its own; each bucket cut into equal segments (optim/flat.py)."""
+    head, a large matrix: the stage's weights as tp and ep leave them) in a bucket of its own; each bucket cut
+    into equal segments (optim/flat.py)."""
     from optimus.optim.buffers import buffer_nbytes
     from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
@@ -204,9 +206,10 @@ def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, de
         return 0.0
     expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
     dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else expert_dp
-    large_dense = [shape.embedding / dims.tp if first else 0.0, shape.head / dims.tp if last else 0.0,
-                   (shape.block_tp_split - shape.block_attention) / 3 / dims.tp]  # a dense MLP matrix
-    large_expert = [2 / 3 * shape.block_experts / (dims.ep * dims.tp)]  # the fused gate/up expert weight
+    numels = [(tensor.expert, math.prod(tensor.local_shape(dims))) for tensor in shape.tensors
+              if tensor.on_stage(first, last)]
+    large_dense = [numel for expert, numel in numels if not expert]
+    large_expert = [numel for expert, numel in numels if expert]
     layout = []
     for numel, ranks, large in ((dense, dense_ranks, large_dense), (experts, expert_dp, large_expert)):
         layout += [(ranks, math.ceil(size / ranks)) for size in _bucket_sizes(numel, large, DEFAULT_BUCKET_NUMEL)]

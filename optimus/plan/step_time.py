@@ -12,8 +12,8 @@
                  QK-norm's all-reduces; the embedding's, LM head's and loss's collectives),
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
-                 gradient reduce-scatter (fp32), of every rank's padded shard (memory.fsdp_elements); pp sends of activations and gradients (asynchronous, 2 per
-                 virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
+                 gradient reduce-scatter (fp32), of every rank's padded shard (memory.fsdp_elements); pp sends of
+                 activations and gradients (asynchronous, 2 per virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
     buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp the gradients'
