@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from optimus.optim.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices that decay, and norms/biases/embeddings that do not (OLMo's choice)."""
-    decay, no_decay = [], []
+    """Matrices that decay, and norms/biases/embeddings that do not (OLMo's choice); each split again into
+    DTensor and plain parameters where a model has both (tp without FSDP: a MoE router stays a plain tensor),
+    since AdamW's fused and foreach kernels refuse a mix in one group. Empty groups are left out."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim < 2 or "norm" in name or name.startswith("embed") or ".embed." in name:
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        decays = not (param.ndim < 2 or "norm" in name or name.startswith("embed") or ".embed." in name)
+        groups.setdefault((decays, isinstance(param, DTensor)), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0}
+            for (decays, _), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))]
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:

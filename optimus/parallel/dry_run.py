@@ -267,8 +267,9 @@ def _fsdp_transient(blocks: list[int], root: int, width: int, dims: ParallelDims
     block's unreduced gradients and the root unit; under pp the whole stage's weights and fp32 gradients, since
     torch's pipeline stages keep blocks gathered after their backward and accumulate unsharded gradients until
     the step's one reduce-scatter (pipelining/stage.py: reshard_after_backward and requires_gradient_sync off
-    between micro-batches). One process has no FSDP: nothing is gathered."""
-    if not dims.is_parallel:
+    between micro-batches). Without data parallelism (one process, tp / pp only) there is no FSDP: nothing is
+    gathered."""
+    if not dims.has_data_parallel:
         return 0.0
     if dims.pp > 1:
         return (sum(blocks) + root) * (width + 4.0)
@@ -292,7 +293,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "parameters (fp32)": 4.0 * local,
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
-        # one process has no FSDP: nothing is gathered
+        # no data parallelism, no FSDP: nothing is gathered
         "FSDP transient": _fsdp_transient(blocks, root, width, dims),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),

@@ -83,6 +83,11 @@ class ParallelDims(ParallelDegrees):
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def has_data_parallel(self) -> bool:
+        """Whether several ranks share the batch (FSDP, zero or DDP then has ranks to shard or average over)."""
+        return self.dp > 1
+
     def check_model(self, model: ModelConfig, virtual_stages: int = 1, seq_len: int | None = None) -> None:
         """Raise LayoutError when the model (and, given, the training sequence length) cannot be split this way."""
         if model.n_heads % self.tp or model.kv_heads % self.tp:

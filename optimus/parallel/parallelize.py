@@ -131,9 +131,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     if pipeline is not None:  # the stages must run the wrapped blocks
         pipeline.refresh_layers(model)
 
-    # 6. FSDP (ZeRO-3 / HSDP). Applied whenever there is more than one rank, even with
-    # dp_shard == 1: it makes every parameter a DTensor (optimizers and norms refuse a mix of
-    # DTensor and plain tensors) and hands the model plain full weights during forward.
+    # 6. FSDP (ZeRO-3 / HSDP) over the data-parallel ranks, when there are several. With none (tp / pp
+    # only) it would shard over one rank: a gathered copy of every unit's weights and gradients (the whole
+    # stage's under pp) and copies each step, for nothing. tp's DTensor and pp's plain parameters train as
+    # they are (the optimizer keeps the two kinds in separate groups: optim/build.py).
     # zero1/zero2 instead keep parameters whole: the optimizer (optim/sharded.py) shards its state
     # and reduces gradients itself; it works on local tensors, so a mix of DTensors is fine there.
     # ddp replicates everything (torch DDP): plain tensors, pure data parallelism only.
@@ -146,7 +147,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
 
         compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32
         model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute)
-    elif parallel:
+    elif parallel and dims.has_data_parallel:
         from optimus.parallel.data_parallel import apply_fsdp
 
         experts_mesh = None

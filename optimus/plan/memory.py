@@ -165,11 +165,13 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
-        transient = (2 * gathered_block + gathered_root) * width + 4 * gathered_block if dims.is_parallel else 0.0
+        transient = (2 * gathered_block + gathered_root) * width + 4 * gathered_block
         if dims.pp > 1:  # torch's pipeline stages keep every block gathered after its backward and accumulate
             # unsharded gradients until the step's one reduce-scatter (stage.py: reshard_after_backward and
             # requires_gradient_sync off between micro-batches): the whole stage, weights and fp32 gradients
             transient = (layers * gathered_block + gathered_root) * (width + 4)
+        if not dims.has_data_parallel:  # one process, or tp / pp only: the trainer applies no FSDP
+            transient = 0.0
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts

@@ -262,9 +262,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         fsdp_mb = layers * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0)
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
-        if dims.is_parallel:  # and their copies, which no link hides (the trainer applies FSDP at dp_shard = 1
-            # too): each all-gather copies the shard in and the whole unit out, the reduce-scatter copies the whole
-            # fp32 gradients in (a read and a write each)
+        if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
+            # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
+            # reduce-scatter copies the whole fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
             owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
             gather_copies, reduce_copies = 2 * 2 * width * (gathered + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff

@@ -223,6 +223,30 @@ class CheckedFakeMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
+def swappable_fake_parameters(mode: FakeTensorMode):
+    """Let `module.to_empty` move plain fake parameters (a layout without FSDP or tp: pp only) to the device.
+
+    torch swaps a FakeTensor parameter for the new one in place (torch.utils.swap_tensors), which refuses
+    tensors anything weakly references, and the mode's converter memo weakly references the fake tensors it
+    made, the new one included: forget them just before each swap (a memo only: nothing is converted again).
+    Real devices take the `.data =` path instead.
+    """
+    import torch.utils
+
+    original = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        return original(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+@contextlib.contextmanager
 def fake_pipeline_peers():
     """Answer the pipeline stages' start-up metadata exchange as the peer stages would.
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from fake_device import CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device
+from fake_device import (CheckedFakeMode, fake_pipeline_peers, in_fresh_process, register_fake_device,
+                         swappable_fake_parameters)
 from tests.helpers.parity import tiny_config
 
 
@@ -46,7 +47,7 @@ def _one_step(moe: bool, parallel: dict, world_size: int, n_layers: int = 2, **t
     # expert counts read on the host: an even routing, so that they add up to the rows (T x top_k)
     even = t.micro_batch_size * t.seq_len * config.model.top_k // max(config.model.n_experts, 1)
     mode = CheckedFakeMode(count_value=even)
-    with mode, fake_pipeline_peers():
+    with mode, fake_pipeline_peers(), swappable_fake_parameters(mode):
         model = build_parallel_model(config, dims, mesh, device)
         optimizer = build_optimizer(model, config.optim)
         n_micro = t.global_batch_size // (dims.dp * t.micro_batch_size)
