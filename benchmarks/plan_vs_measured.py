@@ -1,7 +1,7 @@
 """The planner's calibrated prediction for this machine vs short real trainings here, layout by layout.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json out.json] [--steps 4] [--warmup 2]
-        [--repeats 2] [--only NAME,...|smoke] [--no-calibrate] [--model=--model.n_layers=2,...]
+        [--repeats 2] [--memory-runs 1] [--only NAME,...|smoke] [--no-calibrate] [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, zero1, TP, PP, EP, activation checkpointing)
 it runs the Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as
@@ -14,10 +14,16 @@ when there is none), and each rank's memory with the planner's stage_memory of t
 
 Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
 the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
-largest rank's, the least of the `--repeats` runs (the peak moves 5-10% between runs). It therefore includes
-everything the training allocates on the host: what the planner counts (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP transients),
-plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras below), and
-what glibc keeps of freed memory, which it does not.
+largest rank's, in `--memory-runs` further runs (the least of them) made with glibc's mmap threshold pinned at
+MMAP_THRESHOLD (mallopt): every tensor of that size or more gets its own mapping and goes back to the system
+when freed, so the peak resident set is the allocator's peak of live memory (what max_memory_allocated reads
+on a GPU). Left to itself glibc raises the threshold as large blocks are freed and then keeps them in its
+heaps: the same layout's peak moved by 5-25% between runs (TP 2: 488, 550 and 606 MiB). Those runs' times are
+not used (a mapping per tensor costs page faults); the timed runs' own peaks are kept in the JSON
+(`timed_rss_bytes`). The reading includes everything the training allocates on the host: what the planner
+counts (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP
+transients), plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras
+below).
 """
 
 from __future__ import annotations
@@ -76,8 +82,24 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-def _train_rank(rank: int, world: int, config_path: str, overrides: list[str]) -> dict:
-    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set."""
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial (dynamic) threshold, pinned for the memory runs
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _pin_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold in this process (False where the C library has no mallopt: not glibc)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], pin_mmap: bool = False) -> dict:
+    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set (with
+    `pin_mmap`, glibc's mmap threshold pinned first: see the module's docstring)."""
+    pinned = _pin_mmap_threshold() if pin_mmap else False
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
     from optimus.train.trainer import Trainer
@@ -91,7 +113,7 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str]) -
     trainer = Trainer(config, progress_bar=False)
     trainer.fit()
     _, peak = _rss()
-    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
+    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base, "mmap_pinned": pinned}
 
 
 def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[float]:
@@ -128,34 +150,39 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
             "share": entry["machine"].get("share")}
 
 
-def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int) -> tuple[list[float], list[dict], float]:
+def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
+                pin_mmap: bool = False) -> tuple[list[float], list[dict], float]:
     """One short training run: its measured step times, each rank's memory, its wall time."""
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
         run_overrides = [*overrides, f"--run.dir={tmp}/run"]
         config = load_config(config_path, run_overrides)
         start = time.perf_counter()
-        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, timeout=900.0)
+        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, pin_mmap, timeout=900.0)
         wall = time.perf_counter() - start
         measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
     return measured, ranks_out, wall
 
 
 def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
-               model: list[str] = (), repeats: int = 1) -> dict:
+               model: list[str] = (), repeats: int = 1, memory_runs: int = 1) -> dict:
     """Train one layout briefly (`repeats` times) and predict it; the row of the table."""
     config_path, ranks, extra = LAYOUTS[name]
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     runs = [_train_once(config_path, ranks, overrides, warmup) for _ in range(max(1, repeats))]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
-    measured, ranks_out, wall = runs[fastest]
+    measured, _, wall = runs[fastest]
     predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
     step = statistics.median(measured)
-    # the least of the runs' peaks, as the fastest of their times: the same layout's peak resident set moved by
-    # 5-10% between runs (what glibc keeps of freed memory, and EP's routing, vary), and the run that kept the
-    # least is the closest reading of what the layout needs
-    peaks = [max(r["growth"] for r in run[1]) for run in runs]
-    ranks_out = runs[min(range(len(runs)), key=peaks.__getitem__)][1]
+    # memory: the runs with the mmap threshold pinned (the timed runs' peaks where none could be pinned); the
+    # least of them, as the fastest of the times (EP's routing still moves the peak a little)
+    memory_runs_out = [_train_once(config_path, ranks, overrides, warmup, pin_mmap=True)[1]
+                       for _ in range(memory_runs)]
+    pinned = [run for run in memory_runs_out if all(r["mmap_pinned"] for r in run)]
+    timed_peaks = [max(r["growth"] for r in run[1]) for run in runs]
+    candidates = pinned or [run[1] for run in runs]
+    peaks = [max(r["growth"] for r in run) for run in candidates]
+    ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
     memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
     return {"layout": name, "ranks": ranks, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
@@ -163,6 +190,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
             "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
             "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out, "wall_s": wall,
+            "memory_allocator_pinned": bool(pinned), "timed_rss_bytes": timed_peaks,
             "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"],
             "run_medians_s": [statistics.median(r[0]) for r in runs]}
 
@@ -173,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per layout; the fastest run's median counts")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory-runs", type=int, default=1,
+                        help="further runs per layout for memory, glibc's mmap threshold pinned (0: the timed runs')")
     parser.add_argument("--only", default=None, help="comma-separated layout names (default: all); 'smoke': "
                                                      + ",".join(SMOKE))
     parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
@@ -197,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pred MiB':>9} {'err':>7}", flush=True)
     for name in names:
         row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache, not args.no_calibrate,
-                         [m for m in args.model.split(",") if m], args.repeats)
+                         [m for m in args.model.split(",") if m], args.repeats, args.memory_runs)
         rows.append(row)
         print(f"{name:<26} {row['ranks']:>5} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} "
               f"{row['step_error']:>+7.1%} {row['measured_memory_bytes'] / 2**20:>9.0f} "
@@ -205,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     within = sum(abs(r["step_error"]) <= 0.15 for r in rows), sum(abs(r["memory_error"]) <= 0.10 for r in rows)
     print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
-                                           "repeats": args.repeats,
+                                           "repeats": args.repeats, "memory_runs": args.memory_runs,
+                                           "mmap_threshold": MMAP_THRESHOLD,
                                            "rows": rows}, indent=1, default=str))
     return 0
 

@@ -30,7 +30,7 @@ def _check(rows, names):
         assert len(r["measured_steps_s"]) == 2 and r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
         assert r["step_error"] == pytest.approx(r["predicted_step_s"] / r["measured_step_s"] - 1)
         assert r["measured_memory_bytes"] > 0 and r["predicted_memory_bytes"] > r["planner_memory_bytes"] > 0
-        assert len(r["rank_rss"]) == r["ranks"] and r["calibrated"]
+        assert len(r["rank_rss"]) == r["ranks"] and r["calibrated"] and len(r["timed_rss_bytes"]) == 1
         assert all(0 < r["efficiency"][k] <= 1 for k in ("dense_gemm", "attention", "memory_bound", "loss_head"))
 
 
@@ -48,17 +48,38 @@ def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypat
     report = json.loads(out.read_text())
     assert report["machine"]["machine"] and report["steps"] == 2 and report["repeats"] == 1
     _check(report["rows"], ["dense-1"])
+    assert report["rows"][0]["memory_allocator_pinned"]  # glibc (Linux): the memory run pinned its mmap threshold
 
 
-def test_the_fastest_repeat_counts(load_benchmark, machine_cache, monkeypatch):
-    """With --repeats the run whose median step is smallest gives the row (step times and memory together)."""
+def _fake_runs(script, monkeypatch, timed, memory):
+    """_train_once replaced: `timed` answers the timed runs, `memory` the pinned ones, in order."""
+    timed, memory = iter(timed), iter(memory)
+    monkeypatch.setattr(script, "_train_once", lambda *args, pin_mmap=False: next(memory if pin_mmap else timed))
+
+
+def test_the_fastest_repeat_counts_and_memory_comes_from_the_pinned_runs(load_benchmark, machine_cache, monkeypatch):
+    """With --repeats the run whose median step is smallest gives the time; memory is the least peak of the runs
+    made with glibc's mmap threshold pinned, the timed runs' peaks kept beside it."""
     script = load_benchmark("plan_vs_measured")
-    runs = iter([([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0), ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 200}], 5.0)])
-    monkeypatch.setattr(script, "_train_once", lambda *args: next(runs))
+    _fake_runs(script, monkeypatch,
+               timed=[([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0), ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 250}], 5.0)],
+               memory=[([4.0], [{"rank": 0, "growth": 220, "mmap_pinned": True}], 9.0),
+                       ([4.0], [{"rank": 0, "growth": 210, "mmap_pinned": True}], 9.0)])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
-                            repeats=2)
-    assert row["run_medians_s"] == [2.5, 1.2] and row["measured_step_s"] == 1.2
-    assert row["measured_memory_bytes"] == 200 and row["wall_s"] == 5.0
+                            repeats=2, memory_runs=2)
+    assert row["run_medians_s"] == [2.5, 1.2] and row["measured_step_s"] == 1.2 and row["wall_s"] == 5.0
+    assert row["measured_memory_bytes"] == 210 and row["memory_allocator_pinned"]
+    assert row["timed_rss_bytes"] == [300, 250]
+
+
+def test_memory_falls_back_to_the_timed_runs_where_nothing_could_be_pinned(load_benchmark, machine_cache, monkeypatch):
+    script = load_benchmark("plan_vs_measured")
+    _fake_runs(script, monkeypatch,
+               timed=[([2.0], [{"rank": 0, "growth": 300}], 9.0), ([1.0], [{"rank": 0, "growth": 250}], 5.0)],
+               memory=[([4.0], [{"rank": 0, "growth": 100, "mmap_pinned": False}], 9.0)])
+    row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
+                            repeats=2, memory_runs=1)
+    assert row["measured_memory_bytes"] == 250 and not row["memory_allocator_pinned"]
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
