@@ -117,9 +117,10 @@ def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_l
 def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu: bool) -> tuple[float, float]:
     """(bytes kept per micro-batch, bytes held once) of the loss on the LM head's output, beyond the head's input,
     as the trainer computes it on that device (w = compute width, V vocabulary, h d_model, t = tp, n tokens):
-      tp > 1, any device (parallel/vocab_parallel.py, chunks of r = min(512, n) rows): the [r, V/t] logits (w),
-        their fp32 softmax (4) and, under bf16, its bf16 copy (2); the fp32 gradient of the rank's head rows
-        (4 V h / t) and, under bf16, one bf16 partial product of it (2 V h / t).
+      tp > 1, any device (parallel/vocab_parallel.py, chunks of r = min(512, n) rows): the fp32 [r, V/t] softmax
+        (4; fp32 logits are computed into it) and, under bf16, the bf16 logits and the softmax's bf16 copy (2 + 2);
+        the fp32 gradient of the rank's head rows (4 V h / t) and, under bf16, one bf16 partial product of it
+        (2 V h / t).
       CPU (ops/cross_entropy.py's chunked op): two [r, V] buffers (w each), the fp32 weight gradient (4 V h) and,
         under bf16, its bf16 and fp32 partial products ((2 + 4) V h).
       accelerators (the plain F.cross_entropy over fp32 logits): the fp32 log-softmax is kept (4 n V) and its
@@ -130,7 +131,7 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
     w = 2 if config.train.dtype == "bf16" else 4
     rows = min(DEFAULT_CHUNK_ROWS, tokens)
     if t > 1:
-        return 0.0, rows * vocab / t * (w + 4 + (2 if w == 2 else 0)) + (4 + (2 if w == 2 else 0)) * vocab * h / t
+        return 0.0, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (4 + (2 if w == 2 else 0)) * vocab * h / t
     if loss_on_cpu:
         return 0.0, 2 * rows * vocab * w + (4 + (6 if w == 2 else 0)) * vocab * h
     return 4.0 * tokens * vocab, 8.0 * tokens * vocab

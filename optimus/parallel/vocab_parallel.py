@@ -112,8 +112,9 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     grad_w = torch.empty(0, dtype=torch.float32, **new)
     with torch.autocast(h.device.type, enabled=False):
         h_c, w_c = h.to(dtype), weight.to(dtype)  # cast once for all chunks
-        logits_buf = torch.empty(rows, local_vocab, dtype=dtype, **new)
         probs_buf = torch.empty(rows, local_vocab, dtype=torch.float32, **new)  # fp32 softmax and gradient
+        # fp32 logits are computed straight into the softmax's buffer; bf16 ones get their own and a cast
+        logits_buf = probs_buf if dtype == torch.float32 else torch.empty(rows, local_vocab, dtype=dtype, **new)
         if needs_grad:
             grad_h = torch.zeros(n, d_model, dtype=dtype, **new)
             grad_w = torch.zeros(local_vocab, d_model, dtype=torch.float32, **new)
@@ -124,7 +125,8 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             if local_vocab:
                 logits = torch.mm(h_chunk, w_c.t(), out=logits_buf[: stop - start])
                 probs = probs_buf[: stop - start]
-                probs.copy_(logits)
+                if logits.data_ptr() != probs.data_ptr():
+                    probs.copy_(logits)
                 target_logit = torch.where(mine, probs[index, targets], 0.0)
                 local_max = probs.amax(dim=1)
                 probs.sub_(local_max[:, None]).exp_()  # exp(logit - local max)
@@ -137,10 +139,10 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             losses[start:stop] = lse - everyone[:, 1].sum(dim=0)
             if not needs_grad or not local_vocab:
                 continue
-            # softmax over the whole vocabulary, this rank's columns: exp(logit - lse)
-            probs.mul_(torch.exp(local_max - lse)[:, None])
+            # softmax over the whole vocabulary, this rank's columns: exp(logit - lse), zero on ignored tokens
+            # (they give no gradient) in the same pass
+            probs.mul_((torch.exp(local_max - lse) * valid[start:stop])[:, None])
             probs.index_put_((index, targets), -mine.float(), accumulate=True)  # minus the one-hot it owns
-            probs.mul_(valid[start:stop, None])  # ignored tokens give no gradient
             grad_logits = probs.to(dtype)
             torch.mm(grad_logits, w_c, out=grad_h[start:stop])
             if dtype == torch.float32:
