@@ -12,18 +12,17 @@ same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
 when there is none), and each rank's memory with the planner's stage_memory of the first and last stage.
 
-Memory measured: per rank, the growth of the process's peak resident set (VmHWM) over its resident set when
-the Trainer is about to be built (the high-water mark is reset there through /proc/self/clear_refs), the
-largest rank's, in `--memory-runs` further runs (the least of them) made with glibc's mmap threshold pinned at
-MMAP_THRESHOLD (mallopt): every tensor of that size or more gets its own mapping and goes back to the system
-when freed, so the peak resident set is the allocator's peak of live memory (what max_memory_allocated reads
-on a GPU). Left to itself glibc raises the threshold as large blocks are freed and then keeps them in its
-heaps: the same layout's peak moved by 5-25% between runs (TP 2: 488, 550 and 606 MiB). Those runs' times are
-not used (a mapping per tensor costs page faults); the timed runs' own peaks are kept in the JSON
-(`timed_rss_bytes`). The reading includes everything the training allocates on the host: what the planner
-counts (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers, FSDP
-transients), plus the data pipeline's token buffers, which the comparison adds to the prediction (host_extras
-below).
+Memory measured: the allocator's peak, as max_memory_allocated reads it on a GPU: in `--memory-runs` further
+runs (the least of them), each rank trains under torch.profiler with profile_memory, whose allocation events
+carry the CPU allocator's running total of live bytes since the profiler started (started just before the
+Trainer is built); the largest rank's highest total. The timed runs' peak resident sets (VmHWM growth over the
+resident set before the Trainer, high-water mark reset through /proc/self/clear_refs) are kept beside it in the
+JSON (`timed_rss_bytes`) but not compared: they include what glibc keeps of freed memory and miss what a forked
+rank reuses of its parent's freed heap, and the same layout's moved by 5-30% between runs (TP 2: 318 to 606 MiB).
+The profiled runs' times are not used. The reading includes everything the training allocates as tensors: what
+the planner counts (parameters, gradients, optimizer state, activations with the CPU loss head's chunk buffers,
+FSDP transients), plus the data pipeline's token batches, which the comparison adds to the prediction
+(host_extras below).
 """
 
 from __future__ import annotations
@@ -82,24 +81,27 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-MMAP_THRESHOLD = 128 * 1024  # glibc's initial (dynamic) threshold, pinned for the memory runs
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+def allocator_peak(events) -> int:
+    """The highest running total of live CPU-allocator bytes in a profiler's event tree (profile_memory=True), over
+    what was live when it started (the total before its first allocation event)."""
+    from torch._C._profiler import _EventType
+
+    stack, allocations = list(events), []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_size, first_total = allocations[0]
+    return max(total for _, _, total in allocations) - (first_total - first_size)
 
 
-def _pin_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold in this process (False where the C library has no mallopt: not glibc)."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    except (OSError, AttributeError):
-        return False
-
-
-def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], pin_mmap: bool = False) -> dict:
-    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set (with
-    `pin_mmap`, glibc's mmap threshold pinned first: see the module's docstring)."""
-    pinned = _pin_mmap_threshold() if pin_mmap else False
+def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], profile_memory: bool = False) -> dict:
+    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set, and with
+    `profile_memory` the allocator's peak (see the module's docstring)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
     from optimus.train.trainer import Trainer
@@ -110,10 +112,17 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     except OSError:
         pass
     base, _ = _rss()
-    trainer = Trainer(config, progress_bar=False)
-    trainer.fit()
+    if not profile_memory:
+        Trainer(config, progress_bar=False).fit()
+        _, peak = _rss()
+        return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        Trainer(config, progress_bar=False).fit()
     _, peak = _rss()
-    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base, "mmap_pinned": pinned}
+    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base,
+            "allocator_peak": allocator_peak(prof.profiler.kineto_results.experimental_event_tree())}
 
 
 def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[float]:
@@ -151,13 +160,13 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
 
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
-                pin_mmap: bool = False) -> tuple[list[float], list[dict], float]:
+                profile_memory: bool = False) -> tuple[list[float], list[dict], float]:
     """One short training run: its measured step times, each rank's memory, its wall time."""
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
         run_overrides = [*overrides, f"--run.dir={tmp}/run"]
         config = load_config(config_path, run_overrides)
         start = time.perf_counter()
-        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, pin_mmap, timeout=900.0)
+        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, profile_memory, timeout=900.0)
         wall = time.perf_counter() - start
         measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
     return measured, ranks_out, wall
@@ -174,14 +183,13 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     measured, _, wall = runs[fastest]
     predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
     step = statistics.median(measured)
-    # memory: the runs with the mmap threshold pinned (the timed runs' peaks where none could be pinned); the
-    # least of them, as the fastest of the times (EP's routing still moves the peak a little)
-    memory_runs_out = [_train_once(config_path, ranks, overrides, warmup, pin_mmap=True)[1]
-                       for _ in range(memory_runs)]
-    pinned = [run for run in memory_runs_out if all(r["mmap_pinned"] for r in run)]
+    # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
+    # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
+    profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True)[1] for _ in range(memory_runs)]
     timed_peaks = [max(r["growth"] for r in run[1]) for run in runs]
-    candidates = pinned or [run[1] for run in runs]
-    peaks = [max(r["growth"] for r in run) for run in candidates]
+    key = "allocator_peak" if profiled else "growth"
+    candidates = profiled or [run[1] for run in runs]
+    peaks = [max(r[key] for r in run) for run in candidates]
     ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
     memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
@@ -190,7 +198,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
             "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
             "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out, "wall_s": wall,
-            "memory_allocator_pinned": bool(pinned), "timed_rss_bytes": timed_peaks,
+            "memory_measure": "allocator peak" if profiled else "resident set", "timed_rss_bytes": timed_peaks,
             "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"],
             "run_medians_s": [statistics.median(r[0]) for r in runs]}
 
@@ -202,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per layout; the fastest run's median counts")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-runs", type=int, default=1,
-                        help="further runs per layout for memory, glibc's mmap threshold pinned (0: the timed runs')")
+                        help="further runs per layout for the allocator's peak, profiled (0: the timed runs' resident "
+                             "set instead)")
     parser.add_argument("--only", default=None, help="comma-separated layout names (default: all); 'smoke': "
                                                      + ",".join(SMOKE))
     parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
@@ -236,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,
-                                           "mmap_threshold": MMAP_THRESHOLD,
                                            "rows": rows}, indent=1, default=str))
     return 0
 

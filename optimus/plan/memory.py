@@ -17,6 +17,9 @@ the unsplit model (ModelShape) and the layout's degrees:
     ddp           whole fp32 parameters, gradients, moments, and DDP's fp32 gradient buckets
     activations   dry_run.rank_activation_bytes (the same formula): what each micro-batch the schedule keeps in
                   flight saves, plus once the block being recomputed and the LM head's weight gradient
+    overlap       with one micro-batch a step, the gradients the backward creates (fp32 per parameter held, zero1's
+                  whole ones) and the activations it frees are not both at the peak: the smaller comes off
+                  (dry_run.gradients_not_at_the_activation_peak)
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -28,8 +31,15 @@ import math
 from dataclasses import dataclass
 
 from optimus.config import Config
-from optimus.parallel.dry_run import micro_batches_in_flight, rank_activation_bytes, zero_gradient_bytes
+from optimus.parallel.dry_run import (
+    gradients_not_at_the_activation_peak,
+    micro_batches_in_flight,
+    rank_activation_bytes,
+    whole_gradient_bytes,
+    zero_gradient_bytes,
+)
 from optimus.parallel.mesh import ParallelDims
+from optimus.parallel.validate import resolve_batch
 
 
 # How tensor parallelism splits each weight (parallel/tensor_parallel.py's plan): column-parallel weights, the
@@ -191,6 +201,10 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
+    mode = config.parallel.shard_mode
+    held["gradients not held at the activations' peak"] = -gradients_not_at_the_activation_peak(
+        resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
+        whole_gradient_bytes(mode, local, width), held["activations"])
     return held
 
 

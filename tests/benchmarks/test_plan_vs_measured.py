@@ -48,38 +48,57 @@ def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypat
     report = json.loads(out.read_text())
     assert report["machine"]["machine"] and report["steps"] == 2 and report["repeats"] == 1
     _check(report["rows"], ["dense-1"])
-    assert report["rows"][0]["memory_allocator_pinned"]  # glibc (Linux): the memory run pinned its mmap threshold
+    assert report["rows"][0]["memory_measure"] == "allocator peak"
 
 
 def _fake_runs(script, monkeypatch, timed, memory):
-    """_train_once replaced: `timed` answers the timed runs, `memory` the pinned ones, in order."""
+    """_train_once replaced: `timed` answers the timed runs, `memory` the profiled ones, in order."""
     timed, memory = iter(timed), iter(memory)
-    monkeypatch.setattr(script, "_train_once", lambda *args, pin_mmap=False: next(memory if pin_mmap else timed))
+    monkeypatch.setattr(script, "_train_once", lambda *args, profile_memory=False: next(memory if profile_memory else timed))
 
 
-def test_the_fastest_repeat_counts_and_memory_comes_from_the_pinned_runs(load_benchmark, machine_cache, monkeypatch):
-    """With --repeats the run whose median step is smallest gives the time; memory is the least peak of the runs
-    made with glibc's mmap threshold pinned, the timed runs' peaks kept beside it."""
+def test_the_fastest_repeat_counts_and_memory_is_the_profiled_allocator_peak(load_benchmark, machine_cache,
+                                                                             monkeypatch):
+    """With --repeats the run whose median step is smallest gives the time; memory is the least allocator peak of
+    the profiled runs, the timed runs' resident peaks kept beside it."""
     script = load_benchmark("plan_vs_measured")
     _fake_runs(script, monkeypatch,
                timed=[([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0), ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 250}], 5.0)],
-               memory=[([4.0], [{"rank": 0, "growth": 220, "mmap_pinned": True}], 9.0),
-                       ([4.0], [{"rank": 0, "growth": 210, "mmap_pinned": True}], 9.0)])
+               memory=[([4.0], [{"rank": 0, "growth": 400, "allocator_peak": 220}], 9.0),
+                       ([4.0], [{"rank": 0, "growth": 100, "allocator_peak": 210}], 9.0)])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
                             repeats=2, memory_runs=2)
     assert row["run_medians_s"] == [2.5, 1.2] and row["measured_step_s"] == 1.2 and row["wall_s"] == 5.0
-    assert row["measured_memory_bytes"] == 210 and row["memory_allocator_pinned"]
+    assert row["measured_memory_bytes"] == 210 and row["memory_measure"] == "allocator peak"
     assert row["timed_rss_bytes"] == [300, 250]
 
 
-def test_memory_falls_back_to_the_timed_runs_where_nothing_could_be_pinned(load_benchmark, machine_cache, monkeypatch):
+def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmark, machine_cache, monkeypatch):
     script = load_benchmark("plan_vs_measured")
     _fake_runs(script, monkeypatch,
-               timed=[([2.0], [{"rank": 0, "growth": 300}], 9.0), ([1.0], [{"rank": 0, "growth": 250}], 5.0)],
-               memory=[([4.0], [{"rank": 0, "growth": 100, "mmap_pinned": False}], 9.0)])
+               timed=[([2.0], [{"rank": 0, "growth": 300}], 9.0), ([1.0], [{"rank": 0, "growth": 250}], 5.0)], memory=[])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
-                            repeats=2, memory_runs=1)
-    assert row["measured_memory_bytes"] == 250 and not row["memory_allocator_pinned"]
+                            repeats=2, memory_runs=0)
+    assert row["measured_memory_bytes"] == 250 and row["memory_measure"] == "resident set"
+
+
+def test_allocator_peak_is_the_highest_live_total_since_the_profiler_started():
+    """Tensors allocated and freed under torch.profiler(profile_memory): the peak of the live bytes, not counting
+    what was allocated before the profiler started."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.plan_vs_measured import allocator_peak
+
+    before = torch.ones(4_000_000)  # 16 MB live already: not counted
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.ones(1_000_000)  # 4 MB
+        b = torch.ones(2_000_000)  # 8 MB: 12 MB live, the peak
+        del a
+        c = torch.ones(500_000)  # 2 MB: 10 MB live
+        del b, c
+    assert allocator_peak(prof.profiler.kineto_results.experimental_event_tree()) == 12_000_000
+    assert before.sum() > 0
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
