@@ -1,7 +1,8 @@
 """The planner's calibrated prediction for this machine vs short real trainings here, layout by layout.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json out.json] [--steps 4] [--warmup 2]
-        [--repeats 2] [--memory-runs 1] [--only NAME,...|smoke] [--no-calibrate] [--model=--model.n_layers=2,...]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json benchmarks/results/plan_vs_measured.json]
+        [--steps 4] [--warmup 2] [--repeats 2] [--memory-runs 1] [--only NAME,...|smoke] [--no-calibrate]
+        [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, zero1, TP, PP, EP, activation checkpointing)
 it runs the Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as
@@ -205,7 +206,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default="plan_vs_measured.json")
+    parser.add_argument("--json", default="benchmarks/results/plan_vs_measured.json", help="where to write the rows")
     parser.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="runs per layout; the fastest run's median counts")
     parser.add_argument("--warmup", type=int, default=2)
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}", flush=True)
     within = sum(abs(r["step_error"]) <= 0.15 for r in rows), sum(abs(r["memory_error"]) <= 0.10 for r in rows)
     print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,
                                            "rows": rows}, indent=1, default=str))
