@@ -115,13 +115,15 @@ class PipelineRuntime:
         self._n_microbatches = 1
 
     def refresh_layers(self, model: Transformer) -> None:
-        """Point the stages at model's current blocks (after activation checkpointing wrapped them) and
-        LM head (tensor parallelism swaps in a vocabulary-parallel one)."""
+        """Point the stages at model's current blocks (after activation checkpointing wrapped them), embedding
+        and LM head (tensor parallelism swaps in vocabulary-parallel ones)."""
         for stage in self.stages:
             for key in list(stage.layers.keys()):
                 stage.layers[key] = model.layers[key]
             if stage.lm_head is not None:
                 stage.lm_head = model.lm_head
+            if stage.embed is not None:
+                stage.embed = model.embed
 
     def _loss(self, ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the last stage's output is already the micro-batch's mean cross-entropy (its labels came as a

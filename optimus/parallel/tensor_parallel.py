@@ -15,7 +15,8 @@ What is split over the tp mesh, and why:
 - sequence parallel: between blocks the residual stream is split along the sequence; norms run
   on the local tokens (SequenceParallel), attention/MLP inputs are all-gathered and their
   outputs reduce-scattered.
-- embedding: vocab-parallel (row-wise), output reduce-scattered to sequence shards.
+- embedding: vocab-parallel (`vocab_parallel.VocabParallelEmbedding`: each rank looks up its own rows), the
+  partial outputs reduce-scattered to sequence shards.
 - final norm: on the local tokens under sequence parallelism (SequenceParallel), like the
   blocks' norms.
 - LM head and loss: vocab-parallel (`vocab_parallel.VocabParallelLMHead` replaces the model's
@@ -49,7 +50,7 @@ from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
 from optimus.ops.cross_entropy import IGNORE_INDEX
 from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
-from optimus.parallel.vocab_parallel import VocabParallelLMHead
+from optimus.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -149,15 +150,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize.build_parallel_model) and on materialised weights (DTensor then keeps each rank's
     slice of the full tensor, so every rank must hold the same full weights beforehand).
     """
-    residual = Shard(1) if sequence_parallel else Replicate()
     root_plan: dict = {}
-    if getattr(model, "embed", None) is not None:
-        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if getattr(model, "norm", None) is not None and sequence_parallel:
         # on the local tokens: the vocab-parallel head gathers them itself (after the norm, not before)
         root_plan["norm"] = SequenceParallel(use_local_output=True)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+    if getattr(model, "embed", None) is not None:
+        model.embed = VocabParallelEmbedding(model.embed, tp_mesh, sequence_parallel)
     if getattr(model, "lm_head", None) is not None:
         model.lm_head = VocabParallelLMHead(model.lm_head, tp_mesh, sequence_parallel)
     if sequence_parallel and getattr(model, "embed", None) is not None:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS, IGNORE_INDEX, _compute_dtype
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
-from optimus.parallel.group_autograd import sum_grad_over_group
+from optimus.parallel.group_autograd import sum_grad_over_group, sum_over_group
 
 
 def vocab_split(vocab_size: int, tp: int) -> list[int]:
@@ -72,6 +72,20 @@ class _GatherSequence(torch.autograd.Function):
         out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
         reduce_scatter_single(out, parts.flatten(0, 1), group=ctx.group)
         return out, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Every rank's partial [B, S, D] -> the sum's sequence shard [B, S/tp, D]; backward all-gathers (each
+    rank's partial got the whole output's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _GatherSequence.backward(ctx, x)[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _GatherSequence.forward(ctx, grad, ctx.group), None
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -188,6 +202,40 @@ def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
     h = sum_grad_over_group(h, group)
     return _VocabParallelCrossEntropy.apply(h, weight, labels, vocab_start, group, chunk_rows,
                                             _needs_grad(h, weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding split over the vocabulary across tp (Megatron's VocabParallelEmbedding).
+
+    Each rank looks up the tokens of its own rows (the others read zeros) and the ranks' partial outputs are
+    summed: reduce-scattered to sequence shards [B, S/tp, D] under sequence parallelism, else all-reduced.
+    The weight is one DTensor Shard(0) over tp (the checkpoint key `embed.weight` and its full shape are the
+    single-device embedding's). Not torch's RowwiseParallel: its backward (torch 2.13) builds a dense gradient
+    of the whole vocabulary on every rank before keeping its rows ([V, D] fp32, 412 MB at V = 50k, D = 2,048);
+    here the backward scatters into this rank's [V/tp, D] only.
+    """
+
+    def __init__(self, embed: nn.Embedding, tp_mesh: DeviceMesh, sequence_parallel: bool):
+        super().__init__()
+        self.group = tp_mesh.get_group()
+        self.sequence_parallel = sequence_parallel
+        sizes = vocab_split(embed.weight.shape[0], tp_mesh.size())
+        rank = tp_mesh.get_local_rank()
+        self.vocab_start, self.vocab_rows = sum(sizes[:rank]), sizes[rank]
+        self.weight = nn.Parameter(distribute_tensor(embed.weight.detach(), tp_mesh, [Shard(0)]))
+        if self.weight.to_local().shape[0] != self.vocab_rows:  # guards vocab_split against DTensor's rule
+            raise RuntimeError(f"vocab rows on tp rank {rank}: DTensor holds {self.weight.to_local().shape[0]}, "
+                               f"vocab_split says {self.vocab_rows}")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # under FSDP the unsharded parameter is a DTensor over tp too; zero1/zero2 keep it as it is
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        partial = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return _ReduceScatterSequence.apply(partial, self.group)
+        return sum_over_group(partial, self.group)
 
 
 class VocabParallelLMHead(nn.Module):

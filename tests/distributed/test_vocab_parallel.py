@@ -95,6 +95,40 @@ def test_vocab_parallel_head_gives_the_single_device_logits_loss_and_gradients(s
     run_distributed(_head_matches_lm_head, 2, sequence_parallel)
 
 
+def _embedding_matches_embedding(rank: int, world: int, sequence_parallel: bool) -> int:
+    """VocabParallelEmbedding against nn.Embedding: outputs (this rank's tokens), the weight's gradient, and the
+    largest tensor its backward allocates (returned: the profiler's allocation events)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from optimus.parallel.vocab_parallel import VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    batch, seq, d, vocab = 2, 6, 8, 29
+    embed = torch.nn.Embedding(vocab, d)
+    ids = torch.randint(0, vocab, (batch, seq))
+    grad_out = torch.randn(batch, seq, d)
+    (embed(ids) * grad_out).sum().backward()
+
+    parallel = VocabParallelEmbedding(embed, init_device_mesh("cpu", (world,)), sequence_parallel)
+    tokens = slice(rank * seq // world, (rank + 1) * seq // world) if sequence_parallel else slice(None)
+    out = parallel(ids)
+    torch.testing.assert_close(out, embed(ids)[:, tokens].detach(), rtol=0, atol=1e-6)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (out * grad_out[:, tokens]).sum().backward()
+    assert parallel.weight.shape == embed.weight.shape  # checkpoints see the single-device key and shape
+    torch.testing.assert_close(parallel.weight.grad.full_tensor(), embed.weight.grad, rtol=1e-6, atol=1e-6)
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence-parallel", "replicated-tokens"])
+def test_vocab_parallel_embedding_gives_the_single_device_output_and_gradient(sequence_parallel):
+    """...and its backward allocates no more than this rank's rows: torch's RowwiseParallel embedding built a
+    dense gradient of the whole vocabulary on every rank (29 x 8 fp32 here, 412 MB at V = 50k, D = 2,048)."""
+    largest = run_distributed(_embedding_matches_embedding, 2, sequence_parallel)
+    assert 0 < max(largest) <= 15 * 8 * 4  # the larger rank's [15, 8] fp32 rows
+
+
 def test_tp_2_with_a_vocabulary_tp_does_not_divide_matches_one_process():
     # 1,001 rows: 501 on rank 0, 500 on rank 1 (embedding and head alike); no padding token
     check_layout(tiny_config(model=dict(vocab_size=1001), parallel=dict(tp=2)), world_size=2, steps=3)
