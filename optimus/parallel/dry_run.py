@@ -305,15 +305,17 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
-    memory.bytes[OVERLAP_LABEL] = -gradients_not_at_the_activation_peak(
-        _batch(config, dims).micro_batches, whole_gradient_bytes(mode, local, width),
-        memory.bytes["activations (as configured)"])
+    overlap = gradients_not_at_the_activation_peak(_batch(config, dims).micro_batches,
+                                                   whole_gradient_bytes(mode, local, width),
+                                                   memory.bytes["activations (as configured)"])
+    if overlap:
+        memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
         memory.activations_per_micro_batch[label] = activation_bytes(variant, dims, layers, has_head)
     return memory
 
 
-OVERLAP_LABEL = "less: gradients not held at the activations' peak (one micro-batch a step)"
+OVERLAP_LABEL = "overlap: gradients / activations (1 micro-batch)"
 
 
 def whole_gradient_bytes(mode: str, local: float, width: int) -> float:

@@ -202,7 +202,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
     mode = config.parallel.shard_mode
-    held["gradients not held at the activations' peak"] = -gradients_not_at_the_activation_peak(
+    held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"])
     return held
