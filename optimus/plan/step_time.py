@@ -77,14 +77,6 @@ class StepTime:
     bubble_fraction: float = 0.0
 
 
-def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Share of a pipelined step the stages sit idle: ((pp - 1) / v) / (m + (pp - 1) / v)."""
-    if pp <= 1:
-        return 0.0
-    idle = (pp - 1) / virtual_stages
-    return idle / (micro_batches + idle)
-
-
 def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
     """Training FLOPs per token (6 x matmul parameters, 12 L d S for attention scores), by op class."""
     m, seq = config.model, config.train.seq_len

@@ -11,7 +11,6 @@ from optimus.config import ConfigError, load_config
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster, cluster_names, load_cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
-from optimus.plan.step_time import bubble_fraction
 from tests.helpers.distributed import run_forked
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
@@ -61,13 +60,6 @@ def test_memory_model_agrees_with_the_dry_run(config, overrides):
                                      ["--train.global_batch_size=16", *overrides], timeout=240)
     # the issue asks for 10%; the model counts the dry run's own terms, so it agrees far closer (0.1% seen)
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
-
-
-def test_bubble_is_the_textbook_fraction():
-    assert bubble_fraction(1, 8) == 0.0
-    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)  # (pp - 1) / (m + pp - 1)
-    assert bubble_fraction(8, 8) == pytest.approx(7 / 15)
-    assert bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(1.5 / 9.5)  # interleaved divides by v
 
 
 def _toy(n: int = 4) -> Cluster:
