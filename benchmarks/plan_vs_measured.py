@@ -29,6 +29,7 @@ FSDP transients), plus the data pipeline's token batches, which the comparison a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -112,18 +113,17 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set to the current one
     except OSError:
         pass
-    base, _ = _rss()
-    if not profile_memory:
-        Trainer(config, progress_bar=False).fit()
-        _, peak = _rss()
-        return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    base, _ = _rss()
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory else None
+    with profiler or contextlib.nullcontext():
         Trainer(config, progress_bar=False).fit()
     _, peak = _rss()
-    return {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base,
-            "allocator_peak": allocator_peak(prof.profiler.kineto_results.experimental_event_tree())}
+    result = {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
+    if profiler is not None:
+        result["allocator_peak"] = allocator_peak(profiler.profiler.kineto_results.experimental_event_tree())
+    return result
 
 
 def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[float]:

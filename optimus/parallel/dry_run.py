@@ -263,7 +263,7 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> f
     return min(n_micro, dims.pp - stage)
 
 
-def _fsdp_transient(blocks: list[int], root: int, width: int, dims: ParallelDims) -> float:
+def fsdp_transient_bytes(blocks: list[float], root: float, width: int, dims: ParallelDims) -> float:
     """Bytes FSDP holds gathered beyond the shards: two blocks' weights (the running and the prefetched one), one
     block's unreduced gradients and the root unit; under pp the whole stage's weights and fp32 gradients, since
     torch's pipeline stages keep blocks gathered after their backward and accumulate unsharded gradients until
@@ -295,7 +295,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # no data parallelism, no FSDP: nothing is gathered
-        "FSDP transient": _fsdp_transient(blocks, root, width, dims),
+        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }

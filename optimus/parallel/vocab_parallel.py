@@ -53,25 +53,34 @@ def _all_gather_stacked(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return out.view(size, *x.shape)
 
 
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S/tp, D] sequence shards -> [B, S, D], every rank's in rank order."""
+    out = _all_gather_stacked(x.contiguous(), dist.get_world_size(group), group)
+    return out.movedim(0, 1).flatten(1, 2)  # [B, tp, S/tp, D] -> [B, S, D]
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's [B, S, D] -> their sum's [B, S/tp, D] shard of this rank's tokens."""
+    tp = dist.get_world_size(group)
+    batch, seq = x.shape[0], x.shape[1]
+    parts = x.reshape(batch, tp, seq // tp, *x.shape[2:]).movedim(1, 0).contiguous()
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_single(out, parts.flatten(0, 1), group=group)
+    return out
+
+
 class _GatherSequence(torch.autograd.Function):
     """[B, S/tp, D] sequence shards -> [B, S, D] on every rank; backward reduce-scatters (sums the
     ranks' gradient shares and hands each rank its own tokens')."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group, tp = group, dist.get_world_size(group)
-        x = x.contiguous()
-        out = _all_gather_stacked(x, tp, group)
-        return out.movedim(0, 1).flatten(1, 2)  # [B, tp, S/tp, D] -> [B, S, D]
+        ctx.group = group
+        return _gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        tp = dist.get_world_size(ctx.group)
-        batch, seq = grad.shape[0], grad.shape[1]
-        parts = grad.reshape(batch, tp, seq // tp, *grad.shape[2:]).movedim(1, 0).contiguous()
-        out = torch.empty(parts.shape[1:], dtype=grad.dtype, device=grad.device)
-        reduce_scatter_single(out, parts.flatten(0, 1), group=ctx.group)
-        return out, None
+        return _reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -81,11 +90,11 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        return _GatherSequence.backward(ctx, x)[0]
+        return _reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _GatherSequence.forward(ctx, grad, ctx.group), None
+        return _gather_sequence(grad, ctx.group), None
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -139,7 +148,7 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             if local_vocab:
                 logits = torch.mm(h_chunk, w_c.t(), out=logits_buf[: stop - start])
                 probs = probs_buf[: stop - start]
-                if logits.data_ptr() != probs.data_ptr():
+                if logits_buf is not probs_buf:  # bf16 logits: the fp32 softmax starts from their copy
                     probs.copy_(logits)
                 target_logit = torch.where(mine, probs[index, targets], 0.0)
                 local_max = probs.amax(dim=1)

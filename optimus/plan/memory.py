@@ -7,7 +7,7 @@ the unsplit model (ModelShape) and the layout's degrees:
     fsdp          fp32 parameters, gradients and AdamW moments (16 B / element) of this rank's shard: non-expert
                   weights split over tp (matrices only) then dp_shard, experts over ep x tp then dp_shard_mod_ep;
                   plus the FSDP transient (two gathered blocks, one block's unreduced gradients, the root unit;
-                  under pp the whole stage's weights and fp32 gradients: dry_run._fsdp_transient);
+                  under pp the whole stage's weights and fp32 gradients: dry_run.fsdp_transient_bytes);
                   FSDP2 cuts each tensor along one dim into ceil-sized shards: the largest shard is held, and an
                   all-gather produces every rank's padded shard (fsdp_elements: a [64, ...] expert tensor over
                   3,072 ranks gathers 3,072 rows)
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from optimus.config import Config
 from optimus.parallel.dry_run import (
+    fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
     micro_batches_in_flight,
     rank_activation_bytes,
@@ -175,13 +176,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
-        transient = (2 * gathered_block + gathered_root) * width + 4 * gathered_block
-        if dims.pp > 1:  # torch's pipeline stages keep every block gathered after its backward and accumulate
-            # unsharded gradients until the step's one reduce-scatter (stage.py: reshard_after_backward and
-            # requires_gradient_sync off between micro-batches): the whole stage, weights and fp32 gradients
-            transient = (layers * gathered_block + gathered_root) * (width + 4)
-        if not dims.has_data_parallel:  # one process, or tp / pp only: the trainer applies no FSDP
-            transient = 0.0
+        transient = fsdp_transient_bytes([gathered_block] * layers, gathered_root, width, dims)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts
