@@ -19,7 +19,9 @@ the unsplit model (ModelShape) and the layout's degrees:
                   flight saves, plus once the block being recomputed and the LM head's weight gradient
     overlap       with one micro-batch a step, the gradients the backward creates (fp32 per parameter held, zero1's
                   whole ones) and the activations it frees are not both at the peak: the smaller comes off
-                  (dry_run.gradients_not_at_the_activation_peak)
+                  (dry_run.gradients_not_at_the_activation_peak); FSDP under pp: the sharded gradients are made
+                  only by the step's one reduce-scatter, which holds a flat copy of the unsharded ones instead of
+                  the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes)
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from optimus.config import Config
 from optimus.parallel.dry_run import (
+    fsdp_deferred_reduce_bytes,
     fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
     micro_batches_in_flight,
@@ -197,9 +200,11 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
     mode = config.parallel.shard_mode
+    deferred = (fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims) if mode == "fsdp"
+                else 0.0)
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
-        whole_gradient_bytes(mode, local, width), held["activations"])
+        whole_gradient_bytes(mode, local, width), held["activations"], deferred)
     return held
 
 

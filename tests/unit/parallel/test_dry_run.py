@@ -317,3 +317,26 @@ def test_interleaved_in_flight_follows_torchs_schedule(pp, virtual, n_micro):
     dims = ParallelDims.from_config(config.parallel, pp)
     for stage in range(pp):
         assert micro_batches_in_flight(config, dims, stage) == _torch_interleaved_peak(pp, virtual, n_micro, stage)
+
+
+@in_forked_process  # builds a fake process group: keep it out of this process
+def test_fsdp_under_pp_never_holds_the_sharded_gradients_with_the_activations():
+    """FSDP under pp reduces once, after the stage's last backward: the peak is the activations' (no sharded
+    gradients yet) or the reduce-scatter's (a flat copy of the unsharded gradients, no activations left)."""
+    from optimus.parallel.dry_run import OVERLAP_LABEL
+
+    config = build_config({"model": {"preset": "mula-tiny-moe"}, "parallel": dict(dp_shard=2, ep=2, pp=2),
+                           "train": dict(global_batch_size=8, micro_batch_size=2, seq_len=128, dtype="fp32")})
+    report = dry_run(config, 4)
+    for rank in report.ranks:
+        gradients = rank.bytes["gradients (fp32)"]
+        activations = rank.bytes["activations (as configured)"]
+        # the deferred reduce copies the unsharded fp32 gradients: half the fp32 transient (weights + gradients)
+        reduce_copy = rank.bytes["FSDP transient"] / 2
+        assert rank.bytes[OVERLAP_LABEL] == pytest.approx(-(gradients + activations - max(activations, reduce_copy)))
+    first, last = report.ranks
+    assert last.bytes["activations (as configured)"] > last.bytes["FSDP transient"] / 2  # peaks in the loss
+    assert -last.bytes[OVERLAP_LABEL] == pytest.approx(last.bytes["gradients (fp32)"])
+    # without pp, two micro-batches a step: their activations meet the gradients, nothing comes off
+    flat = dry_run(build_config({**config.model_dump(), "parallel": dict(dp_shard=2, ep=2)}), 2)
+    assert OVERLAP_LABEL not in flat.ranks[0].bytes
