@@ -262,6 +262,9 @@ class Trainer:
             skip_step=self.spike_guard,
             defer_grad_sync=cfg.parallel.defer_grad_sync,
         )
+        # the step has spent the gradients: free them now, not at the next step's start, so that evaluation and
+        # checkpointing between steps do not hold them (zero1's whole gradients, FSDP's reduced shards)
+        self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = step
         self.progress.tokens_seen += result.tokens * self.dims.dp  # result.tokens: this data-parallel rank's share
         # every callback hears of the result; a skipped step or a straggler report is logged whatever the cadence
