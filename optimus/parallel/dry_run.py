@@ -343,8 +343,8 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
     the tiny dense model: 712 MiB allocated at the peak, 821 predicted counting both). With several micro-batches
     the later ones' activations meet the gradients accumulated so far: nothing comes off.
     deferred_reduce: FSDP under pp (fsdp_deferred_reduce_bytes). The stage reduces once, after its last backward,
-    so the sharded gradients exist only then, when the activations are gone and the reduce-scatter holds a flat
-    copy of the unsharded gradients: the peak holds the larger of the activations and that copy, never the
+    so the sharded gradients exist only then, when the activations are gone and the reduce-scatters hold flat
+    copies of the unsharded gradients: the peak holds the larger of the activations and those copies, never the
     sharded gradients (the tiny MoE at FSDP 2 x EP 2 x PP 2, allocator's peak: the last stage's inside the loss,
     the first stage's in its reduce-scatter)."""
     if deferred_reduce:
@@ -353,10 +353,14 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
 
 
 def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims) -> float:
-    """The reduce-scatter input FSDP builds under pp when it reduces the stage's accumulated gradients (fp32, the
-    stage's unsharded elements: `blocks` and `root` as fsdp_transient_bytes takes them); 0 where there is no such
-    deferred reduce (no pp, or no data parallelism)."""
-    return 4.0 * (sum(blocks) + root) if dims.pp > 1 and dims.has_data_parallel else 0.0
+    """The reduce-scatter inputs FSDP holds under pp while it reduces the stage's accumulated gradients, unit by
+    unit after the last backward: a flat fp32 copy of one unit's unsharded gradients, and the previous unit's
+    until its reduce completes (torch keeps one in flight: reduce_scatter_max_input_buffers), so the two largest
+    units (`blocks` and `root` in unsharded elements, as fsdp_transient_bytes takes them); 0 where there is no
+    such deferred reduce (no pp, or no data parallelism)."""
+    if dims.pp == 1 or not dims.has_data_parallel:
+        return 0.0
+    return 4.0 * sum(sorted([*blocks, root], reverse=True)[:2])
 
 
 def zero_gradient_bytes(mode: str, local: float, owned: float, width: int, buffers: float) -> float:
