@@ -2,7 +2,8 @@
 
 `fully_shard` is applied per transformer block, then to the root, so each block's weights are
 all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
-reduce-scattered as soon as its backward is done. The module tree and parameter names are not
+reduce-scattered as soon as its backward is done. The root's own weights (embedding, final norm,
+LM head) and the last block's stay gathered from their forward to their backward. The module tree and parameter names are not
 changed, so checkpoints (DCP) and the single-process model share keys.
 
 Mixed precision (train.dtype == "bf16"): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
@@ -93,8 +94,10 @@ def apply_fsdp(
         last = index == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,
                     ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                ignored_params=ignored)
+    # The root's own weights (embedding, final norm, LM head) are the last the forward uses and the first the
+    # backward needs: keep them gathered between the two (torch's own choice for a root left to its default;
+    # resharding it re-gathered the embedding and head once more every step).
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored)
     return model
 
 

@@ -241,25 +241,30 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
-        # per FSDP unit (each block, and the root: embedding, head, final norm) two all-gathers in the compute
-        # dtype and one fp32 reduce-scatter per micro-batch; under pp torch's schedules defer the reduce-scatter
-        # to once per step, after the last backward (stage.perform_reduce_grad), where nothing hides it
-        def unit_gathers(dense: float, experts: float) -> float:
-            return 2 * ring_time(shard_link, width * dense) + 2 * ring_time(expert_link, width * experts)
+        # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype,
+        # two for a block (forward, and again for its backward), one for the last block and the root, which stay
+        # gathered from their forward to their backward (parallel/data_parallel.py), and one fp32 reduce-scatter
+        # per micro-batch; under pp torch's schedules defer the reduce-scatter to once per step, after the last
+        # backward (stage.perform_reduce_grad), where nothing hides it
+        def unit_gathers(dense: float, experts: float, gathers: int = 2) -> float:
+            return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))
 
         def unit_reduce(dense: float, experts: float) -> float:
             return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
                     ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
-        fsdp_mb = layers * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0)
+        fsdp_mb = ((2 * layers - 1) / 2 * unit_gathers(block_dense, block_experts) +
+                   unit_gathers(root, 0.0, gathers=1))
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
         if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
             # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
             # reduce-scatter copies the whole fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
-            owned_now = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-            gather_copies, reduce_copies = 2 * 2 * width * (gathered + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
+            blocks_dense, repeat = dense_stage - root, (2 * layers - 1) / layers  # gathers per block, as above
+            gathered_now = repeat * (blocks_dense + expert_stage) + root
+            owned_now = repeat * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) + root / dims.dp_shard
+            gather_copies, reduce_copies = 2 * width * (gathered_now + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
         if dims.pp > 1:
             fsdp_copy_mb, copies_step, step_sync = gather_copies, reduce_copies, reduce
         else:

@@ -90,3 +90,45 @@ def test_fsdp_ep_with_op_level_checkpointing_matches_one_process():
     # ep = dp_shard: experts left out of FSDP under ops (see apply_fsdp's ignore_experts)
     config = tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(activation_checkpointing="selective_ops"))
     check_layout(config, world_size=2, steps=3)
+
+
+def _root_gathers_per_step(rank: int, world: int, config) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from optimus.models.transformer import build_model
+    from optimus.parallel.data_parallel import apply_fsdp
+    from optimus.parallel.mesh import ParallelDims
+
+    mesh = ParallelDims(dp_shard=world, world_size=world).build_mesh("cpu")
+    model = apply_fsdp(build_model(config.model, "cpu", seed=0), mesh["dp_shard"])
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group  # private: where FSDP2 gathers
+
+    root_params = model._get_fsdp_state()._fsdp_param_group.fsdp_params
+    gathers = []
+    original = param_group.foreach_all_gather
+
+    def counting(fsdp_params, *args, **kwargs):
+        gathers.extend([1] if fsdp_params is root_params else [])
+        return original(fsdp_params, *args, **kwargs)
+
+    param_group.foreach_all_gather = counting
+    tokens = torch.randint(0, config.model.vocab_size, (2, 16))
+    states = {}
+    for _ in range(2):
+        loss = model(tokens, labels=tokens).loss
+        states["root after forward"] = isinstance(model.embed.weight, DTensor)
+        states["first block after forward"] = isinstance(model.layers["0"].attn_norm.weight, DTensor)
+        loss.backward()
+        states["root after backward"] = isinstance(model.embed.weight, DTensor)
+    return {"gathers_per_step": len(gathers) / 2, **states}
+
+
+def test_fsdp_root_stays_gathered_from_forward_to_backward():
+    """The root's weights (embedding, final norm, LM head) are the forward's last and the backward's first:
+    one all-gather a step, not a reshard after forward and a second gather for the backward."""
+    from tests.helpers.distributed import run_distributed
+
+    for result in run_distributed(_root_gathers_per_step, 2, tiny_config()):
+        assert result == {"gathers_per_step": 1.0, "root after forward": False, "first block after forward": True,
+                          "root after backward": True}
