@@ -3,7 +3,7 @@
 `fully_shard` is applied per transformer block, then to the root, so each block's weights are
 all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
 reduce-scattered as soon as its backward is done. The root's own weights (embedding, final norm,
-LM head) and the last block's stay gathered from their forward to their backward. The module tree and parameter names are not
+LM head) and the last block's (its experts' too) stay gathered from their forward to their backward. The module tree and parameter names are not
 changed, so checkpoints (DCP) and the single-process model share keys.
 
 Mixed precision (train.dtype == "bf16"): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
@@ -86,14 +86,13 @@ def apply_fsdp(
         ignored = {p for block in blocks if isinstance(getattr(block, "mlp", None), MoE)
                    for p in block.mlp.experts.parameters()}
     for index, block in enumerate(blocks):
+        # The last block's weights (its experts' too) are needed again at once by backward: keep them gathered.
+        reshard = reshard_after_forward and index < len(blocks) - 1
         moe = getattr(block, "mlp", None)
         if experts_mesh is not None and isinstance(moe, MoE) and ignored is None:
-            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=policy, reshard_after_forward=reshard,
                         shard_placement_fn=partial(_expert_shard_dim, experts_mesh.size()))
-        # The last block's weights are needed again at once by backward: keep them gathered.
-        last = index == len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward and not last,
-                    ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
     # The root's own weights (embedding, final norm, LM head) are the last the forward uses and the first the
     # backward needs: keep them gathered between the two (torch's own choice for a root left to its default;
     # resharding it re-gathered the embedding and head once more every step).

@@ -49,6 +49,11 @@ class Cluster:
     measured_collectives: dict[str, dict[str, list]] | None = None
     # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
     host_cpu: bool = False
+    # `here`: seconds per byte the first write of a freshly allocated block costs beyond a reused one's, for
+    # blocks of fresh_block_bytes or more (glibc maps those from the kernel and unmaps them on free, so every
+    # step's pages are faulted in again); accelerators' caching allocators reuse their blocks: 0
+    fresh_page_s_per_byte: float = 0.0
+    fresh_block_bytes: int = 0
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""

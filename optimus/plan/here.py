@@ -4,14 +4,17 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     matmul peak per dtype   optimus/train/hardware.py's probe with ONE thread (what torchrun gives each rank)
     memory bandwidth        a large tensor copy, one thread and all cores
     memory                  the OS's physical memory (sysconf), shared by the ranks
+    fresh pages             writing a new 64 MiB tensor vs writing a reused one: glibc serves blocks past its
+                            largest mmap threshold (32 MiB on 64-bit) from fresh kernel pages and returns them
+                            on free, so each step faults in again the pages of every buffer that large it makes
     collectives             gloo over loopback, 2 and 4 forked ranks: alpha (per hop) and beta (per rank) fitted by
                             least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the larger of a core's copy
-bandwidth x that share and the socket's bandwidth / R, 1 / share times the fixed operator cost, and 1 / R of
-the memory.
+bandwidth x that share and the socket's bandwidth / R, 1 / share times the fixed operator cost and the fresh
+pages' cost, and 1 / R of the memory.
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
 ranks occupy every core, nothing overlaps: gloo moves the bytes on the cores the ranks compute on (FSDP's
 prefetched all-gathers were measured waiting in full, benchmarks/plan_vs_measured.py).
@@ -41,6 +44,10 @@ CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=
                                     op_overhead_us=10.0)
 CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
+# or larger is always mapped fresh from the kernel and unmapped on free (a fresh 33 MiB tensor filled at 2 GB/s on
+# a 2-core EPYC, a reused one at 30 GB/s; 31 MiB ones came from the heap at 21 GB/s)
+FRESH_BLOCK_BYTES = 32 * 1024 * 1024
 
 
 def host_key() -> str:
@@ -74,6 +81,28 @@ def copy_bandwidth(threads: int, repeats: int = 5) -> float:
             dst.copy_(src)
             best = min(best, time.perf_counter() - start)
         return 2 * 4 * COPY_ELEMENTS / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def fresh_page_cost(repeats: int = 5) -> float:
+    """Seconds per byte that writing a freshly allocated COPY_ELEMENTS tensor takes beyond writing a reused one
+    (one thread; best of `repeats` each): the kernel's page faults and zeroing, 0 where the allocator reuses."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reused = torch.empty(COPY_ELEMENTS)
+
+        def best(fill) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fill()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        extra = best(lambda: torch.empty(COPY_ELEMENTS).fill_(1.0)) - best(lambda: reused.fill_(1.0))
+        return max(0.0, extra) / (4 * COPY_ELEMENTS)
     finally:
         torch.set_num_threads(before)
 
@@ -114,7 +143,7 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
     return {"cpu": cpu_model(), "cores": cores(), "memory_bytes": physical_memory_bytes(),
             "fp32_flops_per_thread": speed.fp32_flops, "bf16_flops_per_thread": speed.bf16_flops,
             "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
-            "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9,
+            "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9, "fresh_page_s_per_byte": fresh_page_cost(),
             "collectives": measure_collectives(), "share": measure_share(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -123,6 +152,9 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
     entry = read_cache(cache_file)
     if remeasure or "machine" not in entry:
         entry["machine"] = measure_machine(cpu_cache)
+        write_cache(cache_file, entry)
+    elif "fresh_page_s_per_byte" not in entry["machine"]:  # a cache from before it was measured: add it
+        entry["machine"]["fresh_page_s_per_byte"] = fresh_page_cost()
         write_cache(cache_file, entry)
     return entry
 
@@ -165,6 +197,9 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
                    auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
                    core_share=min(1.0, m["cores"] / ranks), host_cpu=True,
+                   # the kernel faults the pages in on the rank's own share of a core
+                   fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
+                   fresh_block_bytes=FRESH_BLOCK_BYTES,
                    measured_peak_flops={"fp32": m["fp32_flops_per_thread"] * share,
                                         "bf16": m["bf16_flops_per_thread"] * share})
 

@@ -17,7 +17,8 @@
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
     buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp the gradients'
-                 once per step), the zero modes' packing
+                 once per step), on a host CPU also the page faults of those buffers and unsharded weights of
+                 32 MiB or more, which glibc maps afresh each time (fsdp_fresh_bytes), the zero modes' packing
                  of gradients into fp32 buffers (per reduction) and unpacking of the gathered parameters (per
                  step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
@@ -46,6 +47,7 @@ preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from optimus.config import Config
@@ -75,6 +77,37 @@ class StepTime:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     bubble_fraction: float = 0.0
+
+
+def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int
+                     ) -> tuple[float, float]:
+    """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
+    host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
+    all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's fp32 input and
+    output. Gathers as step_time counts them: a block's units twice (the last block's once), the root once.
+    Under pp the last stage's (the LM head's) root."""
+    from optimus.plan.memory import fsdp_elements
+
+    def fresh(nbytes: float) -> float:
+        return nbytes if nbytes >= threshold else 0.0
+
+    units: dict[str, list] = {"block": [], "experts": [], "root": []}
+    for tensor in shape.tensors:
+        unit = "experts" if tensor.expert else "block" if tensor.where == "block" else "root"
+        if unit != "root" or tensor.on_stage(first=dims.pp == 1, last=True):
+            units[unit].append(tensor)
+    gathers = {"block": 2 * layers - 1, "experts": 2 * layers - 1, "root": 1}
+    reduces = {"block": layers, "experts": layers, "root": 1}
+    per_gather = per_reduce = 0.0
+    for unit, tensors in units.items():
+        if not tensors:
+            continue
+        ranks = dims.dp_shard_mod_ep if unit == "experts" else dims.dp_shard
+        gathered = sum(fsdp_elements(t, dims)[1] for t in tensors)
+        copied_out = sum(fresh(width * math.prod(t.local_shape(dims))) for t in tensors)
+        per_gather += gathers[unit] * (fresh(width * gathered) + copied_out)
+        per_reduce += reduces[unit] * (fresh(4 * gathered) + fresh(4 * gathered / ranks))
+    return per_gather, per_reduce
 
 
 def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
@@ -253,8 +286,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
                     ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
-        fsdp_mb = ((2 * layers - 1) / 2 * unit_gathers(block_dense, block_experts) +
-                   unit_gathers(root, 0.0, gathers=1))
+        fsdp_mb = (2 * layers - 1) / 2 * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0, gathers=1)
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
         if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
@@ -265,6 +297,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             gathered_now = repeat * (blocks_dense + expert_stage) + root
             owned_now = repeat * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) + root / dims.dp_shard
             gather_copies, reduce_copies = 2 * width * (gathered_now + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
+            if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
+                fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers)
+                gather_copies += fresh_gathers * cluster.fresh_page_s_per_byte
+                reduce_copies += fresh_reduces * cluster.fresh_page_s_per_byte
         if dims.pp > 1:
             fsdp_copy_mb, copies_step, step_sync = gather_copies, reduce_copies, reduce
         else:

@@ -55,6 +55,17 @@ def test_here_cluster_shares_the_host_between_ranks():
     assert two.hbm_gb_s == 8.0 and four.hbm_gb_s == 4.0
     assert two.efficiency.op_overhead_us == 10.0 and four.efficiency.op_overhead_us == 20.0
     assert two.efficiency.loss_head == 0.6 and two.intra_node_latency_us == 100.0 and two.auto_dtype == "fp32"
+    assert two.fresh_page_s_per_byte == 0.0  # a cache from before the fresh pages were measured
+    entry["machine"]["fresh_page_s_per_byte"] = 4e-10  # faults run on the rank's share of a core
+    assert here_cluster(entry, 2).fresh_page_s_per_byte == 4e-10 and here_cluster(entry, 4).fresh_page_s_per_byte == 8e-10
+    assert here_cluster(entry, 2).fresh_block_bytes == 32 * 1024 * 1024
+
+
+def test_fresh_pages_cost_more_than_reused_ones_past_glibcs_threshold():
+    from optimus.plan.here import fresh_page_cost
+
+    cost = fresh_page_cost(repeats=2)
+    assert 0.0 <= cost < 1e-6  # per byte: under a millisecond per kilobyte whatever the host
 
 
 def test_measured_share_of_the_cores_replaces_the_idle_assumption():

@@ -239,3 +239,39 @@ def test_fsdp_elements_pad_the_sharded_dim_to_whole_shards():
     assert fsdp_elements(expert, dims(8, tp=2, ep=4)) == (4 * 2048 * 2048, 8 * 2048 * 2048)  # 8 experts / 2 ranks
     down = TensorShape((2048, 8192), 1, False, "block")
     assert fsdp_elements(down, dims(3072, tp=2)) == (4096, 3072 * 4096)
+
+
+def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_threshold():
+    """Tiny dense model (vocabulary 50,304 x d 256: the embedding and head are 49 MiB each in fp32) at FSDP 2: per
+    step the root's all-gather output and the two weights copied out of it, and its reduce-scatter's input and
+    output, are past glibc's 32 MiB; no block buffer is."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import fsdp_fresh_bytes
+
+    layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
+                                                                            "--train.dtype=fp32"]), 2)
+    shape = ModelShape.of(layout.config)
+    model = layout.config.model
+    weight = 4 * model.vocab_size * model.d_model
+    root = 4 * (shape.embedding + shape.head)  # embedding, head and final norm: no padding at an even vocabulary
+    gathers, reduces = fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers)
+    assert weight >= 32 * 2**20
+    assert gathers == root + 2 * weight and reduces == root + root / 2
+    assert fsdp_fresh_bytes(shape, layout.dims, 4, 2**40, shape.n_layers) == (0.0, 0.0)
+
+
+def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import fsdp_fresh_bytes, step_time
+
+    layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
+                                                                            "--train.dtype=fp32"]), 2)
+    shape = ModelShape.of(layout.config)
+    cluster = replace(_toy(), fresh_block_bytes=32 * 2**20)
+    base = step_time(layout.config, layout.dims, shape, cluster, None, 1)
+    faulting = step_time(layout.config, layout.dims, shape, replace(cluster, fresh_page_s_per_byte=1e-9), None, 1)
+    fresh = sum(fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers))
+    assert faulting.parts["buffer_copies"] - base.parts["buffer_copies"] == pytest.approx(fresh * 1e-9)
+    assert faulting.step_s - base.step_s == pytest.approx(fresh * 1e-9)
