@@ -79,13 +79,13 @@ class StepTime:
     bubble_fraction: float = 0.0
 
 
-def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int
-                     ) -> tuple[float, float]:
+def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int,
+                     gathers: tuple[float, float]) -> tuple[float, float]:
     """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
     host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
     all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's fp32 input and
-    output. Gathers as step_time counts them: a block's units twice (the last block's once), the root once.
-    Under pp the last stage's (the LM head's) root."""
+    output. `gathers`: (per block, for the root) all-gathers per micro-batch, as step_time counts them; each of
+    the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
     from optimus.plan.memory import fsdp_elements
 
     def fresh(nbytes: float) -> float:
@@ -96,7 +96,7 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
         unit = "experts" if tensor.expert else "block" if tensor.where == "block" else "root"
         if unit != "root" or tensor.on_stage(first=dims.pp == 1, last=True):
             units[unit].append(tensor)
-    gathers = {"block": 2 * layers - 1, "experts": 2 * layers - 1, "root": 1}
+    gathers = {"block": layers * gathers[0], "experts": layers * gathers[0], "root": gathers[1]}
     reduces = {"block": layers, "experts": layers, "root": 1}
     per_gather = per_reduce = 0.0
     for unit, tensors in units.items():
@@ -274,31 +274,35 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     if p.shard_mode == "fsdp":
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
-        # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype,
-        # two for a block (forward, and again for its backward), one for the last block and the root, which stay
-        # gathered from their forward to their backward (parallel/data_parallel.py), and one fp32 reduce-scatter
-        # per micro-batch; under pp torch's schedules defer the reduce-scatter to once per step, after the last
+        # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype
+        # per micro-batch (parallel/data_parallel.py): two for a block (forward, and again for its backward), one
+        # for the last block and the root, which stay gathered from their forward to their backward; and one fp32
+        # reduce-scatter per micro-batch, under pp deferred by torch's schedules to once per step, after the last
         # backward (stage.perform_reduce_grad), where nothing hides it
-        def unit_gathers(dense: float, experts: float, gathers: int = 2) -> float:
+        block_gathers, root_gathers = (2 * layers - 1) / layers, 1.0  # per block and for the root
+
+        def unit_gathers(dense: float, experts: float, gathers: float) -> float:
             return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))
 
         def unit_reduce(dense: float, experts: float) -> float:
             return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
                     ring_time(expert_link, 4 * experts, "reduce_scatter"))
         block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
-        fsdp_mb = (2 * layers - 1) / 2 * unit_gathers(block_dense, block_experts) + unit_gathers(root, 0.0, gathers=1)
+        fsdp_mb = layers * unit_gathers(block_dense, block_experts, block_gathers) + unit_gathers(root, 0.0, root_gathers)
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
         if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
             # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
             # reduce-scatter copies the whole fp32 gradients in (a read and a write each)
             gathered = dense_stage + expert_stage
-            blocks_dense, repeat = dense_stage - root, (2 * layers - 1) / layers  # gathers per block, as above
-            gathered_now = repeat * (blocks_dense + expert_stage) + root
-            owned_now = repeat * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) + root / dims.dp_shard
+            blocks_dense = dense_stage - root
+            gathered_now = block_gathers * (blocks_dense + expert_stage) + root_gathers * root
+            owned_now = (block_gathers * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) +
+                         root_gathers * root / dims.dp_shard)
             gather_copies, reduce_copies = 2 * width * (gathered_now + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
             if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
-                fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers)
+                fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
+                                                                (block_gathers, root_gathers))
                 gather_copies += fresh_gathers * cluster.fresh_page_s_per_byte
                 reduce_copies += fresh_reduces * cluster.fresh_page_s_per_byte
         if dims.pp > 1:

@@ -255,10 +255,11 @@ def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_thr
     model = layout.config.model
     weight = 4 * model.vocab_size * model.d_model
     root = 4 * (shape.embedding + shape.head)  # embedding, head and final norm: no padding at an even vocabulary
-    gathers, reduces = fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers)
+    per_micro_batch = ((2 * shape.n_layers - 1) / shape.n_layers, 1.0)  # block and root gathers, no pp
+    gathers, reduces = fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers, per_micro_batch)
     assert weight >= 32 * 2**20
     assert gathers == root + 2 * weight and reduces == root + root / 2
-    assert fsdp_fresh_bytes(shape, layout.dims, 4, 2**40, shape.n_layers) == (0.0, 0.0)
+    assert fsdp_fresh_bytes(shape, layout.dims, 4, 2**40, shape.n_layers, per_micro_batch) == (0.0, 0.0)
 
 
 def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
@@ -272,6 +273,7 @@ def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
     cluster = replace(_toy(), fresh_block_bytes=32 * 2**20)
     base = step_time(layout.config, layout.dims, shape, cluster, None, 1)
     faulting = step_time(layout.config, layout.dims, shape, replace(cluster, fresh_page_s_per_byte=1e-9), None, 1)
-    fresh = sum(fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers))
+    per_micro_batch = ((2 * shape.n_layers - 1) / shape.n_layers, 1.0)
+    fresh = sum(fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers, per_micro_batch))
     assert faulting.parts["buffer_copies"] - base.parts["buffer_copies"] == pytest.approx(fresh * 1e-9)
     assert faulting.step_s - base.step_s == pytest.approx(fresh * 1e-9)
