@@ -125,7 +125,7 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
         (4; fp32 logits are computed into it) and, under bf16, the bf16 logits and the softmax's bf16 copy (2 + 2);
         the fp32 gradient of the rank's head rows (4 V h / t) and, under bf16, one bf16 partial product of it
         (2 V h / t).
-      CPU (ops/cross_entropy.py's chunked op): two [r, V] buffers (w each), the fp32 weight gradient (4 V h) and,
+      CPU (ops/cross_entropy.py's chunked op): one [r, V] buffer (w), the fp32 weight gradient (4 V h) and,
         under bf16, its bf16 and fp32 partial products ((2 + 4) V h).
       accelerators (the plain F.cross_entropy over fp32 logits): the fp32 log-softmax is kept (4 n V) and its
         backward holds two more fp32 [n, V] gradients at once (8 n V); measured with MemTracker on CPU tensors.
@@ -137,7 +137,7 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
     if t > 1:
         return 0.0, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (4 + (2 if w == 2 else 0)) * vocab * h / t
     if loss_on_cpu:
-        return 0.0, 2 * rows * vocab * w + (4 + (6 if w == 2 else 0)) * vocab * h
+        return 0.0, rows * vocab * w + (4 + (6 if w == 2 else 0)) * vocab * h
     return 4.0 * tokens * vocab, 8.0 * tokens * vocab
 
 

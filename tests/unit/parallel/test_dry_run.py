@@ -131,9 +131,9 @@ print((status("VmHWM") - base) * 1024)
 @pytest.mark.parametrize("dtype", ["fp32"])  # bf16 matmuls crawl on CPUs without native bf16 (AVX2): fp32 here
 def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
     """The CPU loss kernel's peak (a fresh process's resident-set growth: its buffers live inside one op, out of
-    reach of tensor-level trackers) against dry_run.loss_head_bytes: two [512, V] chunk buffers and the fp32 weight
+    reach of tensor-level trackers) against dry_run.loss_head_bytes: one [512, V] chunk buffer and the fp32 weight
     gradient (and under bf16 its partial products), plus the head input's gradient it keeps, plus what backward
-    hands the input and the weight (their .grad). Sizes where the chunk buffers dominate."""
+    hands the input and the weight (their .grad). Sizes where the chunk buffer dominates."""
     import subprocess
     import sys
 
@@ -235,7 +235,7 @@ def test_activation_estimate_is_close_to_what_autograd_saves(moe, dtype):
     # the CPU loss kernel saves its input and weight gradients; its chunk buffers and bf16 partial products are
     # transients, not saved tensors (test_loss_head_bytes_match_what_the_cpu_loss_allocates counts those)
     width, vocab, d_model = (2 if dtype == "bf16" else 4), 2048, 128
-    estimate -= 2 * min(512, 256) * vocab * width + (6 * vocab * d_model if dtype == "bf16" else 0)
+    estimate -= min(512, 256) * vocab * width + (6 * vocab * d_model if dtype == "bf16" else 0)
     assert estimate == pytest.approx(measured, rel=0.15)
 
 
