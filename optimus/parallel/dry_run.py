@@ -309,10 +309,13 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
-    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims) if "FSDP transient" in memory.bytes else 0.0
+    fsdp = "FSDP transient" in memory.bytes
+    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims) if fsdp else 0.0
     overlap = gradients_not_at_the_activation_peak(_batch(config, dims).micro_batches,
                                                    whole_gradient_bytes(mode, local, width),
-                                                   memory.bytes["activations (as configured)"], deferred)
+                                                   memory.bytes["activations (as configured)"], deferred,
+                                                   fsdp_root_reduce_bytes(root, dims) if fsdp else 0.0,
+                                                   memory.bytes["FSDP transient"] if fsdp else 0.0)
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
@@ -336,7 +339,8 @@ def whole_gradient_bytes(mode: str, local: float, width: int) -> float:
 
 
 def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, activations: float,
-                                         deferred_reduce: float = 0.0) -> float:
+                                         deferred_reduce: float = 0.0, root_reduce: float = 0.0,
+                                         transient: float = 0.0) -> float:
     """Bytes to take off a sum that holds both a step's gradients and its activations. The trainer frees the
     gradients before each step (zero_grad(set_to_none)) and the backward creates them while it frees the
     activations, so with one micro-batch a step the peak holds the larger of the two, not both (one process on
@@ -346,10 +350,31 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
     so the sharded gradients exist only then, when the activations are gone and the reduce-scatters hold flat
     copies of the unsharded gradients: the peak holds the larger of the activations and those copies, never the
     sharded gradients (the tiny MoE at FSDP 2 x EP 2 x PP 2, allocator's peak: the last stage's inside the loss,
-    the first stage's in its reduce-scatter)."""
+    the first stage's in its reduce-scatter).
+    root_reduce: FSDP without pp (fsdp_root_reduce_bytes). Its last reduce, the root's at the end of the backward,
+    meets every sharded gradient but no activations and no FSDP `transient` (the blocks and the root are
+    resharded by then): the peak is the larger of that phase and the one above, so this may take off less than
+    nothing (the tiny MoE at FSDP 2 x EP 2 with selective checkpointing, allocator's peak: in the root's
+    reduce-scatter once the CPU loss kept one [512, V] buffer)."""
     if deferred_reduce:
         return gradients + activations - max(activations, deferred_reduce)
-    return min(gradients, activations) if micro_batches == 1 else 0.0
+    held = max(gradients, activations) if micro_batches == 1 else gradients + activations
+    if root_reduce:
+        held = max(transient + held, gradients + root_reduce) - transient
+    return gradients + activations - held
+
+
+def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient: float = 0.0,
+                           gloo: bool = False) -> float:
+    """What FSDP holds beyond the sharded gradients while it reduces the root unit (embedding, final norm, LM
+    head; `root` in unsharded elements) at the end of the backward, without pp: the flat fp32 reduce-scatter input
+    of the root's gradients, with `gloo` (CPU) also the copy gloo's reduce_scatter makes of its input, and
+    `loss_weight_gradient`: what the loss keeps until the backward ends (the CPU's fused loss ops hold their fp32
+    head-weight gradient in their autograd node). 0 under pp (fsdp_deferred_reduce_bytes) or without data
+    parallelism."""
+    if dims.pp > 1 or not dims.has_data_parallel:
+        return 0.0
+    return 4.0 * root * (2 if gloo else 1) + loss_weight_gradient
 
 
 def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims) -> float:

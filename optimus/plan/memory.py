@@ -21,7 +21,10 @@ the unsplit model (ModelShape) and the layout's degrees:
                   whole ones) and the activations it frees are not both at the peak: the smaller comes off
                   (dry_run.gradients_not_at_the_activation_peak); FSDP under pp: the sharded gradients are made
                   only by the step's one reduce-scatter, which holds a flat copy of the unsharded ones instead of
-                  the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes)
+                  the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes); FSDP without
+                  pp: the root's reduce at the end of the backward holds every sharded gradient and the root's flat
+                  copy (on CPU: gloo's copy of it and the loss's head-weight gradient) but no activations and no
+                  transient: the larger phase counts (dry_run.fsdp_root_reduce_bytes)
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from optimus.config import Config
 from optimus.parallel.dry_run import (
     fsdp_deferred_reduce_bytes,
+    fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
     micro_batches_in_flight,
@@ -200,11 +204,14 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
     mode = config.parallel.shard_mode
-    deferred = (fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims) if mode == "fsdp"
-                else 0.0)
+    fsdp = mode == "fsdp" and "FSDP transient" in held
+    deferred = fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims) if fsdp else 0.0
+    loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
+    root_reduce = fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu) if fsdp else 0.0
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
-        whole_gradient_bytes(mode, local, width), held["activations"], deferred)
+        whole_gradient_bytes(mode, local, width), held["activations"], deferred, root_reduce,
+        held["FSDP transient"] if fsdp else 0.0)
     return held
 
 

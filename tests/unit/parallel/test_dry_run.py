@@ -346,3 +346,20 @@ def test_fsdp_under_pp_never_holds_the_sharded_gradients_with_the_activations():
     # without pp, two micro-batches a step: their activations meet the gradients, nothing comes off
     flat = dry_run(build_config({**config.model_dump(), "parallel": dict(dp_shard=2, ep=2)}), 2)
     assert OVERLAP_LABEL not in flat.ranks[0].bytes
+
+
+def test_fsdp_without_pp_peaks_in_the_roots_reduce_when_it_outweighs_the_activations():
+    """The root's reduce at the end of the backward meets every sharded gradient but no activations and no
+    transient: the peak is the larger of that phase and the activations' (gradients 1, activations 3, transient 2)."""
+    from optimus.parallel.dry_run import fsdp_root_reduce_bytes, gradients_not_at_the_activation_peak
+
+    assert gradients_not_at_the_activation_peak(1, 1.0, 3.0) == 1.0  # without it: the smaller comes off
+    assert gradients_not_at_the_activation_peak(1, 1.0, 3.0, root_reduce=1.0, transient=2.0) == 1.0  # 2 + 3 > 1 + 1
+    # 1 + 5 > 2 + 3: the reduce phase holds 6 of what the sum counts as 2 + 1 + 3, so nothing comes off
+    assert gradients_not_at_the_activation_peak(1, 1.0, 3.0, root_reduce=5.0, transient=2.0) == 0.0
+    assert gradients_not_at_the_activation_peak(1, 1.0, 3.0, root_reduce=7.0, transient=2.0) == -2.0  # adds
+    fsdp = ParallelDims(world_size=2, dp_shard=2)
+    assert fsdp_root_reduce_bytes(10.0, fsdp) == 40.0  # the flat fp32 reduce-scatter input
+    assert fsdp_root_reduce_bytes(10.0, fsdp, loss_weight_gradient=5.0, gloo=True) == 85.0  # gloo's copy, the loss's
+    assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=4, dp_shard=2, pp=2)) == 0.0  # pp: deferred instead
+    assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=2, tp=2)) == 0.0  # no FSDP
