@@ -3,8 +3,9 @@
 `fully_shard` is applied per transformer block, then to the root, so each block's weights are
 all-gathered just before it runs and freed after (reshard_after_forward), and its gradients are
 reduce-scattered as soon as its backward is done. The root's own weights (embedding, final norm,
-LM head) and the last block's (its experts' too) stay gathered from their forward to their backward. The module tree and parameter names are not
-changed, so checkpoints (DCP) and the single-process model share keys.
+LM head) and the last block's (its experts' too) stay gathered from their forward to their
+backward. The module tree and parameter names are not changed, so checkpoints (DCP) and the
+single-process model share keys.
 
 Mixed precision (train.dtype == "bf16"): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 The sharded parameters and optimizer state stay fp32 (the master weights); FSDP casts them to
