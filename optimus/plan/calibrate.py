@@ -158,7 +158,8 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _best_time(fn: Callable[[], None], repeats: int = 2) -> float:
+def best_time(fn: Callable[[], None], repeats: int = 2) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call (allocation, first dispatch)."""
     fn()  # warm-up: allocation and first-call dispatch
     best = float("inf")
     for _ in range(repeats):
@@ -196,7 +197,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     flops = seconds = 0.0
     for fan_in, fan_out in shapes:
         inp = x if fan_in == h else tensor(tokens, fan_in)
-        seconds += _best_time(_forward_backward(lambda a, w: a @ w, inp, tensor(fan_in, fan_out)))
+        seconds += best_time(_forward_backward(lambda a, w: a @ w, inp, tensor(fan_in, fan_out)))
         flops += 6.0 * tokens * fan_in * fan_out
     measured["dense_gemm"] = {"seconds": seconds, "flops": flops}
     if m.is_moe:
@@ -205,13 +206,13 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         weights = torch.softmax(torch.randn(tokens, k), dim=-1).to(dt)
         run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), x,
                                 tensor(experts, h, 2 * fe), tensor(experts, fe, h))
-        measured["grouped_gemm"] = {"seconds": _best_time(run), "flops": 18.0 * tokens * k * h * fe}
+        measured["grouped_gemm"] = {"seconds": best_time(run), "flops": 18.0 * tokens * k * h * fe}
     heads, seq = m.n_heads, train.seq_len
     batch = max(1, tokens // seq)
     q = tensor(batch, heads, seq, m.head_dim)
     kk, vv = tensor(batch, heads, seq, m.head_dim), tensor(batch, heads, seq, m.head_dim)
     run = _forward_backward(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, kk, vv)
-    measured["attention"] = {"seconds": _best_time(run), "flops": 12.0 * tokens * h * seq}
+    measured["attention"] = {"seconds": best_time(run), "flops": 12.0 * tokens * h * seq}
     # memory bound: a norm, a SwiGLU product, a residual add, and the loss's fp32 softmax over the vocabulary
     from optimus.models.layers import RMSNorm
 
@@ -219,11 +220,11 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     gate, up, res = tensor(tokens, f), tensor(tokens, f), tensor(tokens, h)
     block = _forward_backward(lambda a, g, u, r: norm(a).sum() + (F.silu(g) * u).sum() + (a + r).sum(), x, gate, up, res)
     # tens of milliseconds: more repeats, or one slow call (another process on the core) sets the efficiency
-    measured["memory_bound"] = {"seconds": _best_time(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
+    measured["memory_bound"] = {"seconds": best_time(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
     rows = min(tokens, 1024)
     labels = torch.randint(0, m.vocab_size, (rows,))
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(m.vocab_size, h))
-    measured["loss_head"] = {"seconds": _best_time(run), "flops": 6.0 * rows * h * m.vocab_size}
+    measured["loss_head"] = {"seconds": best_time(run), "flops": 6.0 * rows * h * m.vocab_size}
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
     tiny = torch.ones(8, requires_grad=True)
 
@@ -235,7 +236,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 
     with _CountOps() as counter:
         chain()
-    measured["op_overhead"] = {"seconds": _best_time(chain, 5), "operators": counter.count}
+    measured["op_overhead"] = {"seconds": best_time(chain, 5), "operators": counter.count}
 
     def rate(name: str) -> float:
         return min(1.0, measured[name]["flops"] / measured[name]["seconds"] / peak_flops)

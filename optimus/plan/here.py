@@ -88,20 +88,14 @@ def copy_bandwidth(threads: int, repeats: int = 5) -> float:
 def fresh_page_cost(repeats: int = 5) -> float:
     """Seconds per byte that writing a freshly allocated COPY_ELEMENTS tensor takes beyond writing a reused one
     (one thread; best of `repeats` each): the kernel's page faults and zeroing, 0 where the allocator reuses."""
+    from optimus.plan.calibrate import best_time
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         reused = torch.empty(COPY_ELEMENTS)
-
-        def best(fill) -> float:
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fill()
-                times.append(time.perf_counter() - start)
-            return min(times)
-
-        extra = best(lambda: torch.empty(COPY_ELEMENTS).fill_(1.0)) - best(lambda: reused.fill_(1.0))
+        extra = (best_time(lambda: torch.empty(COPY_ELEMENTS).fill_(1.0), repeats) -
+                 best_time(lambda: reused.fill_(1.0), repeats))
         return max(0.0, extra) / (4 * COPY_ELEMENTS)
     finally:
         torch.set_num_threads(before)

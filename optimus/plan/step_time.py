@@ -57,7 +57,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
-from optimus.plan.memory import ModelShape, fsdp_gathered_block
+from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
 # aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
@@ -86,8 +86,6 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
     all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's fp32 input and
     output. `gathers`: (per block, for the root) all-gathers per micro-batch, as step_time counts them; each of
     the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
-    from optimus.plan.memory import fsdp_elements
-
     def fresh(nbytes: float) -> float:
         return nbytes if nbytes >= threshold else 0.0
 

@@ -61,7 +61,7 @@ def test_here_cluster_shares_the_host_between_ranks():
     assert here_cluster(entry, 2).fresh_block_bytes == 32 * 1024 * 1024
 
 
-def test_fresh_pages_cost_more_than_reused_ones_past_glibcs_threshold():
+def test_fresh_page_cost_is_a_non_negative_cost_per_byte():
     from optimus.plan.here import fresh_page_cost
 
     cost = fresh_page_cost(repeats=2)
