@@ -7,8 +7,9 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     fresh pages             writing a new 64 MiB tensor vs writing a reused one: glibc serves blocks past its
                             largest mmap threshold (32 MiB on 64-bit) from fresh kernel pages and returns them
                             on free, so each step faults in again the pages of every buffer that large it makes
-    collectives             gloo over loopback, 2 and 4 forked ranks: alpha (per hop) and beta (per rank) fitted by
-                            least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
+    collectives             gloo over loopback, 2 and 4 forked ranks, each call's sustained time in a burst of
+                            back-to-back calls: a table, and alpha (per hop) and beta (per rank) fitted by least
+                            squares to comms.py's ring formulas (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
@@ -147,9 +148,16 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
     if remeasure or "machine" not in entry:
         entry["machine"] = measure_machine(cpu_cache)
         write_cache(cache_file, entry)
-    elif "fresh_page_s_per_byte" not in entry["machine"]:  # a cache from before it was measured: add it
-        entry["machine"]["fresh_page_s_per_byte"] = fresh_page_cost()
-        write_cache(cache_file, entry)
+    else:  # a cache from before a measurement was added or changed: take that one again
+        from optimus.plan.calibrate import COLLECTIVE_TIMING, measure_collectives
+
+        measured, updated = entry["machine"], False
+        if "fresh_page_s_per_byte" not in measured:
+            measured["fresh_page_s_per_byte"], updated = fresh_page_cost(), True
+        if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # single calls after a barrier: re-time
+            measured["collectives"], updated = measure_collectives(), True
+        if updated:
+            write_cache(cache_file, entry)
     return entry
 
 
