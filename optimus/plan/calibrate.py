@@ -16,6 +16,8 @@ planned model uses (micro-batch x sequence tokens), and read against the same fo
     memory_bound    an RMSNorm, SwiGLU's product and a residual add at (T, d) / (T, f): the bytes
                     step_time.memory_bound_bytes counts for them / time / one thread's copy bandwidth
     op_overhead_us  a chain of tiny autograd ops: time / aten operators dispatched (counted)
+    dtensor_overhead_us  the model cut to one block, under tp on a one-rank mesh vs plain, over the DTensor
+                    operators it ran (optimus/plan/dtensor_cost.py)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from optimus.config import Config
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.local_ranks import run_on_local_ranks
+from optimus.plan.dtensor_cost import measure_dtensor_overhead
 from optimus.plan.efficiency import Efficiency
 
 # up to 64 MiB: the planned messages (a model's embedding, FSDP's root unit) are tens of MiB, past the last-level
@@ -252,6 +255,8 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     with _CountOps() as counter:
         chain()
     measured["op_overhead"] = {"seconds": best_time(chain, 5), "operators": counter.count}
+    # what tp's DTensors add per operator: one block under tp on a one-rank mesh vs plain (a forked rank)
+    measured["dtensor_overhead"] = measure_dtensor_overhead(config, dtype)
 
     def rate(name: str) -> float:
         return min(1.0, measured[name]["flops"] / measured[name]["seconds"] / peak_flops)
@@ -260,7 +265,8 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         dense_gemm=rate("dense_gemm"), grouped_gemm=rate("grouped_gemm") if m.is_moe else rate("dense_gemm"),
         attention=rate("attention"), loss_head=rate("loss_head"),
         memory_bound=min(1.0, measured["memory_bound"]["bytes"] / measured["memory_bound"]["seconds"] / copy_bytes_s),
-        op_overhead_us=1e6 * measured["op_overhead"]["seconds"] / measured["op_overhead"]["operators"])
+        op_overhead_us=1e6 * measured["op_overhead"]["seconds"] / measured["op_overhead"]["operators"],
+        dtensor_overhead_us=measured["dtensor_overhead"]["us_per_operator"])
     return {"efficiency": efficiency.to_dict(), "timed": measured}
 
 
@@ -301,4 +307,5 @@ def describe(entry: dict[str, Any]) -> list[str]:
             lines.append(f"    {name:<13} {e[name]:.2f} of peak" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                     " (no experts: as dense_gemm)"))
         lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")
+        lines.append(f"    dtensor       {e.get('dtensor_overhead_us', 0.0):.1f} us more per DTensor operator (under tp)")
     return lines

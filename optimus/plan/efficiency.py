@@ -12,6 +12,9 @@ fraction of a peak:
                     fraction of peak memory bandwidth (hbm_gb_s)
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
                     work; near zero on a GPU fed asynchronously, tens of microseconds on a CPU running tiny ops
+    dtensor_overhead_us  what tensor parallelism adds per DTensor operator (DTensor's Python dispatch and the
+                    placement copies around the kernels; optimus/plan/dtensor_cost.py): 0 on a GPU fed
+                    asynchronously, ~100-200 us on a CPU core
 
 A cluster preset carries defaults under `efficiency:` (each with its source or reasoning, in the YAML); the
 `here` cluster gets them from `optimus plan --calibrate`, which times each class at the planned model's shapes.
@@ -19,7 +22,7 @@ A cluster preset carries defaults under `efficiency:` (each with its source or r
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 DEFAULT_EFFICIENCY = 0.80  # REFERENCE.md: H100 ~790 TFLOP/s measured bf16 dense matmul / 989.4 datasheet
@@ -39,6 +42,7 @@ class Efficiency:
     memory_bound: float = DEFAULT_MEMORY_BOUND
     op_overhead_us: float = 0.0
     loss_head: float = DEFAULT_LOSS_HEAD
+    dtensor_overhead_us: float = 0.0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, where: str) -> "Efficiency":
@@ -49,10 +53,11 @@ class Efficiency:
         if not isinstance(raw, dict) or set(raw) - known:
             raise ValueError(f"{where}: efficiency must be a mapping of {', '.join(sorted(known))}")
         values = {k: float(v) for k, v in raw.items()}
-        bad = [k for k, v in values.items() if (k == "op_overhead_us" and v < 0) or (k != "op_overhead_us" and not 0 < v <= 1)]
+        costs = ("op_overhead_us", "dtensor_overhead_us")  # microseconds, the rest fractions of a peak
+        bad = [k for k, v in values.items() if (k in costs and v < 0) or (k not in costs and not 0 < v <= 1)]
         if bad:
             raise ValueError(f"{where}: efficiency {bad[0]}={values[bad[0]]:g} is out of range (fractions in (0, 1], "
-                             f"op_overhead_us >= 0)")
+                             f"op_overhead_us and dtensor_overhead_us >= 0)")
         return cls(**values)
 
     def to_dict(self) -> dict[str, float]:
@@ -61,4 +66,4 @@ class Efficiency:
 
     def with_gemm(self, value: float) -> "Efficiency":
         """The same with one efficiency for every compute class (the `--efficiency` flag)."""
-        return Efficiency(value, value, value, self.memory_bound, self.op_overhead_us, value)
+        return replace(self, dense_gemm=value, grouped_gemm=value, attention=value, loss_head=value)

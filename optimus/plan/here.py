@@ -40,9 +40,10 @@ from optimus.train.hardware import cpu_model, cpu_speed, write_json_cache
 
 # Without --calibrate: reasoning, not measurement. Eager PyTorch on a CPU reaches most of a core's GEMM rate on
 # model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
-# about half of a copy's bandwidth; an eager aten call costs ~10 us of dispatch on a current x86 core.
+# about half of a copy's bandwidth; an eager aten call costs ~10 us of dispatch on a current x86 core, one on a
+# DTensor ~100 us more (measured 80-200 us on a 2-core EPYC).
 CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=0.4, memory_bound=0.5,
-                                    op_overhead_us=10.0)
+                                    op_overhead_us=10.0, dtensor_overhead_us=100.0)
 CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
@@ -189,8 +190,11 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
     bandwidth = max(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")
-    efficiency = Efficiency.from_dict(calibrated, "the `here` calibration cache") if calibrated else CPU_DEFAULT_EFFICIENCY
-    efficiency = replace(efficiency, op_overhead_us=efficiency.op_overhead_us / share)
+    # a calibration from before DTensor dispatch was measured keeps the CPU default for it
+    efficiency = (Efficiency.from_dict({"dtensor_overhead_us": CPU_DEFAULT_EFFICIENCY.dtensor_overhead_us, **calibrated},
+                                       "the `here` calibration cache") if calibrated else CPU_DEFAULT_EFFICIENCY)
+    efficiency = replace(efficiency, op_overhead_us=efficiency.op_overhead_us / share,
+                         dtensor_overhead_us=efficiency.dtensor_overhead_us / share)
     link_gb_s, link_us = fit["beta_gb_s"], fit["alpha_us"]
     return Cluster(name="here", device=m["cpu"], devices_per_node=ranks, memory_gb=m["memory_bytes"] / ranks / 1024**3,
                    hbm_gb_s=bandwidth, intra_node_gb_s=link_gb_s, intra_node_latency_us=link_us,

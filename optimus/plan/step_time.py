@@ -32,7 +32,8 @@
                  memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency)
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
-                 presets, where launches run ahead of the device; calibrated on a CPU)
+                 presets, where launches run ahead of the device; calibrated on a CPU), and under tp what DTensor's
+                 dispatch adds per DTensor operator (dtensor_overhead_us x dtensor_cost.dtensor_operators; likewise)
     per micro-batch, zero2: its fp32 gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
@@ -56,6 +57,7 @@ from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
+from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block
 
@@ -230,7 +232,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     hbm_eff = hbm * efficiency.memory_bound
     memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
     overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
-    compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb
+    dispatch_mb = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=True)
+                   if dims.tp > 1 else 0.0)
+    compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb + dispatch_mb
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
@@ -365,8 +369,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                                                // config.model.n_experts) if config.model.is_moe else 0)
     model_flops = flops_per_token(ParameterCount(shape.total, active, shape.embedding), config.model, train.seq_len)
     mfu = model_flops * tokens / (step * dims.world_size * peak)
-    parts = {"compute": (compute_mb - memory_mb - overhead_mb) * micro_batches, "memory_bound": memory_mb * micro_batches,
-             "op_overhead": overhead_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
+    parts = {"compute": (compute_mb - memory_mb - overhead_mb - dispatch_mb) * micro_batches,
+             "memory_bound": memory_mb * micro_batches, "op_overhead": overhead_mb * micro_batches,
+             "tp_dispatch": dispatch_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "zero2_exposed": zero2_mb * micro_batches,
              "buffer_copies": copies_mb * micro_batches + copies_step,

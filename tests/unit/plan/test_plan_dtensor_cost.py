@@ -1,0 +1,91 @@
+"""Tensor parallelism's DTensor dispatch on a CPU: the counted operators per block are what tp runs, the measured
+cost is per operator, and step_time charges it only under tp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from optimus.config import load_config
+from optimus.parallel.local_ranks import run_on_local_ranks
+from optimus.plan.dtensor_cost import (DENSE_BLOCK_DTENSOR_OPS, MOE_BLOCK_DTENSOR_OPS, ROOT_DTENSOR_OPS,
+                                       dtensor_operators, measure_dtensor_overhead)
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def _count_dtensor_ops(rank: int, world: int, config_name: str, layers: int) -> list[int]:
+    """(each forked rank) DTensor operators of one forward and of its backward under tp = world."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from optimus.models.transformer import build_model
+    from optimus.parallel.tensor_parallel import apply_tensor_parallel
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += DTensor in types
+            return func(*args, **(kwargs or {}))
+
+    config = load_config(CONFIGS / config_name, ["--train.dtype=fp32", f"--model.n_layers={layers}",
+                                                 "--model.vocab_size=512"])
+    model = apply_tensor_parallel(build_model(config.model, device="cpu", seed=0), init_device_mesh("cpu", (world,)))
+    ids = torch.randint(0, 512, (2, 32))
+    with Count() as forward:
+        loss = model(ids, labels=ids).loss
+    with Count() as backward:
+        loss.backward()
+    return [forward.count, backward.count]
+
+
+@pytest.mark.parametrize("config_name, block", [("mula-tiny-dense.yaml", DENSE_BLOCK_DTENSOR_OPS),
+                                                ("mula-tiny-moe.yaml", MOE_BLOCK_DTENSOR_OPS)])
+def test_counted_dtensor_operators_are_what_tp_runs(config_name, block):
+    for layers in (1, 2):
+        counted = run_on_local_ranks(_count_dtensor_ops, 2, config_name, layers, timeout=120.0)
+        expected = [root + layers * per_block for root, per_block in zip(ROOT_DTENSOR_OPS, block)]
+        assert counted == [expected, expected]
+    config = load_config(CONFIGS / config_name, [])
+    assert dtensor_operators(config, 2, recompute=False, root=True) == sum(ROOT_DTENSOR_OPS) + 2 * sum(block)
+    # a recomputed forward runs the block's forward operators again
+    assert dtensor_operators(config, 2, True, False) - dtensor_operators(config, 2, False, False) == 2 * block[0]
+
+
+def test_dtensor_overhead_is_measured_per_operator_of_one_block():
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.seq_len=32",
+                                                             "--train.micro_batch_size=2"])
+    timed = measure_dtensor_overhead(config, "fp32")
+    assert timed["operators"] == sum(ROOT_DTENSOR_OPS) + sum(DENSE_BLOCK_DTENSOR_OPS)
+    assert timed["seconds_plain"] > 0 and timed["seconds_tp"] > 0
+    extra = max(0.0, timed["seconds_tp"] - timed["seconds_plain"])
+    assert timed["us_per_operator"] == pytest.approx(1e6 * extra / timed["operators"])
+
+
+def test_step_time_charges_dtensor_dispatch_only_under_tp():
+    from dataclasses import replace
+
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.cluster import Cluster
+    from optimus.plan.efficiency import Efficiency
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import step_time
+
+    cluster = Cluster(name="toy", device="H100", devices_per_node=2, memory_gb=80, hbm_gb_s=3000,
+                      intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
+                      node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
+    efficiency = Efficiency(dtensor_overhead_us=100.0)
+    for tp, world in ((2, 2), (1, 1)):
+        config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=8",
+                                                                 f"--parallel.tp={tp}"])
+        layout = validate_layout(config, world)
+        shape = ModelShape.of(layout.config)
+        charged = step_time(layout.config, layout.dims, shape, cluster, efficiency, 1)
+        free = step_time(layout.config, layout.dims, shape, cluster, replace(efficiency, dtensor_overhead_us=0.0), 1)
+        expected = 100e-6 * dtensor_operators(layout.config, 4, False, True) if tp > 1 else 0.0
+        assert charged.parts["tp_dispatch"] == pytest.approx(expected)
+        assert charged.step_s - free.step_s == pytest.approx(expected)
