@@ -101,6 +101,41 @@ def test_allocator_peak_is_the_highest_live_total_since_the_profiler_started():
     assert before.sum() > 0
 
 
+def test_allocator_peak_drops_blocks_another_thread_freed():
+    """The CPU allocator records a free only on a profiled thread: blocks released by another thread (as gloo's
+    workers release all-to-all buffers) stay in the running total; the peak is rebuilt from the blocks instead."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.plan_vs_measured import allocator_peak
+
+    block = 64_000  # 16,000 fp32: from the heap, whose freed chunks the next allocation of that size reuses
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(40):
+            held = [torch.ones(block // 4)]
+            releaser = threading.Thread(target=held.clear)  # the last reference dies on the other thread
+            releaser.start()
+            releaser.join()
+    events = prof.profiler.kineto_results.experimental_event_tree()
+    running_total = max(e.extra_fields.total_allocated for e in _allocation_events(events))
+    assert running_total >= 20 * block  # the frees were not seen: the total only climbed
+    assert allocator_peak(events) <= 6 * block  # the heap cycles through a few addresses: it does not climb
+
+
+def _allocation_events(events):
+    from torch._C._profiler import _EventType
+
+    stack, found = list(events), []
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            found.append(node)
+    return found
+
+
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
     script = load_benchmark("plan_vs_measured")
     assert script.main(["--only", "dense-9"]) == 2
