@@ -414,7 +414,8 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
               f"at {config_path}'s shapes): about a minute", flush=True)
     entry = machine(cache_file, cpu_cache, remeasure=calibrate)
     if calibrate:
-        resolved = validate_layout(config, 1).config  # the micro-batch the op classes are timed at
+        # the micro-batch the op classes are timed at: the configured layout's (one rank when none is set)
+        resolved = validate_layout(config).config
         entry.update(calibrate_op_classes(resolved, entry))
         entry["calibrated_for"] = (f"{Path(config_path).name}: {resolved.train.micro_batch_size} x "
                                    f"{resolved.train.seq_len} tokens")

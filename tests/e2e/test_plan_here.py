@@ -55,6 +55,18 @@ def test_calibrate_needs_the_here_cluster(config_file):
     assert result.stderr.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
 
 
+@pytest.mark.slow  # measures this machine for real: about a minute on an idle 2-core CPU
+def test_calibrate_times_the_configured_layouts_micro_batch_and_dtensor_dispatch(here_cache, config_file):
+    """A config that sets tp 2 is calibrated at its own layout (it once failed: validated as one rank), and the
+    calibration prints what a DTensor operator costs."""
+    here_cache(memory_gib=24)
+    result = run_cli("plan", str(config_file), "--cluster", "here", "--devices", "2", "--calibrate",
+                     "--parallel.tp=2", timeout=400)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "us more per DTensor operator (under tp)" in result.stdout
+    assert "valid layouts of 2 here devices" in result.stdout
+
+
 @pytest.mark.slow  # two real 2-rank trials: ~40 s on an idle 2-core CPU, minutes when it is shared
 def test_tune_prunes_what_does_not_fit_runs_trials_and_writes_the_best(here_cache, tmp_path, token_dir):
     # 0.2 GiB for 2 ranks: 0.09 GiB each at 90%; the tiny model's layouts need 0.07-0.17 GiB by the planner's model
