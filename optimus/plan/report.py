@@ -27,9 +27,11 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
     for rank, c in enumerate(candidates[:top], 1):
         lay = c.layout()
         sched = lay["pp_schedule"] + (f" v{lay['pp_virtual_stages']}" if lay["pp_virtual_stages"] > 1 else "")
+        # with one data-parallel rank nothing is sharded or replicated: the mode does not apply
+        shard = lay["shard_mode"] if lay["dp_replicate"] * lay["dp_shard"] > 1 else "-"
         line = (f"{rank:>3} {lay['dp_replicate']:>5} {lay['dp_shard']:>5} {lay['tp']:>3} {lay['pp']:>3} {lay['ep']:>3} "
                 f"{lay['micro_batch_size']:>4} {lay['grad_accum']:>4} {lay['activation_checkpointing']:<26.26} "
-                f"{lay['shard_mode']:<6} {DISPATCH_LABEL[lay['ep_dispatch']]:<4} {sched:<17} "
+                f"{shard:<6} {DISPATCH_LABEL[lay['ep_dispatch']]:<4} {sched:<17} "
                 f"{c.memory_bytes / 1024**3:>6.1f} {'yes' if c.fits else 'NO':>4} "
                 f"{c.step_s:>8.3f} {c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}")
         if tokens:
