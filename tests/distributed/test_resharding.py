@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import small_moe_trainer_config, train_small_moe_on_rank
 from tests.helpers.parity import (
     LOSS_RTOL_LATER_STEPS,
     CheckpointPlan,
@@ -48,29 +49,6 @@ def test_single_process_checkpoint_resumes_at_dp_shard_2(tmp_path):
     _assert_curve_continues(reference.losses, saved.losses, resumed[0].losses)
 
 
-def _trainer_config(run_dir: str, max_steps: int, parallel: dict):
-    from optimus.config import build_config
-
-    return build_config({
-        "model": dict(d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2, expert_ffn_hidden=64),
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=8, max_steps=max_steps, eval_batches=2,
-                      ckpt_every=2, dtype="fp32"),
-        "optim": dict(lr=3e-3, warmup_steps=1, schedule="constant"),
-        "data": dict(sources=[dict(name="sotu")]),
-        "run": dict(dir=run_dir),
-        "parallel": parallel,
-    })
-
-
-def _train_with_trainer(rank: int, world: int, run_dir: str, max_steps: int, parallel: dict) -> None:
-    import os
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would
-    from optimus.train.trainer import Trainer
-
-    Trainer(_trainer_config(run_dir, max_steps, parallel), progress_bar=False).fit()
-
-
 def _logged_losses(run_dir) -> list[tuple[int, float]]:
     import json
 
@@ -87,10 +65,10 @@ def test_trainer_resumes_one_process_checkpoint_at_tp_2_dp_shard_2(tmp_path):
     from optimus.train.trainer import Trainer
 
     one, four = tmp_path / "one", tmp_path / "four"
-    Trainer(_trainer_config(str(one), 2, {}), progress_bar=False).fit()
+    Trainer(small_moe_trainer_config(str(one), 2, {}), progress_bar=False).fit()
     shutil.copytree(one, four)
-    Trainer(_trainer_config(str(one), 4, {}), progress_bar=False).fit()
-    run_distributed(_train_with_trainer, 4, str(four), 4, dict(tp=2, dp_shard=2))
+    Trainer(small_moe_trainer_config(str(one), 4, {}), progress_bar=False).fit()
+    run_distributed(train_small_moe_on_rank, 4, str(four), 4, dict(tp=2, dp_shard=2))
     want, got = _logged_losses(one), _logged_losses(four)
     # each step logged once: the 4 ranks resumed at step 3 rather than starting again
     assert [step for step, _ in got] == [1, 2, 3, 4]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.parity import check_layout, tiny_config
+from tests.helpers.runs import small_moe_trainer_config, train_small_moe_on_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -382,29 +383,6 @@ def test_fsdp_checkpoint_resumes_under_zero2_ep_2(tmp_path):
         assert abs(got - want) <= LOSS_RTOL_LATER_STEPS * abs(want), (curve, reference.losses)
 
 
-def _trainer_config(run_dir: str, max_steps: int, parallel: dict):
-    from optimus.config import build_config
-
-    return build_config({
-        "model": dict(d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2, expert_ffn_hidden=64),
-        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=8, max_steps=max_steps, eval_batches=2,
-                      ckpt_every=2, dtype="fp32"),
-        "optim": dict(lr=3e-3, warmup_steps=1, schedule="constant"),
-        "data": dict(sources=[dict(name="sotu")]),
-        "run": dict(dir=run_dir),
-        "parallel": parallel,
-    })
-
-
-def _train_with_trainer(rank: int, world: int, run_dir: str, max_steps: int, parallel: dict) -> None:
-    import os
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would
-    from optimus.train.trainer import Trainer
-
-    Trainer(_trainer_config(run_dir, max_steps, parallel), progress_bar=False).fit()
-
-
 def test_trainer_zero2_ep_2_trains_and_resumes_like_one_process(tmp_path):
     """The real Trainer path (data loader, checkpoint callback, resume from `latest`) under zero2 at
     dp_shard 2 = ep 2: 2 steps, then the same command resumed to 4, logs one process's losses."""
@@ -415,10 +393,10 @@ def test_trainer_zero2_ep_2_trains_and_resumes_like_one_process(tmp_path):
     from optimus.train.trainer import Trainer
 
     one, two = tmp_path / "one", tmp_path / "two"
-    Trainer(_trainer_config(str(one), 4, {}), progress_bar=False).fit()
+    Trainer(small_moe_trainer_config(str(one), 4, {}), progress_bar=False).fit()
     parallel = dict(dp_shard=2, ep=2, shard_mode="zero2")
-    run_distributed(_train_with_trainer, 2, str(two), 2, parallel)
-    run_distributed(_train_with_trainer, 2, str(two), 4, parallel)
+    run_distributed(train_small_moe_on_rank, 2, str(two), 2, parallel)
+    run_distributed(train_small_moe_on_rank, 2, str(two), 4, parallel)
 
     def losses(run_dir):
         return [(m["step"], m["loss"]) for m in map(json.loads, open(f"{run_dir}/metrics.jsonl")) if "loss" in m]

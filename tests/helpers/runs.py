@@ -59,3 +59,29 @@ def tiny_run_config(
     if parallel is not None:
         raw["parallel"] = dict(parallel)
     return raw
+
+
+def small_moe_trainer_config(run_dir: str, max_steps: int, parallel: dict):
+    """A built Config: a two-layer MoE (8 experts, top 2) on the packaged speeches, checkpointing every 2 steps,
+    with the `parallel` settings given (resharding and sharded-optimizer resume tests)."""
+    from optimus.config import build_config
+
+    return build_config({
+        "model": dict(d_model=64, n_layers=2, n_heads=4, n_experts=8, top_k=2, expert_ffn_hidden=64),
+        "train": dict(seq_len=32, micro_batch_size=2, global_batch_size=8, max_steps=max_steps, eval_batches=2,
+                      ckpt_every=2, dtype="fp32"),
+        "optim": dict(lr=3e-3, warmup_steps=1, schedule="constant"),
+        "data": dict(sources=[dict(name="sotu")]),
+        "run": dict(dir=run_dir),
+        "parallel": parallel,
+    })
+
+
+def train_small_moe_on_rank(rank: int, world: int, run_dir: str, max_steps: int, parallel: dict) -> None:
+    """(one rank of run_distributed) the Trainer on small_moe_trainer_config, as torchrun would start it."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from optimus.train.trainer import Trainer
+
+    Trainer(small_moe_trainer_config(run_dir, max_steps, parallel), progress_bar=False).fit()
