@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -156,6 +157,8 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         if "fresh_page_s_per_byte" not in measured:
             measured["fresh_page_s_per_byte"], updated = fresh_page_cost(), True
         if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # single calls after a barrier: re-time
+            print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
+                  "about half a minute, once)", file=sys.stderr, flush=True)
             measured["collectives"], updated = measure_collectives(), True
         if updated:
             write_cache(cache_file, entry)
