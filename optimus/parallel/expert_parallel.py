@@ -98,7 +98,8 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+        # a scale of 1 (one rank in the group) would still be a full pass over the experts' weight gradients
+        return (grad if ctx.scale == 1.0 else grad * ctx.scale), None
 
 
 def segment_starts(counts: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,10 @@ Counted (a TorchDispatchMode over the tiny presets under tp; the same on one ran
 DTensor operators in the forward and in the backward of a dense block, an MoE block, and the root (embedding, final
 norm, LM head and loss). tests/distributed/test_dtensor_cost.py counts them again.
 
-Measured (`optimus plan --calibrate`): the planned model cut to one block and a small vocabulary, forward + backward
-on a few tokens, laid out for tp over a one-rank mesh (the same DTensors and kernels, no collectives to wait for)
-and plain; the difference over the DTensor operators it ran is the cost of one.
+Measured (`optimus plan --calibrate`): the planned model cut to one block and a small vocabulary (past a width of
+512, narrowed alike: measured_block), forward + backward on one micro-batch, laid out for tp over a one-rank mesh
+(the same DTensors and kernels, no collectives to wait for) and plain; the difference over the DTensor operators
+it ran is the cost of one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from optimus.config import Config
+from optimus.models.config import ModelConfig
 from optimus.parallel.local_ranks import run_on_local_ranks
 
 # (forward, backward) DTensor operators per micro-batch
@@ -33,6 +35,8 @@ ROOT_DTENSOR_OPS = (7, 20)
 # 170 DTensor operators cost 80-93 us each at 128 tokens, 174 us at 1,024: placement copies around the kernels)
 MEASURE_MAX_TOKENS = 2048
 MEASURE_VOCAB = 1024
+MEASURE_MAX_EXPERTS = 16  # Mula-220B-A10B's 240 experts make one block 3.4B parameters, 14 GB in fp32
+MEASURE_MAX_WIDTH = 512
 MEASURE_REPEATS = 7
 
 
@@ -41,6 +45,26 @@ def dtensor_operators(config: Config, layers: int, recompute: bool, root: bool) 
     forward, backward = MOE_BLOCK_DTENSOR_OPS if config.model.is_moe else DENSE_BLOCK_DTENSOR_OPS
     count = layers * (forward * (2 if recompute else 1) + backward)
     return count + (sum(ROOT_DTENSOR_OPS) if root else 0)
+
+
+def measured_block(model: ModelConfig) -> ModelConfig:
+    """The model the cost is timed on: one block, a small vocabulary, and past MEASURE_MAX_WIDTH a narrower block
+    of the same structure (heads of the same width, FFNs scaled alike) with at most MEASURE_MAX_EXPERTS experts:
+    the cost is per operator, and a 220B-A10B block's seconds of matmuls would bury its milliseconds."""
+    cut: dict[str, Any] = {"n_layers": 1, "vocab_size": min(model.vocab_size, MEASURE_VOCAB)}
+    if model.is_moe:
+        cut.update(n_experts=min(model.n_experts, MEASURE_MAX_EXPERTS), top_k=min(model.top_k, MEASURE_MAX_EXPERTS))
+    if model.d_model > MEASURE_MAX_WIDTH and model.d_model % MEASURE_MAX_WIDTH == 0:
+        shrink = model.d_model // MEASURE_MAX_WIDTH
+        heads = max(1, model.n_heads // shrink)
+        narrow = dict(d_model=MEASURE_MAX_WIDTH, n_heads=heads, ffn_hidden=max(64, model.ffn_hidden // shrink),
+                      expert_ffn_hidden=max(64, model.expert_ffn_hidden // shrink),
+                      n_kv_heads=None if model.n_kv_heads is None else max(1, model.kv_heads // shrink))
+        try:
+            return ModelConfig(**{**model.model_dump(), **cut, **narrow})
+        except ValueError:  # heads that do not narrow evenly: the full width, slower to time but the same ops
+            pass
+    return model.model_copy(update=cut)
 
 
 def _time_one_block(rank: int, world: int, model_config: dict[str, Any], batch: int, seq: int,
@@ -52,7 +76,6 @@ def _time_one_block(rank: int, world: int, model_config: dict[str, Any], batch: 
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from optimus.models.config import ModelConfig
     from optimus.models.transformer import build_model
     from optimus.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -93,7 +116,7 @@ def measure_dtensor_overhead(config: Config, dtype: str) -> dict[str, Any]:
     """Time `config`'s model cut to one block under tp on a one-rank mesh against it plain, on one micro-batch
     (a forked gloo rank, one thread); {"seconds_plain", "seconds_tp", "seconds_extra" (the median of the
     repeats' differences), "operators", "us_per_operator"}."""
-    model = config.model.model_copy(update={"n_layers": 1, "vocab_size": min(config.model.vocab_size, MEASURE_VOCAB)})
+    model = measured_block(config.model)
     seq = config.train.seq_len
     batch = max(1, min(config.train.micro_batch_size or 1, MEASURE_MAX_TOKENS // seq))
     timed = run_on_local_ranks(_time_one_block, 1, model.model_dump(), batch, seq, dtype, timeout=300.0)[0]

@@ -65,6 +65,18 @@ def test_dtensor_overhead_is_measured_per_operator_of_one_block():
     assert timed["us_per_operator"] == pytest.approx(1e6 * timed["seconds_extra"] / timed["operators"])
 
 
+def test_a_wide_model_is_timed_on_a_narrow_block_of_the_same_structure():
+    from optimus.plan.dtensor_cost import MEASURE_MAX_EXPERTS, MEASURE_MAX_WIDTH, MEASURE_VOCAB, measured_block
+
+    wide = load_config(CONFIGS / "mula-220b-a10b.yaml", []).model  # 240 experts: 14 GB for one fp32 block
+    block = measured_block(wide)
+    assert (block.n_layers, block.vocab_size, block.d_model) == (1, MEASURE_VOCAB, MEASURE_MAX_WIDTH)
+    assert block.head_dim == wide.head_dim and block.n_experts == MEASURE_MAX_EXPERTS
+    assert block.expert_ffn_hidden == wide.expert_ffn_hidden * MEASURE_MAX_WIDTH // wide.d_model
+    tiny = load_config(CONFIGS / "mula-tiny-dense.yaml", []).model
+    assert measured_block(tiny).d_model == tiny.d_model and measured_block(tiny).ffn_hidden == tiny.ffn_hidden
+
+
 def test_step_time_charges_dtensor_dispatch_only_under_tp():
     from dataclasses import replace
 
