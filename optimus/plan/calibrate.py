@@ -1,8 +1,8 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
 Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2 and 4 forked
-ranks on loopback, each the median over bursts of back-to-back calls of the time per call (as a step issues them);
-per world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
+ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them); per
+world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
 (relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
 S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
 
@@ -42,15 +42,17 @@ from optimus.plan.efficiency import Efficiency
 # cache, where loopback copies run slower than the in-cache sizes would suggest
 COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024)
 LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
-# calls timed back to back as one burst, and the median burst: a training step issues its collectives one after
-# another, dozens a step, so what it pays is the typical call, not the fastest single call after a barrier (on the
-# 2-core EPYC, 30 bursts of 8 calls: a 1 MiB all-gather 0.53 ms at best, 1.3 ms median; a 4 KiB all-reduce 0.31
-# vs 1.4 ms; the fastest single call 0.40 and 0.28 ms): the ranks' gloo and compute threads share the cores, and
-# a tensor-parallel step's 64 waits for 1 MiB all-gathers and reduce-scatters measured 1.6 ms each
+# calls timed back to back in bursts, and the mean call over the bursts: a training step issues its collectives
+# one after another, dozens a step, so it pays their mean, not the fastest single call after a barrier. On the
+# 2-core EPYC a call's time has a heavy tail (the ranks' gloo and compute threads share the cores): 40 1 MiB
+# all-gathers, each after a matmul, took 0.8-1.4 ms at the median but 1.1-2.0 ms on average; 4 KiB all-reduces
+# 0.5-0.9 vs 1.4-1.9 ms; the fastest single call 0.40 and 0.28 ms. A tensor-parallel step's 64 waits for 1 MiB
+# all-gathers and reduce-scatters averaged 1.6 ms. The slowest tenth of the bursts is dropped: on a shared host
+# another process can stall one.
 BURST_CALLS = {1024 * 1024: 8, 8 * 1024 * 1024: 4}  # up to that many bytes: calls per burst; larger: 2
 COLLECTIVE_WORLDS = (2, 4)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "median burst"  # what the cached table holds; a cache without it is re-timed
+COLLECTIVE_TIMING = "mean call"  # what the cached table holds; a cache without it is re-timed
 
 
 def burst_calls(nbytes: int) -> int:
@@ -59,8 +61,8 @@ def burst_calls(nbytes: int) -> int:
 
 
 def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
-    """(runs on each forked rank) sustained seconds per call of each collective and size: the median of
-    `repeats` bursts of back-to-back calls (burst_calls), per call, the slowest rank's."""
+    """(runs on each forked rank) the mean seconds per call of each collective and size over `repeats` bursts of
+    back-to-back calls (burst_calls; the slowest tenth of the bursts dropped), the slowest rank's."""
     import torch.distributed as dist
 
     rows = []
@@ -82,9 +84,8 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
                 for _ in range(calls):
                     run()
                 times.append((time.perf_counter() - start) / calls)
-            # the median burst: the typical call, which a step's dozens of calls add up to; a burst disturbed by
-            # other work on a shared host does not move it
-            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
+            slowest = torch.tensor([statistics.fmean(kept)], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             rows.append({"op": op, "ranks": world, "bytes": 4 * n, "seconds": float(slowest)})
     return rows
@@ -155,7 +156,7 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
-                        repeats: int = 10) -> dict[str, Any]:
+                        repeats: int = 16) -> dict[str, Any]:
     """Time gloo collectives on forked ranks over loopback; fit alpha-beta per world size."""
     rows: list[dict[str, Any]] = []
     fits = {}
