@@ -7,9 +7,9 @@ presets: 0); a CPU rank pays it in full, and it is not in the plain operators' f
 on the 2-core EPYC, tp 2 on the tiny dense model ran ~600 DTensor operators a step at ~150 us each, a tenth of its
 step.
 
-Counted (a TorchDispatchMode over the tiny presets under tp; the same on one rank and two, and at any width):
-DTensor operators in the forward and in the backward of a dense block, an MoE block, and the root (embedding, final
-norm, LM head and loss). tests/distributed/test_dtensor_cost.py counts them again.
+Counted (a TorchDispatchMode over the tiny presets under tp; the same on one rank and two): DTensor operators in
+the forward and in the backward of a dense block, an MoE block, and the root (embedding, final norm, LM head and
+loss). tests/unit/plan/test_plan_dtensor_cost.py counts them again on two ranks.
 
 Measured (`optimus plan --calibrate`): the planned model cut to one block and a small vocabulary (past a width of
 512, narrowed alike: measured_block), forward + backward on one micro-batch, laid out for tp over a one-rank mesh
