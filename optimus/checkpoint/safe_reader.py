@@ -3,10 +3,10 @@
 DCP trusts the checkpoint in two places, and a file someone handed you could run code through either:
 - its index (`.metadata`) is a pickle: it is read here by an unpickler that builds only the few plain
   record classes an index is made of (named one by one; no dotted names that could reach further);
-- an item the index marks as bytes is read with torch.load(weights_only=False). SafeLoadPlanner refuses
-  byte items where the live state holds a tensor, and reads expected ones (older checkpoints kept
-  optimizer hyperparameters so) with weights_only=True. Optimus itself writes no byte items: non-tensor
-  state goes to values.json (values.py).
+- an item the index marks as bytes, which DCP's default planner reads with torch.load(weights_only=False).
+  SafeLoadPlanner refuses byte items where the live state holds a tensor, and reads expected ones (older
+  checkpoints kept optimizer hyperparameters so) with weights_only=True. Optimus itself writes no byte items:
+  non-tensor state goes to values.json (values.py).
 Tensor items are read by DCP with torch.load(weights_only=True), whose unpickler only rebuilds tensors.
 """
 

@@ -167,13 +167,16 @@ def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tupl
     return {"rows": rows, "fits": fits, "timing": COLLECTIVE_TIMING}
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
+class CountOps(TorchDispatchMode):
+    """Counts the aten operators dispatched while active; with `only` (a tensor subclass, e.g. DTensor) just those
+    with an argument of that type."""
+
+    def __init__(self, only: type | None = None) -> None:
         super().__init__()
-        self.count = 0
+        self.only, self.count = only, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.count += self.only is None or self.only in types
         return func(*args, **(kwargs or {}))
 
 
@@ -253,7 +256,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
             y = y * 1.0001 + 0.0
         y.sum().backward()
 
-    with _CountOps() as counter:
+    with CountOps() as counter:
         chain()
     measured["op_overhead"] = {"seconds": best_time(chain, 5), "operators": counter.count}
     # what tp's DTensors add per operator: one block under tp on a one-rank mesh vs plain (a forked rank)

@@ -74,19 +74,10 @@ def _time_one_block(rank: int, world: int, model_config: dict[str, Any], batch: 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from optimus.models.transformer import build_model
     from optimus.parallel.tensor_parallel import apply_tensor_parallel
-
-    class CountDTensorOps(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += DTensor in types
-            return func(*args, **(kwargs or {}))
+    from optimus.plan.calibrate import CountOps  # here, not at the top: calibrate imports this module
 
     config = ModelConfig(**model_config)
     dt = torch.float32 if dtype == "fp32" else torch.bfloat16
@@ -97,8 +88,8 @@ def _time_one_block(rank: int, world: int, model_config: dict[str, Any], batch: 
     def step(model) -> None:
         model(ids, labels=ids).loss.backward()
 
-    step(plain), step(tp)
-    with CountDTensorOps() as counter:
+    step(plain)  # warm-up: allocation and first dispatch; the counted tp step below is tp's warm-up
+    with CountOps(only=DTensor) as counter:
         step(tp)
     times: dict[str, list[float]] = {"plain": [], "tp": []}
     for _ in range(MEASURE_REPEATS):  # interleaved: a disturbance slows both alike

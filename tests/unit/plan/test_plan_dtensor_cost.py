@@ -20,25 +20,18 @@ def _count_dtensor_ops(rank: int, world: int, config_name: str, layers: int) -> 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from optimus.models.transformer import build_model
     from optimus.parallel.tensor_parallel import apply_tensor_parallel
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += DTensor in types
-            return func(*args, **(kwargs or {}))
+    from optimus.plan.calibrate import CountOps
 
     config = load_config(CONFIGS / config_name, ["--train.dtype=fp32", f"--model.n_layers={layers}",
                                                  "--model.vocab_size=512"])
     model = apply_tensor_parallel(build_model(config.model, device="cpu", seed=0), init_device_mesh("cpu", (world,)))
     ids = torch.randint(0, 512, (2, 32))
-    with Count() as forward:
+    with CountOps(only=DTensor) as forward:
         loss = model(ids, labels=ids).loss
-    with Count() as backward:
+    with CountOps(only=DTensor) as backward:
         loss.backward()
     return [forward.count, backward.count]
 
