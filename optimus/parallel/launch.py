@@ -2,7 +2,7 @@
 
 Reads torchrun, Slurm (`srun`), PBS/PALS (`mpiexec` on Aurora), MPICH/Intel MPI (`PMI_*`) and Open
 MPI (`OMPI_COMM_WORLD_*`) environments, picks the device and the collective backend for it, and
-initialises torch.distributed. The only module besides cli.py that reads environment variables.
+initialises torch.distributed. The only module besides the cli package that reads environment variables.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from pathlib import Path
 RELAUNCH_KINDS = ("kill_group", "kill_mid_save", "sigterm", "truncate_newest", "bitflip_newest", "delete_newest")
 IN_JOB_KINDS = ("kill_rank", "hang_rank")  # need torchrun (ranks >= 2)
 FAULT_KINDS = RELAUNCH_KINDS + IN_JOB_KINDS + ("disk_full", "nan_step")
-NAN_STEPS_VARIABLE = "OPTIMUS_CHAOS_NAN_STEPS"  # read by cli.py: steps whose loss is made non-finite
-MIN_STEP_VARIABLE = "OPTIMUS_CHAOS_MIN_STEP_S"  # read by cli.py: every step lasts at least this long
-DISK_FULL_VARIABLE = "OPTIMUS_CHAOS_DISK_FULL_FILE"  # read by cli.py: while this file exists, a save fails (ENOSPC)
+NAN_STEPS_VARIABLE = "OPTIMUS_CHAOS_NAN_STEPS"  # read by cli/train.py: steps whose loss is made non-finite
+MIN_STEP_VARIABLE = "OPTIMUS_CHAOS_MIN_STEP_S"  # read by cli/train.py: every step lasts at least this long
+DISK_FULL_VARIABLE = "OPTIMUS_CHAOS_DISK_FULL_FILE"  # read by cli/train.py: while this file exists, a save fails (ENOSPC)
 
 
 class ChaosError(RuntimeError):

@@ -1,0 +1,112 @@
+"""`optimus plan` (predict and rank layouts on a cluster; `--calibrate` measures this machine) and `optimus tune`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from optimus.cli.errors import UsageError
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.config import load_config
+    from optimus.plan.cluster import load_cluster
+    from optimus.plan.report import format_table, write_best_config, write_json
+    from optimus.plan.search import plan
+
+    if args.calibrate and args.cluster != "here":
+        raise UsageError(f"--calibrate measures this machine: use it with --cluster here (not '{args.cluster}')")
+    cluster = None if args.cluster == "here" else load_cluster(args.cluster)  # an unknown one fails before the config
+    if args.tokens is not None and args.tokens <= 0:
+        raise UsageError(f"--tokens must be positive (got {args.tokens:g})")
+    if args.top < 1:
+        raise UsageError(f"--top must be at least 1 (got {args.top})")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
+    config = load_config(args.config, overrides)
+    if cluster is None:
+        cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
+    efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
+    candidates = plan(config, cluster, args.devices, efficiency)
+    if not candidates:
+        raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
+                         f"check train.global_batch_size (it must divide over the data-parallel ranks)")
+    print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
+    if args.json:
+        write_json(args.json, candidates, cluster, args.tokens)
+    best = candidates[0]
+    if not best.fits:
+        print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")
+    elif args.write_config:
+        write_best_config(args.write_config, best, config)
+        print(f"best layout written to {args.write_config}")
+    return 0
+
+
+def here_cache_files() -> tuple[Path, tuple[Path, str]]:
+    """(the `here` planner cache, the CPU-speed cache and its kernel key): per host, under XDG_CACHE_HOME."""
+    from optimus.parallel.launch import cpu_speed_cache
+
+    cpu_file, kernel_env = cpu_speed_cache()
+    return cpu_file.parent / "plan_here.json", (cpu_file, kernel_env)
+
+
+def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
+    """The measured `here` cluster for `devices` ranks; with `calibrate`, measure everything again first."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.calibrate import calibrate_op_classes, describe
+    from optimus.plan.here import here_cluster, machine, write_cache
+
+    cache_file, cpu_cache = here_cache_files()
+    if devices < 1:
+        raise UsageError(f"--devices must be at least 1 (got {devices})")
+    if calibrate:
+        print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2 and 4 ranks, op classes "
+              f"at {config_path}'s shapes): about a minute", flush=True)
+    entry = machine(cache_file, cpu_cache, remeasure=calibrate)
+    if calibrate:
+        # the micro-batch the op classes are timed at: the configured layout's (one rank when none is set)
+        resolved = validate_layout(config).config
+        entry.update(calibrate_op_classes(resolved, entry))
+        entry["calibrated_for"] = (f"{Path(config_path).name}: {resolved.train.micro_batch_size} x "
+                                   f"{resolved.train.seq_len} tokens")
+        write_cache(cache_file, entry)
+        print("\n".join(describe(entry)))
+        print(f"stored in {cache_file}; later `optimus plan ... --cluster here` runs use it")
+    elif "efficiency" not in entry:
+        print("here: op-class efficiencies are CPU defaults, not measured: run `optimus plan CONFIG --cluster here "
+              "--devices N --calibrate` once", file=sys.stderr)
+    return here_cluster(entry, devices)
+
+
+def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
+    from optimus.config import load_config
+    from optimus.plan.report import write_best_config
+    from optimus.plan.tune import format_trials, tune
+
+    for flag, value in (("--trials", args.trials), ("--ranks", args.ranks), ("--steps", args.steps)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be at least 0 (got {args.warmup})")
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
+    config = load_config(args.config, overrides)
+    cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config)
+    out_dir = Path(args.out)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
+                         steps=args.steps, warmup=args.warmup, seed=args.seed)
+    print(format_trials(records))
+    print(f"every trial: {out_dir / 'trials.jsonl'}")
+    if best is None:
+        print("no trial ran to the end: see the status column", file=sys.stderr)
+        return 1
+    path = out_dir / "best.yaml"
+    write_best_config(path, best, config)
+    print(f"best measured layout written to {path}")
+    return 0
