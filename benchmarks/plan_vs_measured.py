@@ -4,9 +4,10 @@
         [--steps 4] [--warmup 2] [--repeats 2] [--memory-runs 1] [--only NAME,...|smoke] [--no-calibrate]
         [--model=--model.n_layers=2,...]
 
-For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, zero1, TP, PP, EP, activation checkpointing)
-it runs the Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as
-torchrun gives them), for warm-up + measured steps, reads each step's time from its metrics.jsonl
+For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zero1/2, TP, PP (1F1B, interleaved), EP,
+expert-tensor parallelism, activation checkpointing: every layout tests/distributed trains, in kind) it runs the
+Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as torchrun gives
+them), for warm-up + measured steps, reads each step's time from its metrics.jsonl
 (global tokens per step / tokens_per_s, logged every step), takes the median step of each of `--repeats` runs and
 the fastest of those medians (on a shared machine a run slowed by other work says nothing about the layout: the
 same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
@@ -66,6 +67,17 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "moe-fsdp4-ep4": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=4"]),
     "moe-pp2-ep2": (MOE, 4, ["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.pp=2",
                              "--train.micro_batch_size=2"]),
+    # the other layouts tests/distributed trains: DDP, HSDP, tp x pp, zero2 with EP, HSDP with EP, expert-tensor
+    # parallelism under zero1 with the all-gather dispatch, the interleaved schedule
+    "dense-ddp2": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=ddp"]),
+    "dense-hsdp2x2": (DENSE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]),
+    "dense-tp2-pp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch_size=2"]),
+    "moe-zero2-ep2-4": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.shard_mode=zero2"]),
+    "moe-hsdp2x2-ep2": (MOE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2"]),
+    "moe-tp2-ep2-zero1": (MOE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+                                   "--parallel.ep_dispatch=allgather", "--parallel.shard_mode=zero1"]),
+    "moe-tp2-pp2-interleaved": (MOE, 4, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+                                         "--parallel.pp_virtual_stages=2", "--train.micro_batch_size=2"]),
 }
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
 

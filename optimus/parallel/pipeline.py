@@ -19,6 +19,8 @@ The values are recorded per stage and summed over the pp ranks for logging.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -161,7 +163,11 @@ class PipelineRuntime:
         # the labels go to this rank's stages' forward too (split per micro-batch like the target):
         # the last stage computes the loss in its forward
         kwargs = {"labels": labels} if self.has_last else {}
-        with autocast:
+        with autocast, warnings.catch_warnings():
+            # A MoE stage's output is _InjectAuxLoss's h.view_as(h) (autograd makes an identity's output a view),
+            # and FSDP2 warns, once a rank, that an in-place op on a view output would skip its pre-backward hook.
+            # The schedule only sends that output or runs backward from it, never writes it in place.
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             self.schedule(n).step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         return self._gather_terms(losses, n, device)
 

@@ -1,8 +1,10 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
 Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2 and 4 forked
-ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them); per
-world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
+ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them), and over
+the pairs of a 4-rank job, both pairs at once and one pair while the other computes (what tensor, expert and
+data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a pipeline); per world
+size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
 (relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
 S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -51,8 +55,15 @@ LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 # another process can stall one.
 BURST_CALLS = {1024 * 1024: 8, 8 * 1024 * 1024: 4}  # up to that many bytes: calls per burst; larger: 2
 COLLECTIVE_WORLDS = (2, 4)
+# groups timed inside a larger job: (members, job ranks, what the other groups do meanwhile). Where ranks outnumber
+# cores a pair's collective waits for its peer to get a core back: with every pair in collectives at once (tensor
+# or expert parallelism of 2 in a 4-rank job without a pipeline: the pairs run in step), a 4 KiB all-gather took
+# 1.5 ms vs 0.7 ms as a job of 2; with the other pair computing (a pipeline's other stage) a woken rank also waits
+# out the busy ranks' time slices. Timed as a job of 2, MoE TP 2 + EP 2 (4 ranks) was priced 16% fast, dense
+# TP 2 x PP 2 16-23% (AVX2-only 2-core EPYC, 2026-11-25)
+COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "mean call"  # what the cached table holds; a cache without it is re-timed
+COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute"  # a cache timed otherwise is re-timed
 
 
 def burst_calls(nbytes: int) -> int:
@@ -60,34 +71,50 @@ def burst_calls(nbytes: int) -> int:
     return next((calls for limit, calls in sorted(BURST_CALLS.items()) if nbytes <= limit), 2)
 
 
-def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int, members: int | None = None,
+                      others: str = "collectives", done_file: str = "") -> list[dict[str, Any]]:
     """(runs on each forked rank) the mean seconds per call of each collective and size over `repeats` bursts of
-    back-to-back calls (burst_calls; the slowest tenth of the bursts dropped), the slowest rank's."""
+    back-to-back calls (burst_calls; the slowest tenth of the bursts dropped), the slowest rank's. With `members`,
+    over consecutive groups of that many ranks (rows say `ranks`: members, `job`: world, `others`): every group
+    at once (`others` "collectives"), or the first group while the others run matmuls until it writes
+    `done_file` ("compute")."""
     import torch.distributed as dist
 
+    group, g = None, world
+    if members is not None and members < world:
+        groups = [dist.new_group(list(range(first, first + members))) for first in range(0, world, members)]
+        group, g = groups[rank // members], members
+        if others == "compute" and rank >= members:
+            a, b = torch.randn(256, 256), torch.randn(256, 256)
+            while not os.path.exists(done_file):
+                a @ b
+            return []
     rows = []
     for op in COLLECTIVES:
         for nbytes in sizes:
-            n = max(world, nbytes // 4 // world * world)  # gathered / reduced elements, divisible by world
-            full, part = torch.ones(n), torch.ones(n // world)
+            n = max(g, nbytes // 4 // g * g)  # gathered / reduced elements, divisible by the group
+            full, part = torch.ones(n), torch.ones(n // g)
             run: Callable[[], None] = {
-                "all_reduce": lambda: dist.all_reduce(full),
-                "all_gather": lambda: all_gather_single(full, part),
-                "reduce_scatter": lambda: reduce_scatter_single(part, full),
-                "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
+                "all_reduce": lambda: dist.all_reduce(full, group=group),
+                "all_gather": lambda: all_gather_single(full, part, group=group),
+                "reduce_scatter": lambda: reduce_scatter_single(part, full, group=group),
+                "all_to_all": lambda: dist.all_to_all_single(full.clone(), full, group=group),
             }[op]
             run()
             calls, times = burst_calls(4 * n), []
             for _ in range(repeats if nbytes <= 8 * 1024 * 1024 else min(repeats, LARGE_MESSAGE_REPEATS)):
-                dist.barrier()
+                dist.barrier(group=group)
                 start = time.perf_counter()
                 for _ in range(calls):
                     run()
                 times.append((time.perf_counter() - start) / calls)
             kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
             slowest = torch.tensor([statistics.fmean(kept)], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append({"op": op, "ranks": world, "bytes": 4 * n, "seconds": float(slowest)})
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            rows.append({"op": op, "ranks": g, "bytes": 4 * n, "seconds": float(slowest)} |
+                        ({"job": world, "others": others} if g < world else {}))
+    if done_file and rank == 0:
+        Path(done_file).touch()
     return rows
 
 
@@ -156,14 +183,20 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
-                        repeats: int = 16) -> dict[str, Any]:
-    """Time gloo collectives on forked ranks over loopback; fit alpha-beta per world size."""
+                        repeats: int = 16,
+                        subgroups: tuple[tuple[int, int, str], ...] = COLLECTIVE_SUBGROUPS) -> dict[str, Any]:
+    """Time gloo collectives on forked ranks over loopback (whole jobs of each world size, and each (members, job,
+    others) of `subgroups`); fit alpha-beta per world size on the whole jobs."""
     rows: list[dict[str, Any]] = []
     fits = {}
     for world in worlds:
         measured = run_on_local_ranks(_time_collectives, world, sizes, repeats, timeout=180.0)[0]
         rows += measured
         fits[str(world)] = fit_alpha_beta(measured)
+    for members, job, others in subgroups:
+        with tempfile.TemporaryDirectory(prefix="optimus-calibrate-") as tmp:
+            rows += run_on_local_ranks(_time_collectives, job, sizes, repeats, members, others,
+                                       os.path.join(tmp, "done"), timeout=180.0)[0]
     return {"rows": rows, "fits": fits, "timing": COLLECTIVE_TIMING}
 
 

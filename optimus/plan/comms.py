@@ -99,22 +99,33 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
     per_node = members_per_node(dims, group, cluster.devices_per_node)
     return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
-                _measured_for(cluster.measured_collectives, size) if size == per_node else None)
+                _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
+                              beside_compute=dims.pp > 1 and "pp" not in group)
+                if size == per_node else None)
 
 
-def _measured_for(table: dict[str, dict[str, list]] | None, size: int) -> dict[str, tuple] | None:
-    """The timed points of each operation for a group of `size`: those of that many ranks, else of the nearest
-    timed group size with their bandwidth part rescaled by the ring's (g - 1) / g."""
+def _measured_for(table: dict[str, dict[str, list]] | None, size: int, job: int,
+                  beside_compute: bool = False) -> dict[str, tuple] | None:
+    """The timed points of each operation for a group of `size` in a job of `job` ranks: those timed for that
+    group size in the nearest job size (here.collective_table's "G" for a whole job of G, "G/R" for groups of G in
+    a job of R, all at once, "G/R+compute" for one group while the others compute: on a host with fewer cores
+    than ranks a pair pays more inside a job of 4 than as a job of 2, and more again beside a pipeline's other
+    stage computing, `beside_compute`), else of the nearest timed group size with their bandwidth part rescaled
+    by the ring's (g - 1) / g."""
     if not table:
         return None
     out = {}
-    for op, by_world in table.items():
-        worlds = sorted(int(w) for w in by_world)
-        if not worlds:
+    for op, by_group in table.items():
+        # key -> (members, job, whether the others computed)
+        timed = {key: (*(int(x) for x in (key.split("+")[0].split("/") + [key.split("+")[0]])[:2]), "+compute" in key)
+                 for key in by_group}
+        if not timed:
             continue
-        nearest = min(worlds, key=lambda w: (abs(w - size), -w))
+        key = min(timed, key=lambda k: (abs(timed[k][0] - size), -timed[k][0], abs(timed[k][1] - job),
+                                        timed[k][2] != beside_compute))
+        nearest = timed[key][0]
         scale = ((size - 1) / size) / ((nearest - 1) / nearest) if nearest > 1 else 1.0
-        out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_world[str(nearest)]))
+        out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_group[key]))
     return out
 
 

@@ -7,9 +7,10 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     fresh pages             writing a new 64 MiB tensor vs writing a reused one: glibc serves blocks past its
                             largest mmap threshold (32 MiB on 64-bit) from fresh kernel pages and returns them
                             on free, so each step faults in again the pages of every buffer that large it makes
-    collectives             gloo over loopback, 2 and 4 forked ranks, the mean time per call over bursts of
-                            back-to-back calls (what a step pays): a table, and alpha (per hop) and beta (per rank)
-                            fitted by least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
+    collectives             gloo over loopback, 2 and 4 forked ranks and the two pairs of 4 at once, the mean
+                            time per call over bursts of back-to-back calls (what a step pays): a table, and alpha
+                            (per hop) and beta (per rank) fitted by least squares to comms.py's ring formulas
+                            (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
@@ -156,9 +157,9 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         measured, updated = entry["machine"], False
         if "fresh_page_s_per_byte" not in measured:
             measured["fresh_page_s_per_byte"], updated = fresh_page_cost(), True
-        if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # single calls after a barrier: re-time
+        if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # timed otherwise, or fewer groups: re-time
             print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
-                  "about half a minute, once)", file=sys.stderr, flush=True)
+                  "about a minute, once)", file=sys.stderr, flush=True)
             measured["collectives"], updated = measure_collectives(), True
         if updated:
             write_cache(cache_file, entry)
@@ -173,10 +174,14 @@ def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
 
 
 def collective_table(collectives: dict[str, Any]) -> dict[str, dict[str, list]]:
-    """The timed gloo collectives as comms.py reads them: {op: {ranks: [[bytes, seconds], ...]}}."""
+    """The timed gloo collectives as comms.py reads them: {op: {group: [[bytes, seconds], ...]}}, the group "R"
+    for a whole job of R ranks, "G/R" for groups of G inside a job of R, all at once, "G/R+compute" for one
+    group of G while the job's other ranks compute."""
     table: dict[str, dict[str, list]] = {}
     for row in collectives.get("rows", []):
-        table.setdefault(row["op"], {}).setdefault(str(row["ranks"]), []).append([row["bytes"], row["seconds"]])
+        group = str(row["ranks"]) + (f"/{row['job']}" if row.get("job", row["ranks"]) != row["ranks"] else "")
+        group += "+compute" if row.get("others") == "compute" else ""
+        table.setdefault(row["op"], {}).setdefault(group, []).append([row["bytes"], row["seconds"]])
     return table
 
 

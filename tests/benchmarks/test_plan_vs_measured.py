@@ -143,7 +143,7 @@ def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # 11 layouts trained for real: about 20 minutes on 2 cores
+@pytest.mark.timeout(3600)  # 18 layouts trained for real: about 25 minutes on 2 cores
 def test_full_table(load_benchmark, machine_cache, tmp_path):
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from optimus.config import load_config
-from optimus.plan.calibrate import COLLECTIVES, fit_alpha_beta, measure_op_classes
+from optimus.plan.calibrate import COLLECTIVE_TIMING, COLLECTIVES, fit_alpha_beta, measure_op_classes
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.here import here_cluster
 
@@ -119,6 +119,39 @@ def test_collectives_are_timed_in_bursts_of_back_to_back_calls():
     from optimus.plan.calibrate import burst_calls, measure_collectives
 
     assert burst_calls(4096) == 8 and burst_calls(8 << 20) == 4 and burst_calls(64 << 20) == 2
-    table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2)
-    assert table["timing"] == "mean call" and {r["op"] for r in table["rows"]} == set(COLLECTIVES)
+    table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2, subgroups=((2, 4, "collectives"),
+                                                                                   (2, 4, "compute")))
+    assert table["timing"] == COLLECTIVE_TIMING and set(table["fits"]) == {"2"}
+    whole = [r for r in table["rows"] if "job" not in r]
+    assert {r["op"] for r in whole} == set(COLLECTIVES) and all(r["ranks"] == 2 for r in whole)
+    for others in ("collectives", "compute"):  # the two pairs of a 4-rank job at once; one while the other computes
+        pairs = [r for r in table["rows"] if r.get("others") == others]
+        assert {r["op"] for r in pairs} == set(COLLECTIVES) and all(r["ranks"] == 2 and r["job"] == 4 for r in pairs)
     assert all(r["seconds"] > 0 for r in table["rows"])
+
+
+def test_a_pair_inside_a_larger_job_is_priced_from_the_pairs_timed_in_that_job():
+    """A collective of 2 ranks in a 4-rank job on 2 cores waits for its peer to get a core back: it reads the
+    pairs timed inside a 4-rank job, all at once ("2/4") or, beside a pipeline's other stage, while the other pair
+    computes ("2/4+compute"); a 2-rank job the pairs timed alone ("2"), 4 ranks their own rows."""
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.plan.comms import group_link, ring_time
+
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    rows = [{"op": "all_gather", "ranks": 2, "bytes": 1 << 20, "seconds": 1e-3},
+            {"op": "all_gather", "ranks": 4, "bytes": 1 << 20, "seconds": 3e-3},
+            {"op": "all_gather", "ranks": 2, "job": 4, "others": "compute", "bytes": 1 << 20, "seconds": 2.5e-3},
+            {"op": "all_gather", "ranks": 2, "job": 4, "others": "collectives", "bytes": 1 << 20, "seconds": 2e-3}]
+    entry = {"machine": {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+                         "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+                         "copy_gb_s_all_cores": 10.0, "measured_at": "t",
+                         "collectives": {"timing": COLLECTIVE_TIMING, "rows": rows, "fits": {"2": fit, "4": fit}}}}
+    tp2_of_4, tp2_of_2 = ParallelDims(tp=2, dp_shard=2, world_size=4), ParallelDims(tp=2, world_size=2)
+    assert ring_time(group_link(tp2_of_4, ("tp",), here_cluster(entry, 4)), 1 << 20) == pytest.approx(2e-3)
+    assert ring_time(group_link(tp2_of_2, ("tp",), here_cluster(entry, 2)), 1 << 20) == pytest.approx(1e-3)
+    assert ring_time(group_link(ParallelDims(dp_shard=4, world_size=4), ("dp_shard_mod_ep",), here_cluster(entry, 4)),
+                     1 << 20) == pytest.approx(3e-3)
+    tp2_pp2 = ParallelDims(tp=2, pp=2, world_size=4)
+    assert ring_time(group_link(tp2_pp2, ("tp",), here_cluster(entry, 4)), 1 << 20) == pytest.approx(2.5e-3)
+    del rows[2:]  # a table without the pairs in a 4-rank job: the 2-rank job's rows
+    assert ring_time(group_link(tp2_of_4, ("tp",), here_cluster(entry, 4)), 1 << 20) == pytest.approx(1e-3)
