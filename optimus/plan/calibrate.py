@@ -56,11 +56,12 @@ LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 BURST_CALLS = {1024 * 1024: 8, 8 * 1024 * 1024: 4}  # up to that many bytes: calls per burst; larger: 2
 COLLECTIVE_WORLDS = (2, 4)
 # groups timed inside a larger job: (members, job ranks, what the other groups do meanwhile). Where ranks outnumber
-# cores a pair's collective waits for its peer to get a core back: with every pair in collectives at once (tensor
-# or expert parallelism of 2 in a 4-rank job without a pipeline: the pairs run in step), a 4 KiB all-gather took
-# 1.5 ms vs 0.7 ms as a job of 2; with the other pair computing (a pipeline's other stage) a woken rank also waits
-# out the busy ranks' time slices. Timed as a job of 2, MoE TP 2 + EP 2 (4 ranks) was priced 16% fast, dense
-# TP 2 x PP 2 16-23% (AVX2-only 2-core EPYC, 2026-11-25)
+# cores a pair's collective waits for its peer to get a core back: with every pair in collectives at once (tensor,
+# expert or data parallelism of 2 in a 4-rank job without a pipeline: the pairs run in step) a 1 MiB all-gather
+# took 1.1-1.8 ms against 1.6 ms as a job of 2, a 4 KiB one 0.5-1.5 against 0.6 ms (two calibrations); with the
+# other pair computing (a pipeline's other stage), where a woken rank waits out the busy ranks' time slices,
+# 2.1 and 1.1 ms. Priced from the 2-rank job, MoE TP 2 + EP 2 on 4 ranks read 16% fast and HSDP 2 x 2 8% (AVX2-only
+# 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute"  # a cache timed otherwise is re-timed

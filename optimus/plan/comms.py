@@ -116,9 +116,7 @@ def _measured_for(table: dict[str, dict[str, list]] | None, size: int, job: int,
         return None
     out = {}
     for op, by_group in table.items():
-        # key -> (members, job, whether the others computed)
-        timed = {key: (*(int(x) for x in (key.split("+")[0].split("/") + [key.split("+")[0]])[:2]), "+compute" in key)
-                 for key in by_group}
+        timed = {key: _group_key(key) for key in by_group}
         if not timed:
             continue
         key = min(timed, key=lambda k: (abs(timed[k][0] - size), -timed[k][0], abs(timed[k][1] - job),
@@ -127,6 +125,13 @@ def _measured_for(table: dict[str, dict[str, list]] | None, size: int, job: int,
         scale = ((size - 1) / size) / ((nearest - 1) / nearest) if nearest > 1 else 1.0
         out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_group[key]))
     return out
+
+
+def _group_key(key: str) -> tuple[int, int, bool]:
+    """(members, job ranks, whether the other ranks computed) of a timed table's group key: "G", "G/R", "G/R+compute"."""
+    group, _, others = key.partition("+")
+    members, _, job = group.partition("/")
+    return int(members), int(job or members), others == "compute"
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], nbytes: float) -> float:

@@ -7,10 +7,10 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     fresh pages             writing a new 64 MiB tensor vs writing a reused one: glibc serves blocks past its
                             largest mmap threshold (32 MiB on 64-bit) from fresh kernel pages and returns them
                             on free, so each step faults in again the pages of every buffer that large it makes
-    collectives             gloo over loopback, 2 and 4 forked ranks and the two pairs of 4 at once, the mean
-                            time per call over bursts of back-to-back calls (what a step pays): a table, and alpha
-                            (per hop) and beta (per rank) fitted by least squares to comms.py's ring formulas
-                            (optimus/plan/calibrate.py)
+    collectives             gloo over loopback: 2 and 4 forked ranks, and the pairs of 4 ranks (both at once, and
+                            one while the other computes); the mean time per call over bursts of back-to-back
+                            calls (what a step pays): a table, and alpha (per hop) and beta (per rank) fitted by
+                            least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at

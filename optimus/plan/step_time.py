@@ -124,11 +124,6 @@ def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
     }
 
 
-def _first_stage_flops(by_class: dict[str, float], shape: ModelShape, layers: int) -> float:
-    """FLOPs per token of a pipeline stage without the LM head (its blocks only; the embedding is a lookup)."""
-    return sum(v * layers / shape.n_layers for c, v in by_class.items() if c != "head")
-
-
 def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, float]:
     """Forward FLOPs (a third of training FLOPs) that activation checkpointing runs again, by class."""
     mode = config.train.activation_checkpointing
@@ -235,6 +230,17 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     dispatch_mb = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=True)
                    if dims.tp > 1 else 0.0)
     compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb + dispatch_mb
+    # a stage without the LM head (the first: its blocks; the embedding is a lookup): the same blocks' matmuls,
+    # memory-bound work and per-operator costs, none of the head's. The fill and drain of the pipe and the other
+    # stages' use of shared cores are priced from it. (Scaling the last stage's compute by the FLOPs left without
+    # the head dropped the blocks' operator costs with the head's FLOPs: under tp on CPU, the DTensor dispatch of a
+    # 4-block tiny model's first stage by 87%, a third of what that stage's ranks were measured to use.)
+    headless_dense = max(flop_s["attention_proj"] + flop_s["mlp"],
+                         dense_passes * width * layers * (shape.block_tp_split / dims.tp + shape.block_replicated) / hbm)
+    headless_mb = (headless_dense + expert_s + flop_s["attention"] + memory_mb +
+                   efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=False) +
+                   (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=False)
+                    if dims.tp > 1 else 0.0))
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
@@ -353,12 +359,11 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # The last stage (it holds the LM head) paces the pipe: it runs its m micro-batches back to back once the first
     # has come through the other stages, and the step ends when the last backward has gone back through them, so the
     # fill and drain cost (pp - 1) / v micro-batch times of a stage WITHOUT the head (torch's 1F1B and GPipe: the
-    # textbook (pp - 1) / (m + pp - 1) bubble when stages are equal). The other stages' compute is the last stage's
-    # scaled by their FLOPs. A rank idle in the fill/drain waits; where ranks outnumber cores (`here`,
+    # textbook (pp - 1) / (m + pp - 1) bubble when stages are equal). The other stages compute headless_mb per
+    # micro-batch. A rank idle in the fill/drain waits; where ranks outnumber cores (`here`,
     # core_share < 1) its core runs the other ranks meanwhile (work-conserving): the step is then the larger of
     # that critical path at the cores' share and the stages' average busy time (all ranks' core-seconds over cores).
-    other_stage = busy - compute_mb * micro_batches * (1 - _first_stage_flops(by_class, shape, layers) /
-                                                       sum(by_class[c] * share[c] for c in by_class))
+    other_stage = busy - (compute_mb - headless_mb) * micro_batches
     fill_drain = (dims.pp - 1) / virtual * other_stage / micro_batches if dims.pp > 1 else 0.0
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill

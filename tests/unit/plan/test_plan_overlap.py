@@ -94,8 +94,8 @@ def test_ranks_that_outnumber_the_cores_absorb_the_pipeline_bubble():
     shared = _step(pp, 2, _host(core_share=0.5))
     assert whole_cores.parts["bubble"] > 0.2 * _busy(whole_cores)
     # at half a core per rank the critical path (busy x 0.5 x 5/4) is shorter than the stages' average busy time:
-    # no idle micro-batch slots left, only the sends that fill the pipe (a few % of the whole-core bubble)
-    assert shared.parts["bubble"] < 0.05 * whole_cores.parts["bubble"]
+    # no idle micro-batch slots left, only the sends that fill the pipe (under a tenth of the whole-core bubble)
+    assert shared.parts["bubble"] < 0.1 * whole_cores.parts["bubble"]
 
 
 def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
