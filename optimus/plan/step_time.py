@@ -233,8 +233,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # a stage without the LM head (the first: its blocks; the embedding is a lookup): the same blocks' matmuls,
     # memory-bound work and per-operator costs, none of the head's. The fill and drain of the pipe and the other
     # stages' use of shared cores are priced from it. (Scaling the last stage's compute by the FLOPs left without
-    # the head dropped the blocks' operator costs with the head's FLOPs: under tp on CPU, the DTensor dispatch of a
-    # 4-block tiny model's first stage by 87%, a third of what that stage's ranks were measured to use.)
+    # the head dropped the blocks' operator costs with the head's FLOPs: under tp on CPU, 87% of the tiny dense
+    # model's first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)
     headless_dense = max(flop_s["attention_proj"] + flop_s["mlp"],
                          dense_passes * width * layers * (shape.block_tp_split / dims.tp + shape.block_replicated) / hbm)
     headless_mb = (headless_dense + expert_s + flop_s["attention"] + memory_mb +

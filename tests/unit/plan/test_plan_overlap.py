@@ -88,6 +88,21 @@ def test_the_pipeline_fills_and_drains_through_the_stages_without_the_head():
     assert 0 < head_heavy.parts["bubble"] < 0.5 * _busy(head_heavy) / 4
 
 
+def test_the_stage_without_the_head_pays_its_blocks_operator_costs_in_full():
+    """Filling and draining the pipe go through the first stage, which dispatches its blocks' DTensor operators
+    whatever share of the FLOPs the head takes: 1F1B over 2 stages, 4 micro-batches, tp 2, the 50k head."""
+    from optimus.plan.dtensor_cost import dtensor_operators
+
+    tp_pp = ["--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch_size=2"]
+    host = _host(devices_per_node=4, hbm_gb_s=1e6, intra_node_gb_s=1e6, intra_node_latency_us=0)
+    free, costly = (_step(tp_pp, 4, replace(host, efficiency=replace(host.efficiency, dtensor_overhead_us=us)))
+                    for us in (0.0, 1000.0))
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.seq_len=128", *tp_pp])
+    first_stage = 1000e-6 * dtensor_operators(config, 2, False, root=False)  # 2 of the 4 blocks, no root
+    # the bubble is one micro-batch of the first stage (pp - 1 = 1, v = 1): it grows by that stage's dispatch
+    assert costly.parts["bubble"] - free.parts["bubble"] == pytest.approx(first_stage, rel=1e-6)
+
+
 def test_ranks_that_outnumber_the_cores_absorb_the_pipeline_bubble():
     pp = ["--parallel.pp=2", "--train.micro_batch_size=2", "--model.vocab_size=256"]  # equal stages, a bubble of 1/5
     whole_cores = _step(pp, 2, _host())
