@@ -46,7 +46,7 @@ class Cluster:
     core_share: float = 1.0
     # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
     # presets model theirs (optimus/plan/comms.py)
-    measured_collectives: dict[str, dict[str, list]] | None = None
+    measured_collectives: dict[str, dict[tuple[int, int, bool], list]] | None = None
     # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
     host_cpu: bool = False
     # `here`: seconds per byte the first write of a freshly allocated block costs beyond a reused one's, for

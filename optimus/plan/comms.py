@@ -104,34 +104,24 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
                 if size == per_node else None)
 
 
-def _measured_for(table: dict[str, dict[str, list]] | None, size: int, job: int,
+def _measured_for(table: dict[str, dict[tuple[int, int, bool], list]] | None, size: int, job: int,
                   beside_compute: bool = False) -> dict[str, tuple] | None:
     """The timed points of each operation for a group of `size` in a job of `job` ranks: those timed for that
-    group size in the nearest job size (here.collective_table's "G" for a whole job of G, "G/R" for groups of G in
-    a job of R, all at once, "G/R+compute" for one group while the others compute: on a host with fewer cores
-    than ranks a pair pays more inside a job of 4 than as a job of 2, and more again beside a pipeline's other
-    stage computing, `beside_compute`), else of the nearest timed group size with their bandwidth part rescaled
-    by the ring's (g - 1) / g."""
+    group size in the nearest job size (here.collective_table's (members, job, others computed) groups: on a host
+    with fewer cores than ranks a pair pays more inside a job of 4 than as a job of 2, and more again beside a
+    pipeline's other stage computing, `beside_compute`), else of the nearest timed group size with their
+    bandwidth part rescaled by the ring's (g - 1) / g."""
     if not table:
         return None
     out = {}
     for op, by_group in table.items():
-        timed = {key: _group_key(key) for key in by_group}
-        if not timed:
+        if not by_group:
             continue
-        key = min(timed, key=lambda k: (abs(timed[k][0] - size), -timed[k][0], abs(timed[k][1] - job),
-                                        timed[k][2] != beside_compute))
-        nearest = timed[key][0]
-        scale = ((size - 1) / size) / ((nearest - 1) / nearest) if nearest > 1 else 1.0
+        members, _, _ = key = min(by_group, key=lambda g: (abs(g[0] - size), -g[0], abs(g[1] - job),
+                                                           g[2] != beside_compute))
+        scale = ((size - 1) / size) / ((members - 1) / members) if members > 1 else 1.0
         out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_group[key]))
     return out
-
-
-def _group_key(key: str) -> tuple[int, int, bool]:
-    """(members, job ranks, whether the other ranks computed) of a timed table's group key: "G", "G/R", "G/R+compute"."""
-    group, _, others = key.partition("+")
-    members, _, job = group.partition("/")
-    return int(members), int(job or members), others == "compute"
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], nbytes: float) -> float:

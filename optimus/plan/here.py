@@ -173,14 +173,12 @@ def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
     return fits[str(best)]
 
 
-def collective_table(collectives: dict[str, Any]) -> dict[str, dict[str, list]]:
-    """The timed gloo collectives as comms.py reads them: {op: {group: [[bytes, seconds], ...]}}, the group "R"
-    for a whole job of R ranks, "G/R" for groups of G inside a job of R, all at once, "G/R+compute" for one
-    group of G while the job's other ranks compute."""
-    table: dict[str, dict[str, list]] = {}
+def collective_table(collectives: dict[str, Any]) -> dict[str, dict[tuple[int, int, bool], list]]:
+    """The timed gloo collectives as comms.py reads them: {op: {(members, job ranks, whether the job's other ranks
+    computed meanwhile): [[bytes, seconds], ...]}}; a whole job of R ranks is (R, R, False)."""
+    table: dict[str, dict[tuple[int, int, bool], list]] = {}
     for row in collectives.get("rows", []):
-        group = str(row["ranks"]) + (f"/{row['job']}" if row.get("job", row["ranks"]) != row["ranks"] else "")
-        group += "+compute" if row.get("others") == "compute" else ""
+        group = (row["ranks"], row.get("job", row["ranks"]), row.get("others") == "compute")
         table.setdefault(row["op"], {}).setdefault(group, []).append([row["bytes"], row["seconds"]])
     return table
 

@@ -216,7 +216,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
     hbm = cluster.hbm_gb_s * 1e9
     # the last pipeline stage paces the pipe: its blocks plus the whole LM head (split over tp: vocab-parallel)
-    dense_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + shape.head / dims.tp
+    block_weights = layers * (shape.block_tp_split / dims.tp + shape.block_replicated)
+    dense_weights = block_weights + shape.head / dims.tp
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
@@ -235,12 +236,13 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # stages' use of shared cores are priced from it. (Scaling the last stage's compute by the FLOPs left without
     # the head dropped the blocks' operator costs with the head's FLOPs: under tp on CPU, 87% of the tiny dense
     # model's first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)
-    headless_dense = max(flop_s["attention_proj"] + flop_s["mlp"],
-                         dense_passes * width * layers * (shape.block_tp_split / dims.tp + shape.block_replicated) / hbm)
-    headless_mb = (headless_dense + expert_s + flop_s["attention"] + memory_mb +
-                   efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=False) +
-                   (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=False)
-                    if dims.tp > 1 else 0.0))
+    headless_mb = compute_mb  # without a pipeline there is no other stage (the search prices thousands of layouts)
+    if dims.pp > 1:
+        headless_mb = (max(flop_s["attention_proj"] + flop_s["mlp"], dense_passes * width * block_weights / hbm) +
+                       expert_s + flop_s["attention"] + memory_mb +
+                       efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=False) +
+                       (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=False)
+                        if dims.tp > 1 else 0.0))
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
