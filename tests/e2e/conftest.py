@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from optimus.cli import main
 from optimus.data.sources import iter_packaged_documents
 from optimus.data.tokenize import tokenize_documents
 
@@ -40,6 +41,18 @@ def tiny_config(token_dir: Path, **sections) -> dict:
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
     return config
+
+
+def train_tiny_run(directory: Path, token_dir: Path, max_steps: int) -> tuple[Path, Path]:
+    """Train tiny_config for max_steps with a checkpoint every 2 steps and no eval, in this process.
+
+    Returns (config, run dir): directory/c.yaml and directory/run.
+    """
+    config = directory / "c.yaml"
+    train = {"max_steps": max_steps, "ckpt_every": 2, "eval_every": 0}
+    config.write_text(yaml.safe_dump(tiny_config(token_dir, train=train)))
+    assert main(["train", str(config), f"--run.dir={directory / 'run'}", "--no-progress"]) == 0
+    return config, directory / "run"
 
 
 @pytest.fixture

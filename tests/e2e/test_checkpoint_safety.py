@@ -8,23 +8,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from optimus.checkpoint.integrity import read_manifest
 from optimus.cli import main
-from tests.e2e.conftest import run_cli, tiny_config
+from tests.e2e.conftest import run_cli, train_tiny_run
 from tests.unit.checkpoint.tampering import flip_bytes_in_item, plant_payload
 
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, token_dir) -> tuple[Path, Path]:
     """(config, run dir) of a 4-step tiny run with checkpoints at steps 2 and 4."""
-    tmp = tmp_path_factory.mktemp("safety")
-    cfg = tmp / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 4, "ckpt_every": 2, "eval_every": 0})))
-    assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
-    assert not (tmp / "run" / "loss.png").exists()  # train.loss_plot=false (tiny_config) draws none
-    return cfg, tmp / "run"
+    cfg, run = train_tiny_run(tmp_path_factory.mktemp("safety"), token_dir, max_steps=4)
+    assert not (run / "loss.png").exists()  # train.loss_plot=false (tiny_config) draws none
+    return cfg, run
 
 
 def copy_run(two_checkpoints, tmp_path) -> tuple[Path, Path]:

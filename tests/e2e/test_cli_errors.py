@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from optimus.cli import main
-from tests.e2e.conftest import run_cli, tiny_config
+from tests.e2e.conftest import run_cli, tiny_config, train_tiny_run
 
 
 def fail_line(capsys, argv: list[str]) -> str:
@@ -105,11 +105,7 @@ def test_subprocess_error_has_no_traceback(tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, token_dir) -> tuple[Path, Path]:
     """(config, run dir) of a 2-step tiny run with one checkpoint, step-2."""
-    tmp = tmp_path_factory.mktemp("trained")
-    cfg = tmp / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_config(token_dir, train={"max_steps": 2, "ckpt_every": 2, "eval_every": 0})))
-    assert main(["train", str(cfg), f"--run.dir={tmp / 'run'}", "--no-progress"]) == 0
-    return cfg, tmp / "run"
+    return train_tiny_run(tmp_path_factory.mktemp("trained"), token_dir, max_steps=2)
 
 
 def _train(cfg: Path, run: Path) -> list[str]:

@@ -5,22 +5,9 @@ OLMoE-sized layer. Run with: pytest -m gpu tests/gpu"""
 import pytest
 import torch
 
-from optimus.ops import (
-    expert_mlp,
-    expert_mlp_reference,
-    grouped_mm,
-    grouped_mm_reference,
-    moe_experts_forward,
-    moe_experts_reference,
-    permute_tokens,
-    permute_tokens_reference,
-    swiglu,
-    swiglu_reference,
-    unpermute_tokens,
-    unpermute_tokens_reference,
-)
+from optimus.ops import permute_tokens, permute_tokens_reference
 from optimus.ops._device import torch_grouped_mm_fast_on, triton_installed
-from tests.helpers.ops import ROUTINGS, check_against_reference, moe_inputs
+from tests.helpers.ops import ROUTINGS, check_op_against_reference, moe_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +16,6 @@ pytestmark = [
 
 DEVICE = "cuda"
 DTYPES = [torch.float32, torch.bfloat16]
-GRADS = ("x", "weights", "w_gate_up", "w_down")
 # GPU fp32 sums in a different order than the CPU; bf16 keeps the CPU tolerance
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: None}
 
@@ -63,8 +49,7 @@ def test_grouped_mm(counts, impl, dtype):
         "w": (torch.randn(len(counts), 256, 384, generator=gen) / 16).to(DEVICE, dtype).requires_grad_(),
         "counts": counts,
     }
-    fast = lambda x, w, counts: grouped_mm(x, w, counts, impl=impl)
-    check_against_reference(fast, grouped_mm_reference, inputs, ("x", "w"), dtype, impl, TOLERANCE[dtype])
+    check_op_against_reference("grouped_mm", impl, inputs, dtype, impl, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,16 +59,14 @@ def test_grouped_mm(counts, impl, dtype):
 def test_moe_experts(top_k, routing, impl, dtype):
     _needs(impl, dtype)
     inputs = moe_inputs(300, 128, 96, 16, top_k, routing, dtype, device=DEVICE)
-    fast = lambda **kw: moe_experts_forward(**kw, impl=impl)
-    check_against_reference(fast, moe_experts_reference, inputs, GRADS, dtype, f"{impl}/{routing}", TOLERANCE[dtype])
+    check_op_against_reference("moe_experts", impl, inputs, dtype, f"{impl}/{routing}", TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("impl", ["auto", "triton"])
 def test_moe_experts_olmoe_layer_bf16(impl):
     _needs(impl, torch.bfloat16)
     inputs = moe_inputs(2048, 2048, 1024, 64, 8, "skewed", torch.bfloat16, device=DEVICE)
-    fast = lambda **kw: moe_experts_forward(**kw, impl=impl)
-    check_against_reference(fast, moe_experts_reference, inputs, GRADS, torch.bfloat16, impl)
+    check_op_against_reference("moe_experts", impl, inputs, torch.bfloat16, impl)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,8 +81,7 @@ def test_expert_mlp(impl, dtype):
         "w_down": (torch.randn(4, 48, 64, generator=gen) / 7).to(DEVICE, dtype).requires_grad_(),
         "counts": counts,
     }
-    fast = lambda **kw: expert_mlp(**kw, impl=impl)
-    check_against_reference(fast, expert_mlp_reference, inputs, ("rows", "w_gate_up", "w_down"), dtype, impl, TOLERANCE[dtype])
+    check_op_against_reference("expert_mlp", impl, inputs, dtype, impl, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,7 +93,6 @@ def test_permute_unpermute_swiglu(impl, dtype):
     ref_rows, ref_order, ref_counts = permute_tokens_reference(inputs["x"], inputs["expert_ids"], 12)
     assert torch.equal(rows, ref_rows) and torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
     unpermute_inputs = {"rows": ref_rows.detach().requires_grad_(), "order": order, "weights": inputs["weights"]}
-    fast = lambda rows, order, weights: unpermute_tokens(rows, order, weights, impl=impl)
-    check_against_reference(fast, unpermute_tokens_reference, unpermute_inputs, ("rows", "weights"), dtype, "unpermute", TOLERANCE[dtype])
+    check_op_against_reference("unpermute_tokens", impl, unpermute_inputs, dtype, "unpermute", TOLERANCE[dtype])
     gate_up = {"gate_up": (torch.randn(300, 2 * 80) * 3).to(DEVICE, dtype).requires_grad_()}
-    check_against_reference(lambda gate_up: swiglu(gate_up, impl=impl), swiglu_reference, gate_up, ("gate_up",), dtype, "swiglu", TOLERANCE[dtype])
+    check_op_against_reference("swiglu", impl, gate_up, dtype, "swiglu", TOLERANCE[dtype])

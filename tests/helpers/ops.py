@@ -1,4 +1,4 @@
-"""Random inputs and tolerances for checking the ops against their references.
+"""Random inputs, tolerances and checks of the ops against their references.
 
 Shared by the unit tests (CPU, and Triton's interpreter), the GPU tests and the benchmarks, so
 that all of them exercise the same routing patterns.
@@ -6,7 +6,22 @@ that all of them exercise the same routing patterns.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+
+from optimus.ops import (
+    expert_mlp,
+    expert_mlp_reference,
+    grouped_mm,
+    grouped_mm_reference,
+    moe_experts_forward,
+    moe_experts_reference,
+    swiglu,
+    swiglu_reference,
+    unpermute_tokens,
+    unpermute_tokens_reference,
+)
 
 # Routing patterns that break kernels in different ways.
 ROUTINGS = ("uniform", "skewed", "one_expert", "empty_experts")
@@ -124,3 +139,19 @@ def check_against_reference(fast, reference, inputs, grad_names, dtype, what="",
         if name != "output" and got.dtype != inputs[name].dtype:
             raise AssertionError(f"{what}: grad of {name} is {got.dtype}, its input {inputs[name].dtype}")
         assert_close(got, want, dtype, f"{what} {name}", tolerance)
+
+
+# Each op with an `impl` choice, by name: the op, its reference, and the inputs whose gradients are compared.
+OPS_AND_REFERENCES = {
+    "grouped_mm": (grouped_mm, grouped_mm_reference, ("x", "w")),
+    "moe_experts": (moe_experts_forward, moe_experts_reference, ("x", "weights", "w_gate_up", "w_down")),
+    "expert_mlp": (expert_mlp, expert_mlp_reference, ("rows", "w_gate_up", "w_down")),
+    "unpermute_tokens": (unpermute_tokens, unpermute_tokens_reference, ("rows", "weights")),
+    "swiglu": (swiglu, swiglu_reference, ("gate_up",)),
+}
+
+
+def check_op_against_reference(op_name, impl, inputs, dtype, what="", tolerance=None) -> None:
+    """The op named op_name, run with impl=impl, matches its reference (see check_against_reference)."""
+    op, reference, grad_names = OPS_AND_REFERENCES[op_name]
+    check_against_reference(partial(op, impl=impl), reference, inputs, grad_names, dtype, what, tolerance)

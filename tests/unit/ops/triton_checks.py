@@ -9,21 +9,8 @@ import traceback
 
 import torch
 
-from optimus.ops import (
-    expert_mlp,
-    expert_mlp_reference,
-    grouped_mm,
-    grouped_mm_reference,
-    moe_experts_forward,
-    moe_experts_reference,
-    permute_tokens,
-    permute_tokens_reference,
-    swiglu,
-    swiglu_reference,
-    unpermute_tokens,
-    unpermute_tokens_reference,
-)
-from tests.helpers.ops import assert_close, check_against_reference, moe_inputs
+from optimus.ops import permute_tokens, permute_tokens_reference
+from tests.helpers.ops import assert_close, check_op_against_reference, moe_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -36,8 +23,7 @@ def grouped_mm_check(counts, dtype):
         "w": (torch.randn(len(counts), 20, 36, generator=gen) * 0.2).to(dtype).requires_grad_(),
         "counts": counts,
     }
-    fast = lambda x, w, counts: grouped_mm(x, w, counts, impl="triton")
-    check_against_reference(fast, grouped_mm_reference, inputs, ("x", "w"), dtype, "grouped_mm")
+    check_op_against_reference("grouped_mm", "triton", inputs, dtype, "grouped_mm")
 
 
 def permute_check(top_k, routing, dtype):
@@ -48,20 +34,17 @@ def permute_check(top_k, routing, dtype):
     grad = torch.randn(rows.shape).to(dtype)
     assert_close(torch.autograd.grad(rows, inputs["x"], grad)[0], torch.autograd.grad(ref_rows, inputs["x"], grad)[0], dtype, "dx")
     unpermute_inputs = {"rows": ref_rows.detach().requires_grad_(), "order": order, "weights": inputs["weights"]}
-    fast = lambda rows, order, weights: unpermute_tokens(rows, order, weights, impl="triton")
-    check_against_reference(fast, unpermute_tokens_reference, unpermute_inputs, ("rows", "weights"), dtype, "unpermute")
+    check_op_against_reference("unpermute_tokens", "triton", unpermute_inputs, dtype, "unpermute")
 
 
 def swiglu_check(dtype):
     inputs = {"gate_up": (torch.randn(5, 3, 70) * 3).to(dtype).requires_grad_()}
-    fast = lambda gate_up: swiglu(gate_up, impl="triton")
-    check_against_reference(fast, swiglu_reference, inputs, ("gate_up",), dtype, "swiglu")
+    check_op_against_reference("swiglu", "triton", inputs, dtype, "swiglu")
 
 
 def experts_check(shape, routing, dtype):
     inputs = moe_inputs(*shape, routing=routing, dtype=dtype)
-    fast = lambda **kw: moe_experts_forward(**kw, impl="triton")
-    check_against_reference(fast, moe_experts_reference, inputs, ("x", "weights", "w_gate_up", "w_down"), dtype, routing)
+    check_op_against_reference("moe_experts", "triton", inputs, dtype, routing)
 
 
 def expert_mlp_check(dtype):
@@ -72,8 +55,7 @@ def expert_mlp_check(dtype):
         "w_down": (torch.randn(3, 12, 18, generator=gen) * 0.3).to(dtype).requires_grad_(),
         "counts": torch.tensor([9, 0, 11]),
     }
-    fast = lambda **kw: expert_mlp(**kw, impl="triton")
-    check_against_reference(fast, expert_mlp_reference, inputs, ("rows", "w_gate_up", "w_down"), dtype, "expert_mlp")
+    check_op_against_reference("expert_mlp", "triton", inputs, dtype, "expert_mlp")
 
 
 CHECKS = {}
