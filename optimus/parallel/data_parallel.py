@@ -101,7 +101,11 @@ def apply_fsdp(
     return model
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: int = 25) -> nn.Module:
+DDP_BUCKET_CAP_MB = 25  # torch DDP's default gradient bucket; its first bucket is 1 MiB (what plan/ prices)
+DDP_FIRST_BUCKET_BYTES = 2 ** 20
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_cap_mb: int = DDP_BUCKET_CAP_MB) -> nn.Module:
     """Replicate `model` over `dp_mesh` with torch DDP (the composable `replicate`, as torchtitan), in place.
 
     Parameters stay plain whole tensors with unchanged names (no `module.` prefix: checkpoints keep

@@ -218,25 +218,34 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
 def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, dense: float, experts: float,
                        first: bool, last: bool, width: int) -> float:
     """The zero modes' two persistent bucket buffers, sized by the optimizer's own rule (optim/buffers.py
-    buffer_nbytes) for this stage's buckets: the non-expert parameters over their group, then the experts over
-    expert_dp, each group in buckets of DEFAULT_BUCKET_NUMEL elements, a larger parameter (the embedding, the LM
-    head, a large matrix: the stage's weights as tp and ep leave them) in a bucket of its own; each bucket cut
-    into equal segments (optim/flat.py)."""
+    buffer_nbytes) for this stage's buckets (zero_bucket_sizes): the non-expert parameters over their group, then
+    the experts over expert_dp; each bucket cut into equal segments (optim/flat.py)."""
     from optimus.optim.buffers import buffer_nbytes
-    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 
     if not dims.is_parallel:
         return 0.0
     expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
     dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else expert_dp
+    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, first, last)
+    layout = [(ranks, math.ceil(size / ranks))
+              for buckets, ranks in ((dense_buckets, dense_ranks), (expert_buckets, expert_dp)) for size in buckets]
+    return float(sum(buffer_nbytes(layout, width, accumulates=config.parallel.shard_mode == "zero2")))
+
+
+def zero_bucket_sizes(shape: ModelShape, dims: ParallelDims, dense: float, experts: float, first: bool,
+                      last: bool) -> tuple[list[int], list[int]]:
+    """The zero modes' buckets of a stage in elements (optim/sharded.py), the non-expert parameters' and the
+    experts': each group of `dense` / `experts` local elements in buckets of DEFAULT_BUCKET_NUMEL, a larger
+    parameter (the embedding, the LM head, a large matrix: the stage's weights as tp and ep leave them) in a
+    bucket of its own. Each bucket is one reduce-scatter and one all-gather."""
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
+
     numels = [(tensor.expert, math.prod(tensor.local_shape(dims))) for tensor in shape.tensors
               if tensor.on_stage(first, last)]
     large_dense = [numel for expert, numel in numels if not expert]
     large_expert = [numel for expert, numel in numels if expert]
-    layout = []
-    for numel, ranks, large in ((dense, dense_ranks, large_dense), (experts, expert_dp, large_expert)):
-        layout += [(ranks, math.ceil(size / ranks)) for size in _bucket_sizes(numel, large, DEFAULT_BUCKET_NUMEL)]
-    return float(sum(buffer_nbytes(layout, width, accumulates=config.parallel.shard_mode == "zero2")))
+    return (_bucket_sizes(dense, large_dense, DEFAULT_BUCKET_NUMEL),
+            _bucket_sizes(experts, large_expert, DEFAULT_BUCKET_NUMEL))
 
 
 def _bucket_sizes(numel: float, large: list[float], bucket: int) -> list[int]:

@@ -40,7 +40,10 @@
                  backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
                  reduce-scatter (fp32), the zero modes' parameter all-gather after the update, ddp's fp32 all-reduce
                  beyond the last backward that hides it, and the AdamW update (memory bound: 30 bytes of HBM
-                 traffic per owned element, at the memory_bound efficiency)
+                 traffic per owned element, at the memory_bound efficiency). The zero modes and ddp move their
+                 gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective
+                 each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora
+                 tiles) 0.15 s of a 1.0 s sync
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -49,17 +52,19 @@ preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `-
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
+from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
+from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
-from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block
+from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
 # aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
@@ -108,6 +113,22 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
         per_gather += gathers[unit] * (fresh(width * gathered) + copied_out)
         per_reduce += reduces[unit] * (fresh(4 * gathered) + fresh(4 * gathered / ranks))
     return per_gather, per_reduce
+
+
+def ddp_bucket_bytes(gradient_bytes: float) -> list[float]:
+    """torch DDP's gradient buckets: a small first one, then bucket_cap_mb each (parallel/data_parallel.py), the
+    last short; each is one all-reduce."""
+    first, cap = DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_MB * 2 ** 20
+    if gradient_bytes <= first:
+        return [gradient_bytes]
+    full, tail = divmod(gradient_bytes - first, cap)
+    return [first] + [cap] * int(full) + ([tail] if tail else [])
+
+
+def _per_bucket(collective_time, groups: list[tuple[Link, list[float]]]) -> float:
+    """The time of one collective per bucket (a size, over its group's link), one after another; equal buckets
+    priced once (the search prices tens of thousands of layouts, each with dozens of buckets)."""
+    return sum(count * collective_time(link, size) for link, sizes in groups for size, count in Counter(sizes).items())
 
 
 def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
@@ -325,15 +346,19 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     elif p.shard_mode == "ddp":  # one fp32 all-reduce of the whole gradients per step, bucket by bucket as the
         # last micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything
-        step_sync = max(0.0, all_reduce_time(dp_link, 4 * (dense_stage + expert_stage)) - hidden_by_backward)
+        buckets = [(dp_link, ddp_bucket_bytes(4 * (dense_stage + expert_stage)))]
+        step_sync = max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
         owned = dense_stage + expert_stage
     else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
         # parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
         # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it
+        # one collective per bucket each way (optim/sharded.py), and each pays its ring's latency
         dense_link = dp_link if p.ep_aware else expert_dp_link
-        reduce = (ring_time(dense_link, 4 * dense_stage, "reduce_scatter") +
-                  ring_time(expert_dp_link, 4 * expert_stage, "reduce_scatter"))
-        gather = ring_time(dense_link, width * dense_stage) + ring_time(expert_dp_link, width * expert_stage)
+        dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense_stage, expert_stage,
+                                                          first=dims.pp == 1, last=True)
+        buckets = [(dense_link, dense_buckets), (expert_dp_link, expert_buckets)]
+        reduce = _per_bucket(lambda link, n: ring_time(link, 4 * n, "reduce_scatter"), buckets)
+        gather = _per_bucket(lambda link, n: ring_time(link, width * n), buckets)
         # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): each reduction packs the
         # gradients into a persistent fp32 bucket buffer (read w B, write 4 B per element); after the update each
         # rank writes its masters into the send area (4 + w B per owned element) and the gathered blocks are

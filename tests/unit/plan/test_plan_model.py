@@ -277,3 +277,55 @@ def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
     fresh = sum(fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers, per_micro_batch))
     assert faulting.parts["buffer_copies"] - base.parts["buffer_copies"] == pytest.approx(fresh * 1e-9)
     assert faulting.step_s - base.step_s == pytest.approx(fresh * 1e-9)
+
+
+
+def test_the_sharded_optimizer_pays_a_ring_latency_per_bucket(monkeypatch):
+    """zero1 reduce-scatters and all-gathers bucket by bucket (optim/sharded.py): bytes are the same however the
+    gradients are cut, but every bucket's ring pays its hops' latency, which over many nodes adds up."""
+    import optimus.optim.sharded as sharded
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape, zero_bucket_sizes
+    from optimus.plan.step_time import step_time
+
+    aurora = load_cluster("aurora")
+    no_latency = replace(aurora, intra_node_latency_us=0, inter_node_latency_us=0)
+    config = load_config(None, ["--model.preset=mula-20b-a2b", "--train.seq_len=2048", "--train.micro_batch_size=1",
+                                "--train.global_batch_size=96", "--train.dtype=bf16", "--parallel.dp_shard=96",
+                                "--parallel.ep=12", "--parallel.shard_mode=zero1"])
+    layout = validate_layout(config, 96)  # 8 nodes of 12: the experts' ring spans 8 nodes, the rest's all 96 ranks
+    shape, dims = ModelShape.of(layout.config), layout.dims
+
+    def dp_sync(cluster: Cluster) -> float:
+        return step_time(layout.config, dims, shape, cluster, None, layout.batch.micro_batches).parts["dp_sync"]
+
+    bucketed, bucketed_bytes_only = dp_sync(aurora), dp_sync(no_latency)
+    monkeypatch.setattr(sharded, "DEFAULT_BUCKET_NUMEL", 10 ** 12)  # one bucket per group (and large parameter)
+    whole, whole_bytes_only = dp_sync(aurora), dp_sync(no_latency)
+    monkeypatch.undo()
+    assert bucketed_bytes_only == pytest.approx(whole_bytes_only, rel=1e-9)  # cutting moves no extra bytes
+    # each bucket is its own fp32 reduce-scatter and bf16 all-gather over its group's ring (whose algorithm,
+    # hierarchical or flat, suits its size)
+    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    experts = shape.n_layers * shape.block_experts / dims.ep
+    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, True, True)
+    assert len(expert_buckets) > 20 and len(dense_buckets) > 3
+
+    def rings(link, buckets: list[float]) -> float:
+        return sum(ring_time(link, 4 * n, "reduce_scatter") + ring_time(link, 2 * n) for n in buckets)
+    extra = 0.0
+    for group, buckets in ((("dp_replicate", "dp_shard_mod_ep", "ep"), dense_buckets),
+                           (("dp_replicate", "dp_shard_mod_ep"), expert_buckets)):
+        link = group_link(dims, group, aurora)
+        extra += rings(link, buckets) - rings(link, [sum(buckets)])
+    assert bucketed - whole == pytest.approx(extra, rel=1e-6) and extra > 0.01
+
+
+def test_ddp_all_reduces_in_torchs_buckets():
+    from optimus.plan.step_time import ddp_bucket_bytes
+
+    mib = 2 ** 20
+    assert ddp_bucket_bytes(0.5 * mib) == [0.5 * mib]
+    buckets = ddp_bucket_bytes(100 * mib)  # a 1 MiB first bucket, then 25 MiB ones, the last short
+    assert buckets[0] == mib and buckets[1:4] == [25 * mib] * 3 and buckets[4] == pytest.approx(24 * mib)
+    assert sum(buckets) == pytest.approx(100 * mib)

@@ -11,7 +11,7 @@ from optimus.plan.cluster import load_cluster
 
 @pytest.fixture(scope="module")
 def rows():
-    return published.lumi() + published.frontier() + published.frontier_scaling()
+    return published.lumi() + published.frontier() + published.frontier_scaling() + published.aurora_weak_scaling()
 
 
 def _row(rows, start: str):
@@ -20,7 +20,7 @@ def _row(rows, start: str):
 
 
 @pytest.mark.parametrize("case", ["LUMI", "Frontier 22B: %", "Frontier 175B: %", "Frontier 1T: %",
-                                  "Frontier 1T: strong"])
+                                  "Frontier 1T: strong", "Aurora 220B-A10B 384 -> 12,288 tiles, published layout"])
 def test_met_published_figures_stay_within_their_band(rows, case):
     row = _row(rows, case)
     assert row.met, (row.case, row.published, row.ours, row.note)
