@@ -312,7 +312,9 @@ def calibrate_op_classes(config: Config, entry: dict[str, Any]) -> dict[str, Any
     """Measure the op classes for `config` on one thread against this host's machine entry (see here.machine);
     returns {"efficiency", "timed", "machine" (the entry's, with the peak raised when a fresh probe beats it)}."""
     from optimus.train.hardware import best_matmul_rate
+    from optimus.train.host_memory import reuse_freed_host_memory
 
+    reuse_freed_host_memory()  # time the ops with the allocator a training process has
     m = dict(entry["machine"])
     dtype = m["auto_dtype"] if config.train.dtype == "auto" else config.train.dtype
     key = "fp32_flops_per_thread" if dtype == "fp32" else "bf16_flops_per_thread"

@@ -4,9 +4,10 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     matmul peak per dtype   optimus/train/hardware.py's probe with ONE thread (what torchrun gives each rank)
     memory bandwidth        a large tensor copy, one thread and all cores
     memory                  the OS's physical memory (sysconf), shared by the ranks
-    fresh pages             writing a new 64 MiB tensor vs writing a reused one: glibc serves blocks past its
-                            largest mmap threshold (32 MiB on 64-bit) from fresh kernel pages and returns them
-                            on free, so each step faults in again the pages of every buffer that large it makes
+    fresh pages             writing a new 64 MiB tensor vs writing a reused one, with the allocator a training
+                            process has: the trainer keeps freed blocks for reuse (train/host_memory.py), so
+                            on glibc this is about 0; where it cannot (other C libraries), a block past the
+                            mmap threshold comes from fresh kernel pages every step
     collectives             gloo over loopback: 2 and 4 forked ranks, and the pairs of 4 ranks (both at once, and
                             one while the other computes); the mean time per call over bursts of back-to-back
                             calls (what a step pays): a table, and alpha (per hop) and beta (per rank) fitted by
@@ -39,6 +40,7 @@ from optimus.config import ConfigError
 from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
 from optimus.train.hardware import cpu_model, cpu_speed, write_json_cache
+from optimus.train.host_memory import reuse_freed_host_memory
 
 # Without --calibrate: reasoning, not measurement. Eager PyTorch on a CPU reaches most of a core's GEMM rate on
 # model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
@@ -49,8 +51,9 @@ CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=
 CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
-# or larger is always mapped fresh from the kernel and unmapped on free (a fresh 33 MiB tensor filled at 2 GB/s on
-# a 2-core EPYC, a reused one at 30 GB/s; 31 MiB ones came from the heap at 21 GB/s)
+# or larger is mapped fresh from the kernel and unmapped on free unless the thresholds are fixed (a fresh 33 MiB
+# tensor filled at 2 GB/s on a 2-core EPYC, a reused one at 30 GB/s); which buffers a step makes fresh
+HOST_MEMORY = "freed blocks under 1 GiB reused"  # how the trainer's allocator ran when fresh pages were timed
 FRESH_BLOCK_BYTES = 32 * 1024 * 1024
 
 
@@ -98,6 +101,8 @@ def fresh_page_cost(repeats: int = 5) -> float:
     torch.set_num_threads(1)
     try:
         reused = torch.empty(COPY_ELEMENTS)
+        # as in a step's steady state: a heap that keeps freed blocks has held one this size before
+        best_time(lambda: torch.empty(COPY_ELEMENTS).fill_(1.0), repeats)
         extra = (best_time(lambda: torch.empty(COPY_ELEMENTS).fill_(1.0), repeats) -
                  best_time(lambda: reused.fill_(1.0), repeats))
         return max(0.0, extra) / (4 * COPY_ELEMENTS)
@@ -142,11 +147,13 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
             "fp32_flops_per_thread": speed.fp32_flops, "bf16_flops_per_thread": speed.bf16_flops,
             "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
             "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9, "fresh_page_s_per_byte": fresh_page_cost(),
+            "host_memory": HOST_MEMORY,
             "collectives": measure_collectives(), "share": measure_share(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), remeasure: bool = False) -> dict[str, Any]:
     """This host's cached entry, measuring the machine first when it has never been (or `remeasure`)."""
+    reuse_freed_host_memory()  # measure the allocator a training process has (train/host_memory.py)
     entry = read_cache(cache_file)
     if remeasure or "machine" not in entry:
         entry["machine"] = measure_machine(cpu_cache)
@@ -155,8 +162,8 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         from optimus.plan.calibrate import COLLECTIVE_TIMING, measure_collectives
 
         measured, updated = entry["machine"], False
-        if "fresh_page_s_per_byte" not in measured:
-            measured["fresh_page_s_per_byte"], updated = fresh_page_cost(), True
+        if measured.get("host_memory") != HOST_MEMORY:  # fresh pages timed before the trainer reused freed memory
+            measured["fresh_page_s_per_byte"], measured["host_memory"], updated = fresh_page_cost(), HOST_MEMORY, True
         if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # timed otherwise, or fewer groups: re-time
             print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
                   "about a minute, once)", file=sys.stderr, flush=True)

@@ -33,6 +33,7 @@ from optimus.train.callbacks.evaluation import Evaluation
 from optimus.train.callbacks.resilience import HangWatch, PreemptionCheckpoint, SkippedSteps, StragglerReport
 from optimus.train.callbacks.step_metrics import ExpertLoadMetrics, MemoryMetrics, ThroughputMetrics
 from optimus.train.hardware import cpu_speed, device_peak_flops
+from optimus.train.host_memory import reuse_freed_host_memory
 from optimus.train.precision import Precision, choose_precision
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, train_step
@@ -74,6 +75,8 @@ class Trainer:
         self.run_dir = config.run.path
         launch = detect_launch_env()
         self.device = device_for(launch.local_rank)
+        if self.device.type == "cpu":  # every step allocates the same large tensors again: keep their pages
+            reuse_freed_host_memory()
         self.is_rank0 = launch.rank == 0
         # every layout and batch rule, before anything is written; the micro-batch is filled in when derived
         layout = validate_layout(config, launch.world_size)

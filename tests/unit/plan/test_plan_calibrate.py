@@ -100,7 +100,8 @@ def test_share_never_exceeds_what_the_cores_allow(monkeypatch):
 
 def test_a_cache_timed_before_bursts_has_its_collectives_timed_again(tmp_path, monkeypatch):
     """The table once held the fastest single call after a barrier (a 1 MiB all-gather: 0.40 ms, where a step pays
-    1.56 ms a call): a cache without the sustained timing is re-timed once, the rest of it kept."""
+    1.56 ms a call): a cache without the sustained timing is re-timed once, the rest of it kept; so are fresh
+    pages timed before the trainer kept freed memory for reuse."""
     from optimus.plan import calibrate, here
 
     fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
@@ -108,10 +109,13 @@ def test_a_cache_timed_before_bursts_has_its_collectives_timed_again(tmp_path, m
     here.write_cache(tmp_path / "plan_here.json", {"machine": old})
     timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate.COLLECTIVE_TIMING}
     monkeypatch.setattr(calibrate, "measure_collectives", lambda: timed)
+    monkeypatch.setattr(here, "fresh_page_cost", lambda: 0.0)  # the old cache's was timed without the trainer's reuse
     entry = here.machine(tmp_path / "plan_here.json")
-    assert entry["machine"]["collectives"] == timed and entry["machine"]["fresh_page_s_per_byte"] == 1e-10
+    assert entry["machine"]["collectives"] == timed and entry["machine"]["fresh_page_s_per_byte"] == 0.0
+    assert entry["machine"]["host_memory"] == here.HOST_MEMORY and entry["machine"]["cores"] == 2
     assert here.read_cache(tmp_path / "plan_here.json")["machine"]["collectives"] == timed
     monkeypatch.setattr(calibrate, "measure_collectives", lambda: pytest.fail("timed again"))
+    monkeypatch.setattr(here, "fresh_page_cost", lambda: pytest.fail("fresh pages timed again"))
     here.machine(tmp_path / "plan_here.json")
 
 
