@@ -105,6 +105,9 @@ def allocator_peak(events) -> int:
     (expert-parallel all-to-all buffers held by their async work) is never subtracted from the total, which then
     climbs ~10 MiB a step (MoE FSDP 2 + EP 2: 684 MiB after 3 steps, 737 after 8, while the resident set stayed
     flat). A new block at an address still held here means the one before it was freed unseen: it is dropped then.
+    So the profiled runs keep glibc's default allocator, which maps a large block fresh and hands it back on free:
+    the next one lands at once where an unseen free left room. With the trainer's reuse (train/host_memory.py) the
+    heap places it elsewhere and one rank in four read 50-100 MiB high (MoE HSDP 2 x 2 + EP 2: 745 MiB vs 644).
     """
     from torch._C._profiler import _EventType
 
@@ -131,8 +134,10 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     `profile_memory` the allocator's peak (see the module's docstring)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
-    from optimus.train.trainer import Trainer
+    import optimus.train.trainer as trainer
 
+    if profile_memory:  # glibc as it comes (see allocator_peak): live bytes do not depend on it, the reading does
+        trainer.reuse_freed_host_memory = lambda: False
     config = load_config(config_path, overrides)
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set to the current one
@@ -143,7 +148,7 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     base, _ = _rss()
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory else None
     with profiler or contextlib.nullcontext():
-        Trainer(config, progress_bar=False).fit()
+        trainer.Trainer(config, progress_bar=False).fit()
     _, peak = _rss()
     result = {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
     if profiler is not None:

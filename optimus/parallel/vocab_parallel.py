@@ -140,7 +140,8 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
         logits_buf = probs_buf if dtype == torch.float32 else torch.empty(rows, local_vocab, dtype=dtype, **new)
         if needs_grad:
             grad_h = torch.zeros(n, d_model, dtype=dtype, **new)
-            grad_w = torch.zeros(local_vocab, d_model, dtype=torch.float32, **new)
+            # the first chunk writes it (no zero fill of a [V/tp, D] buffer per micro-batch), as the fused loss does
+            grad_w = (torch.empty if n else torch.zeros)(local_vocab, d_model, dtype=torch.float32, **new)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             h_chunk, targets, mine = h_c[start:stop], local_target[start:stop], owned[start:stop]
@@ -169,7 +170,12 @@ def _loss_and_gradients(h: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
             grad_logits = probs.to(dtype)
             torch.mm(grad_logits, w_c, out=grad_h[start:stop])
             if dtype == torch.float32:
-                grad_w.addmm_(grad_logits.t(), h_chunk)
+                if start == 0:
+                    torch.mm(grad_logits.t(), h_chunk, out=grad_w)
+                else:
+                    grad_w.addmm_(grad_logits.t(), h_chunk)
+            elif start == 0:
+                grad_w.copy_(torch.mm(grad_logits.t(), h_chunk))
             else:
                 grad_w.add_(torch.mm(grad_logits.t(), h_chunk))
     return (losses * valid).sum() / n_valid, grad_h, grad_w, n_valid

@@ -9,7 +9,10 @@ size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares f
 S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
 
 Op classes, each timed forward + backward with one thread (what torchrun gives each rank) at the shapes the
-planned model uses (micro-batch x sequence tokens), and read against the same formula the step-time model uses:
+planned model uses (micro-batch x sequence tokens; under tp as one tp rank holds them: its share of the
+projections' outputs or inputs, of the heads and of the vocabulary), and read against the same formula the
+step-time model uses (the heavy/narrow shapes of tp run at their own rate: the loss head over 25k of a 50k
+vocabulary reached 0.78 of a core's peak where the whole vocabulary timed 0.86):
     dense_gemm      the block's projections and its dense MLP: 6 T (in x out) FLOPs / time / peak
     grouped_gemm    the MoE expert op (optimus.ops.moe_experts_forward) with random routing: 18 T k d fe FLOPs
     attention       causal SDPA: 12 T d S FLOPs (the model's count, masked half included) / time / peak
@@ -248,8 +251,12 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 
     x = tensor(tokens, h)
     measured: dict[str, Any] = {}
-    # dense: the block's projections (q, k, v, o, and the dense MLP's three when there is one)
-    shapes = [(h, h), (h, kv), (h, kv), (h, h)] + ([] if m.is_moe else [(h, f), (h, f), (f, h)])
+    # dense: the block's projections (q, k, v, o, and the dense MLP's three when there is one) as one tp rank
+    # holds them: column-parallel ones (q, k, v, gate, up) a 1/tp share of their outputs, row-parallel ones (o,
+    # down) of their inputs, over all the micro-batch's tokens (sequence parallelism gathers them first)
+    tp = config.parallel.tp
+    shapes = ([(h, -(-h // tp)), (h, -(-kv // tp)), (h, -(-kv // tp)), (-(-h // tp), h)] +
+              ([] if m.is_moe else [(h, -(-f // tp)), (h, -(-f // tp)), (-(-f // tp), h)]))
     flops = seconds = 0.0
     for fan_in, fan_out in shapes:
         inp = x if fan_in == h else tensor(tokens, fan_in)
@@ -263,12 +270,12 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), x,
                                 tensor(experts, h, 2 * fe), tensor(experts, fe, h))
         measured["grouped_gemm"] = {"seconds": best_time(run), "flops": 18.0 * tokens * k * h * fe}
-    heads, seq = m.n_heads, train.seq_len
+    heads, seq = max(1, m.n_heads // tp), train.seq_len  # a tp rank's heads
     batch = max(1, tokens // seq)
     q = tensor(batch, heads, seq, m.head_dim)
     kk, vv = tensor(batch, heads, seq, m.head_dim), tensor(batch, heads, seq, m.head_dim)
     run = _forward_backward(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, kk, vv)
-    measured["attention"] = {"seconds": best_time(run), "flops": 12.0 * tokens * h * seq}
+    measured["attention"] = {"seconds": best_time(run), "flops": 12.0 * tokens * heads * m.head_dim * seq}
     # memory bound: a norm, a SwiGLU product, a residual add, and the loss's fp32 softmax over the vocabulary
     from optimus.models.layers import RMSNorm
 
@@ -277,10 +284,11 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     block = _forward_backward(lambda a, g, u, r: norm(a).sum() + (F.silu(g) * u).sum() + (a + r).sum(), x, gate, up, res)
     # tens of milliseconds: more repeats, or one slow call (another process on the core) sets the efficiency
     measured["memory_bound"] = {"seconds": best_time(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
-    rows = min(tokens, 1024)
-    labels = torch.randint(0, m.vocab_size, (rows,))
-    run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(m.vocab_size, h))
-    measured["loss_head"] = {"seconds": best_time(run), "flops": 6.0 * rows * h * m.vocab_size}
+    # the loss head over a tp rank's share of the vocabulary (optimus/parallel/vocab_parallel.py)
+    rows, vocab = min(tokens, 1024), -(-m.vocab_size // tp)
+    labels = torch.randint(0, vocab, (rows,))
+    run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
+    measured["loss_head"] = {"seconds": best_time(run), "flops": 6.0 * rows * h * vocab}
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
     tiny = torch.ones(8, requires_grad=True)
 

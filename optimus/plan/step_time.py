@@ -72,6 +72,10 @@ ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write maste
 # loss head; a backward runs about twice as many
 DENSE_BLOCK_OPS, MOE_BLOCK_OPS, ROOT_OPS = 84, 92, 23
 BACKWARD_OPS_FACTOR = 2.0
+# the vocab-parallel loss (parallel/vocab_parallel.py) reduces its logits across tp with separate passes (amax, sub_,
+# exp_, sum, mul_: 8 read or write streams of fp32 where the fused loss head's softmax makes 3): 20 bytes a logit
+# beyond what the loss_head class, timed on the fused op, includes (60-67 ms a step of dense TP 2 on the 2-core EPYC)
+VOCAB_PARALLEL_EXTRA_BYTES = 20
 OPTIMIZER_OPS = 60  # the foreach AdamW update and gradient clipping: a few dozen multi-tensor operators per step
 
 
@@ -247,10 +251,12 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     recompute = config.train.activation_checkpointing != "none"
     # the rank with the most work: the last stage (loss head) when it is also the first, else the larger of both
     hbm_eff = hbm * efficiency.memory_bound
-    memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
+    blocks_memory_mb = memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
     overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
     dispatch_mb = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=True)
                    if dims.tp > 1 else 0.0)
+    if dims.tp > 1:  # the vocab-parallel loss's own passes over its fp32 logits (the loss_head class is the fused one)
+        memory_mb += VOCAB_PARALLEL_EXTRA_BYTES * tokens_mb * config.model.vocab_size / dims.tp / hbm_eff
     compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb + dispatch_mb
     # a stage without the LM head (the first: its blocks; the embedding is a lookup): the same blocks' matmuls,
     # memory-bound work and per-operator costs, none of the head's. The fill and drain of the pipe and the other
@@ -260,7 +266,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     headless_mb = compute_mb  # without a pipeline there is no other stage (the search prices thousands of layouts)
     if dims.pp > 1:
         headless_mb = (max(flop_s["attention_proj"] + flop_s["mlp"], dense_passes * width * block_weights / hbm) +
-                       expert_s + flop_s["attention"] + memory_mb +
+                       expert_s + flop_s["attention"] + blocks_memory_mb +
                        efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=False) +
                        (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=False)
                         if dims.tp > 1 else 0.0))

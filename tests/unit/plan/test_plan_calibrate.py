@@ -42,6 +42,19 @@ def test_op_classes_are_timed_at_the_model_shapes_and_read_as_fractions_of_peak(
     assert timed["op_overhead"]["operators"] > 100 and eff.op_overhead_us > 0
 
 
+def test_under_tp_the_op_classes_are_timed_as_one_tp_rank_holds_them():
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.seq_len=32",
+                                                              "--train.micro_batch_size=1", "--model.vocab_size=512",
+                                                              "--parallel.tp=2"])
+    m = config.model
+    timed = measure_op_classes(config, "fp32", peak_flops=1e12, copy_bytes_s=1e12)["timed"]
+    # the loss head over half the vocabulary, the projections at half their width, half the heads
+    assert timed["loss_head"]["flops"] == 6.0 * 32 * m.d_model * 256
+    d, kv, f = m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden
+    assert timed["dense_gemm"]["flops"] == 6.0 * 32 * (2 * d * d + 2 * d * kv + 3 * d * f) / 2
+    assert timed["attention"]["flops"] == 12.0 * 32 * (m.n_heads // 2) * m.head_dim * 32
+
+
 def test_here_cluster_shares_the_host_between_ranks():
     fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
     entry = {"machine": {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,

@@ -329,3 +329,25 @@ def test_ddp_all_reduces_in_torchs_buckets():
     buckets = ddp_bucket_bytes(100 * mib)  # a 1 MiB first bucket, then 25 MiB ones, the last short
     assert buckets[0] == mib and buckets[1:4] == [25 * mib] * 3 and buckets[4] == pytest.approx(24 * mib)
     assert sum(buckets) == pytest.approx(100 * mib)
+
+
+def test_the_vocab_parallel_loss_pays_its_own_passes_over_the_logits(monkeypatch):
+    """Under tp the loss head is the vocab-parallel one, which reduces its logits in separate passes; the loss_head
+    class (timed on the fused op) does not include them; the memory-bound part does."""
+    import optimus.plan.step_time as st
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=2",
+                                                              "--train.seq_len=128", "--train.global_batch_size=8",
+                                                              "--parallel.tp=2", "--parallel.pp=2"])
+    layout = validate_layout(config, 4)
+    cluster, shape = _toy(4), ModelShape.of(layout.config)
+
+    def memory_bound() -> float:
+        return st.step_time(layout.config, layout.dims, shape, cluster, None, 4).parts["memory_bound"]
+    with_passes = memory_bound()
+    monkeypatch.setattr(st, "VOCAB_PARALLEL_EXTRA_BYTES", 0)
+    logits = 2 * 128 * layout.config.model.vocab_size / 2  # a micro-batch's fp32 logits on one tp rank
+    hbm_eff = cluster.hbm_gb_s * 1e9 * cluster.efficiency.memory_bound
+    assert with_passes - memory_bound() == pytest.approx(4 * 20 * logits / hbm_eff)
