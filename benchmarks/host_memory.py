@@ -6,9 +6,9 @@ vs glibc's default allocator (large blocks mapped fresh from the kernel and hand
 
 Each layout is benchmarks/plan_vs_measured.py's (the same configs, sizes and forked gloo ranks), trained
 `rounds` times each way, the two alternating; a run's step is the median of its steps after the warm-up, each side
-keeps its fastest run, and the speedup is default / reuse. The reference side only skips the trainer's call that
-fixes the thresholds. Also reported: the largest peak resident set of a rank each way (reuse keeps freed blocks
-mapped).
+keeps its fastest run, and the speedup is default / reuse. The reference side is the same training with
+train.reuse_host_memory=false. Also reported: the largest peak resident set of a rank each way (reuse keeps
+freed blocks mapped).
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], r
     """(one forked rank) train as `optimus train` does, with or without the reuse; return the peak resident set."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
-    import optimus.train.trainer as trainer
+    from optimus.train.trainer import Trainer
 
-    if not reuse:  # the reference: glibc as it comes
-        trainer.reuse_freed_host_memory = lambda: False
-    trainer.Trainer(load_config(config_path, overrides), progress_bar=False).fit()
+    Trainer(load_config(config_path, [*overrides, f"--train.reuse_host_memory={str(reuse).lower()}"]),
+            progress_bar=False).fit()
     return _rss()[1]
 
 

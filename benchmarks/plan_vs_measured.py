@@ -134,10 +134,10 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     `profile_memory` the allocator's peak (see the module's docstring)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
-    import optimus.train.trainer as trainer
+    from optimus.train.trainer import Trainer
 
     if profile_memory:  # glibc as it comes (see allocator_peak): live bytes do not depend on it, the reading does
-        trainer.reuse_freed_host_memory = lambda: False
+        overrides = [*overrides, "--train.reuse_host_memory=false"]
     config = load_config(config_path, overrides)
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set to the current one
@@ -148,7 +148,7 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     base, _ = _rss()
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profile_memory else None
     with profiler or contextlib.nullcontext():
-        trainer.Trainer(config, progress_bar=False).fit()
+        Trainer(config, progress_bar=False).fit()
     _, peak = _rss()
     result = {"rank": rank, "base_rss": base, "peak_rss": peak, "growth": peak - base}
     if profiler is not None:

@@ -75,8 +75,8 @@ class Trainer:
         self.run_dir = config.run.path
         launch = detect_launch_env()
         self.device = device_for(launch.local_rank)
-        if self.device.type == "cpu":  # every step allocates the same large tensors again: keep their pages
-            reuse_freed_host_memory()
+        if self.device.type == "cpu" and config.train.reuse_host_memory:  # every step allocates the same large
+            reuse_freed_host_memory()  # tensors again: keep their pages
         self.is_rank0 = launch.rank == 0
         # every layout and batch rule, before anything is written; the micro-batch is filled in when derived
         layout = validate_layout(config, launch.world_size)

@@ -44,3 +44,16 @@ def test_elsewhere_it_declines_without_error(monkeypatch):
 
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("", ""))
     assert host_memory.reuse_freed_host_memory() is False
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_trainer_keeps_freed_memory_on_the_cpu_unless_told_not_to(tmp_path, small_token_dir, monkeypatch, reuse):
+    import optimus.train.trainer as trainer
+    from optimus.config import build_config
+    from tests.helpers.runs import tiny_run_config
+
+    calls = []
+    monkeypatch.setattr(trainer, "reuse_freed_host_memory", lambda: calls.append("reuse") or True)
+    config = build_config(tiny_run_config(tmp_path, small_token_dir, train=dict(max_steps=1, reuse_host_memory=reuse)))
+    trainer.Trainer(config, callbacks=[])
+    assert calls == (["reuse"] if reuse else [])
