@@ -10,9 +10,8 @@ S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduc
 
 Op classes, each timed forward + backward with one thread (what torchrun gives each rank) at the shapes the
 planned model uses (micro-batch x sequence tokens; under tp as one tp rank holds them: its share of the
-projections' outputs or inputs, of the heads and of the vocabulary), and read against the same formula the
-step-time model uses (the heavy/narrow shapes of tp run at their own rate: the loss head over 25k of a 50k
-vocabulary reached 0.78 of a core's peak where the whole vocabulary timed 0.86):
+projections' outputs or inputs, of the heads and of the vocabulary; the vocab-parallel loss's own passes over
+its logits are step_time's), and read against the same formula the step-time model uses:
     dense_gemm      the block's projections and its dense MLP: 6 T (in x out) FLOPs / time / peak
     grouped_gemm    the MoE expert op (optimus.ops.moe_experts_forward) with random routing: 18 T k d fe FLOPs
     attention       causal SDPA: 12 T d S FLOPs (the model's count, masked half included) / time / peak

@@ -52,7 +52,8 @@ CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothi
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
 # or larger is mapped fresh from the kernel and unmapped on free unless the thresholds are fixed (a fresh 33 MiB
-# tensor filled at 2 GB/s on a 2-core EPYC, a reused one at 30 GB/s); which buffers a step makes fresh
+# tensor filled at 2 GB/s on a 2-core EPYC, a reused one at 30 GB/s): FSDP's buffers this large pay the measured
+# fresh-page cost (about 0 with the trainer's reuse)
 HOST_MEMORY = "freed blocks under 1 GiB reused"  # how the trainer's allocator ran when fresh pages were timed
 FRESH_BLOCK_BYTES = 32 * 1024 * 1024
 

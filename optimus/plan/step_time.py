@@ -30,7 +30,8 @@
                  path x core_share)
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
-                 part of the loss_head class (the LM head's FLOPs at its own efficiency)
+                 part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
+                 vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
                  presets, where launches run ahead of the device; calibrated on a CPU), and under tp what DTensor's
                  dispatch adds per DTensor operator (dtensor_overhead_us x dtensor_cost.dtensor_operators; likewise)
