@@ -98,6 +98,7 @@ def fresh_page_cost(repeats: int = 5) -> float:
     (one thread; best of `repeats` each): the kernel's page faults and zeroing, 0 where the allocator reuses."""
     from optimus.plan.calibrate import best_time
 
+    reuse_freed_host_memory()  # the allocator a training process has (train/host_memory.py)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -154,7 +155,6 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
 
 def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), remeasure: bool = False) -> dict[str, Any]:
     """This host's cached entry, measuring the machine first when it has never been (or `remeasure`)."""
-    reuse_freed_host_memory()  # measure the allocator a training process has (train/host_memory.py)
     entry = read_cache(cache_file)
     if remeasure or "machine" not in entry:
         entry["machine"] = measure_machine(cpu_cache)

@@ -247,30 +247,34 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
-    dense_s = max(flop_s["attention_proj"] + flop_s["mlp"] + flop_s["head"], dense_passes * width * dense_weights / hbm)
     expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
-    # the rank with the most work: the last stage (loss head) when it is also the first, else the larger of both
     hbm_eff = hbm * efficiency.memory_bound
-    blocks_memory_mb = memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
-    overhead_mb = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=True)
-    dispatch_mb = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=True)
-                   if dims.tp > 1 else 0.0)
-    if dims.tp > 1:  # the vocab-parallel loss's own passes over its fp32 logits (the loss_head class is the fused one)
-        memory_mb += VOCAB_PARALLEL_EXTRA_BYTES * tokens_mb * config.model.vocab_size / dims.tp / hbm_eff
-    compute_mb = dense_s + expert_s + flop_s["attention"] + memory_mb + overhead_mb + dispatch_mb
-    # a stage without the LM head (the first: its blocks; the embedding is a lookup): the same blocks' matmuls,
-    # memory-bound work and per-operator costs, none of the head's. The fill and drain of the pipe and the other
-    # stages' use of shared cores are priced from it. (Scaling the last stage's compute by the FLOPs left without
-    # the head dropped the blocks' operator costs with the head's FLOPs: under tp on CPU, 87% of the tiny dense
-    # model's first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)
-    headless_mb = compute_mb  # without a pipeline there is no other stage (the search prices thousands of layouts)
-    if dims.pp > 1:
-        headless_mb = (max(flop_s["attention_proj"] + flop_s["mlp"], dense_passes * width * block_weights / hbm) +
-                       expert_s + flop_s["attention"] + blocks_memory_mb +
-                       efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=False) +
-                       (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=False)
-                        if dims.tp > 1 else 0.0))
+    blocks_memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
+
+    def stage_mb(head: bool) -> tuple[float, float, float, float]:
+        """A stage's seconds per micro-batch as (matmuls and attention, memory-bound work, operator launches,
+        DTensor dispatch): the last stage with the LM head, or another with its blocks only (the embedding is a
+        lookup), which pays its blocks' per-operator costs in full. (Scaling the last stage by the FLOPs left
+        without the head dropped them with the head's FLOPs: under tp on CPU, 87% of the tiny dense model's
+        first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)"""
+        matmuls = max(flop_s["attention_proj"] + flop_s["mlp"] + (flop_s["head"] if head else 0.0),
+                      dense_passes * width * (dense_weights if head else block_weights) / hbm)
+        memory = blocks_memory_mb
+        if head and dims.tp > 1:  # the vocab-parallel loss's own passes over its fp32 logits (the loss_head
+            # class is the fused loss)
+            memory += VOCAB_PARALLEL_EXTRA_BYTES * tokens_mb * config.model.vocab_size / dims.tp / hbm_eff
+        operators = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=head)
+        dispatch = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=head)
+                    if dims.tp > 1 else 0.0)
+        return matmuls + expert_s + flop_s["attention"], memory, operators, dispatch
+
+    last_stage = stage_mb(head=True)
+    _, memory_mb, overhead_mb, dispatch_mb = last_stage
+    compute_mb = sum(last_stage)
+    # the other stages' cost sets the pipe's fill and drain and their use of shared cores; without a pipeline
+    # there is none (and the search prices thousands of layouts)
+    headless_mb = sum(stage_mb(head=False)) if dims.pp > 1 else compute_mb
 
     act_bytes = tokens_mb * h * width
     attn_again = 1 if recomputed.get("attention") else 0
