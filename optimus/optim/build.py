@@ -35,10 +35,10 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimi
 
         return ShardedOptimizer(model, config, plan)
     groups = param_groups(model, config.weight_decay)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **_adamw_impl(groups))
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **adamw_kernel(groups))
 
 
-def _adamw_impl(groups: list[dict]) -> dict:
+def adamw_kernel(groups: list[dict]) -> dict:
     """fused=True on CPU and CUDA, DTensor parameters (FSDP2, TP, EP shards) included; else foreach.
 
     The fused kernel makes one pass over param, grad and both moments: 6x faster than foreach on a

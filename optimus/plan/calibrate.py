@@ -19,6 +19,9 @@ its logits are step_time's), and read against the same formula the step-time mod
                     T rows (it works chunk by chunk, so its rate per row does not depend on T): 6 T d V FLOPs
     memory_bound    an RMSNorm, SwiGLU's product and a residual add at (T, d) / (T, f): the bytes
                     step_time.memory_bound_bytes counts for them / time / one thread's copy bandwidth
+    optimizer       the trainer's gradient clipping and AdamW step (fused where torch has the kernel: CPU, CUDA)
+                    over OPTIMIZER_ELEMENTS fp32 parameters: step_time.OPTIMIZER_BYTES_PER_ELEMENT a parameter /
+                    time / one thread's copy bandwidth (the in-place update beats a copy: above 1 on a CPU)
     op_overhead_us  a chain of tiny autograd ops: time / aten operators dispatched (counted)
     dtensor_overhead_us  the model cut to one block, under tp on a one-rank mesh vs plain, over the DTensor
                     operators it ran (optimus/plan/dtensor_cost.py)
@@ -42,7 +45,8 @@ from optimus.config import Config
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.dtensor_cost import measure_dtensor_overhead
-from optimus.plan.efficiency import Efficiency
+from optimus.plan.efficiency import OPTIMIZER_MAX, Efficiency
+from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 # up to 64 MiB: the planned messages (a model's embedding, FSDP's root unit) are tens of MiB, past the last-level
 # cache, where loopback copies run slower than the in-cache sizes would suggest
@@ -67,6 +71,9 @@ COLLECTIVE_WORLDS = (2, 4)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute"  # a cache timed otherwise is re-timed
+# the optimizer's state for this many parameters (master, gradient, two moments: 128 MiB in fp32) is far past any
+# last-level cache, as a model's is; its rate per byte was flat from 4 to 30 million on a 2-core EPYC
+OPTIMIZER_ELEMENTS = 8 * 1024 * 1024
 
 
 def burst_calls(nbytes: int) -> int:
@@ -234,6 +241,23 @@ def _forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) ->
     return run
 
 
+def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS) -> dict[str, float]:
+    """Time the trainer's gradient clipping and AdamW step (optim/build.py's kernel choice) on this thread over
+    `elements` fp32 parameters in a few tensors; the bytes are what step_time charges for them."""
+    from optimus.optim.build import adamw_kernel
+    from optimus.train.step import clip_gradients
+
+    params = [torch.nn.Parameter(torch.randn(part) * 0.02) for part in [elements // 8] * 8]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **adamw_kernel([{"params": params}]))
+
+    def step() -> None:
+        clip_gradients(params, 1.0)
+        optimizer.step()
+    return {"seconds": best_time(step, 3), "bytes": float(sum(p.numel() for p in params) * OPTIMIZER_BYTES_PER_ELEMENT)}
+
+
 def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float) -> dict[str, Any]:
     """Time each op class at `config`'s shapes (one thread); return each class's efficiency and what it timed."""
     from optimus.ops import moe_experts_forward
@@ -288,6 +312,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     labels = torch.randint(0, vocab, (rows,))
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
     measured["loss_head"] = {"seconds": best_time(run), "flops": 6.0 * rows * h * vocab}
+    measured["optimizer"] = measure_optimizer_step()
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
     tiny = torch.ones(8, requires_grad=True)
 
@@ -310,6 +335,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         dense_gemm=rate("dense_gemm"), grouped_gemm=rate("grouped_gemm") if m.is_moe else rate("dense_gemm"),
         attention=rate("attention"), loss_head=rate("loss_head"),
         memory_bound=min(1.0, measured["memory_bound"]["bytes"] / measured["memory_bound"]["seconds"] / copy_bytes_s),
+        optimizer=min(OPTIMIZER_MAX, measured["optimizer"]["bytes"] / measured["optimizer"]["seconds"] / copy_bytes_s),
         op_overhead_us=1e6 * measured["op_overhead"]["seconds"] / measured["op_overhead"]["operators"],
         dtensor_overhead_us=measured["dtensor_overhead"]["us_per_operator"])
     return {"efficiency": efficiency.to_dict(), "timed": measured}
@@ -349,7 +375,7 @@ def describe(entry: dict[str, Any]) -> list[str]:
     if "efficiency" in entry:
         e, timed = entry["efficiency"], entry.get("timed", {})
         lines.append(f"  op classes at {entry.get('calibrated_for', '?')} (one thread):")
-        for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound"):
+        for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer"):
             took = timed.get(name, {}).get("seconds")
             lines.append(f"    {name:<13} {e[name]:.2f} of peak" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                     " (no experts: as dense_gemm)"))

@@ -15,8 +15,8 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
-once (min(1, C / R) on an idle C-core machine; less when others use the cores), the larger of a core's copy
-bandwidth x that share and the socket's bandwidth / R, 1 / share times the fixed operator cost and the fresh
+once (min(1, C / R) on an idle C-core machine; less when others use the cores), the smaller of a core's copy
+bandwidth x that share (a rank runs one thread) and the socket's bandwidth / R, 1 / share times the fixed operator cost and the fresh
 pages' cost, and 1 / R of the memory.
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
 ranks occupy every core, nothing overlaps: gloo moves the bytes on the cores the ranks compute on (FSDP's
@@ -45,9 +45,10 @@ from optimus.train.host_memory import reuse_freed_host_memory
 # Without --calibrate: reasoning, not measurement. Eager PyTorch on a CPU reaches most of a core's GEMM rate on
 # model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
 # about half of a copy's bandwidth; an eager aten call costs ~10 us of dispatch on a current x86 core, one on a
-# DTensor ~100 us more (measured 80-200 us on a 2-core EPYC).
+# DTensor ~100 us more (measured 80-200 us on a 2-core EPYC); the fused in-place AdamW update with its clipping
+# streams at about twice a copy's bandwidth (2.1-2.4 measured on a 2-core EPYC).
 CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=0.4, memory_bound=0.5,
-                                    op_overhead_us=10.0, dtensor_overhead_us=100.0)
+                                    op_overhead_us=10.0, dtensor_overhead_us=100.0, optimizer=2.0)
 CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
@@ -201,11 +202,15 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
     if ranks > 1 and measured:  # as measured: R processes running matmuls at once, other users' load included
         nearest = min((int(g) for g in measured if int(g) > 1), key=lambda g: (abs(g - ranks), -g))
         share = measured[str(nearest)] * min(1.0, nearest / ranks)
-    bandwidth = max(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
+    # a rank's one thread streams no faster than one thread does alone (a lone rank read the all-core bandwidth
+    # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket
+    bandwidth = min(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")
-    # a calibration from before DTensor dispatch was measured keeps the CPU default for it
-    efficiency = (Efficiency.from_dict({"dtensor_overhead_us": CPU_DEFAULT_EFFICIENCY.dtensor_overhead_us, **calibrated},
+    # a calibration from before DTensor dispatch or the optimizer step was measured keeps the CPU default for it
+    defaults = {"dtensor_overhead_us": CPU_DEFAULT_EFFICIENCY.dtensor_overhead_us,
+                "optimizer": CPU_DEFAULT_EFFICIENCY.optimizer}
+    efficiency = (Efficiency.from_dict({**defaults, **calibrated},
                                        "the `here` calibration cache") if calibrated else CPU_DEFAULT_EFFICIENCY)
     efficiency = replace(efficiency, op_overhead_us=efficiency.op_overhead_us / share,
                          dtensor_overhead_us=efficiency.dtensor_overhead_us / share)

@@ -68,6 +68,10 @@ from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401
 from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
+# gradient clipping (train/step.py, optim/sharded.py): the norm reads each fp32 gradient, the scale by the clip
+# coefficient (torch applies it whatever the norm) reads and writes it again
+CLIP_BYTES_PER_ELEMENT = 12
+OPTIMIZER_BYTES_PER_ELEMENT = ADAMW_BYTES_PER_ELEMENT + CLIP_BYTES_PER_ELEMENT
 # aten operators one forward runs, counted with a TorchDispatchMode on the tiny presets (fp32, CPU): per dense
 # block, per MoE block (the fused expert op is one call whatever the expert count), and embedding + final norm +
 # loss head; a backward runs about twice as many
@@ -77,7 +81,7 @@ BACKWARD_OPS_FACTOR = 2.0
 # exp_, sum, mul_: 8 read or write streams of fp32 where the fused loss head's softmax makes 3): 20 bytes a logit
 # beyond what the loss_head class, timed on the fused op, includes (60-67 ms a step of dense TP 2 on the 2-core EPYC)
 VOCAB_PARALLEL_EXTRA_BYTES = 20
-OPTIMIZER_OPS = 60  # the foreach AdamW update and gradient clipping: a few dozen multi-tensor operators per step
+OPTIMIZER_OPS = 60  # the fused AdamW update and the foreach gradient clipping: a few dozen operators per step
 
 
 @dataclass
@@ -387,7 +391,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
-    optimizer = owned * ADAMW_BYTES_PER_ELEMENT / hbm_eff + efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS
+    # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
+    # in-place kernel, not the unfused elementwise ops memory_bound times)
+    optimizer = (owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +
+                 efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
     exposed_fsdp = max(0.0, fsdp_mb - overlap)
     copies_mb = fsdp_copy_mb + zero_copy_mb

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus.parallel.data_parallel import set_gradient_sync
 from optimus.parallel.pipeline import get_pipeline
+from optimus.parallel.tensor_parallel import reduce_partial_gradients
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 SkipReason = Literal["non-finite", "loss spike"]
@@ -186,6 +187,7 @@ def train_step(
         grad_norm = optimizer.clip_grad_norm_(grad_clip)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
+        reduce_partial_gradients(params)  # once, together, before the clipping and the update read them
         # each pp rank holds other parameters: the norm sums over the stages
         grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---

@@ -100,3 +100,56 @@ def test_torchrun_cli_trains_at_tp_2(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("run directory:") == 1  # the summary comes from rank 0 only
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMMITTED").exists()
+
+
+def _tp_backward_collectives(rank: int, world: int, config) -> dict:
+    """All-reduces of full activations in a tp step's backward, and what reduce_partial_gradients leaves."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from optimus.parallel.tensor_parallel import reduce_partial_gradients
+
+    dims = ParallelDims(tp=world, world_size=world)
+    model = build_parallel_model(config, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    ids = torch.randint(0, config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    shapes: list[tuple] = []
+    original_functional, original_dist = funcol.all_reduce, dist.all_reduce
+
+    def functional(tensor, *args, **kwargs):
+        shapes.append(tuple(tensor.shape))
+        return original_functional(tensor, *args, **kwargs)
+
+    def eager(tensor, *args, **kwargs):
+        shapes.append(tuple(tensor.shape))
+        return original_dist(tensor, *args, **kwargs)
+
+    funcol.all_reduce, dist.all_reduce = functional, eager
+    try:
+        model(ids, labels=ids).loss.backward()
+        backward = list(shapes)
+        partial = [name for name, p in model.named_parameters()
+                   if any(placement.is_partial() for placement in getattr(p.grad, "placements", ()))]
+        expected = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters() if name in partial}
+        shapes.clear()
+        reduce_partial_gradients([p for p in model.parameters()])
+    finally:
+        funcol.all_reduce, dist.all_reduce = original_functional, original_dist
+    for name, p in model.named_parameters():
+        assert not any(placement.is_partial() for placement in p.grad.placements), name
+        assert p.grad.placements == p.placements, name
+        if name in expected:
+            torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=0, atol=0)
+    return {"full_activation_all_reduces": sum(1 for s in backward if s[-1:] == (config.model.d_model,)),
+            "partial": len(partial), "reductions_after": len(shapes)}
+
+
+def test_tp_backward_reduces_each_input_gradient_once_and_the_norms_together():
+    """q, k and v (gate and up) share their gathered input: its gradient is summed locally and reduce-scattered
+    once per module, never all-reduced per projection; the sequence-parallel norms' Partial weight gradients are
+    summed in one all-reduce before the clipping and the optimizer read them, to the same values."""
+    out = run_distributed(_tp_backward_collectives, 2, tiny_config(parallel=dict(tp=2)))
+    for rank in out:
+        assert rank["full_activation_all_reduces"] == 0
+        assert rank["partial"] >= 3 and rank["reductions_after"] == 1  # norms of 2 blocks + the final one

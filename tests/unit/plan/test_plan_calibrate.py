@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from optimus.config import load_config
-from optimus.plan.calibrate import COLLECTIVE_TIMING, COLLECTIVES, fit_alpha_beta, measure_op_classes
+from optimus.plan.calibrate import (COLLECTIVE_TIMING, COLLECTIVES, OPTIMIZER_ELEMENTS, fit_alpha_beta,
+                                    measure_op_classes)
 from optimus.plan.efficiency import Efficiency
-from optimus.plan.here import here_cluster
+from optimus.plan.here import CPU_DEFAULT_EFFICIENCY, here_cluster
+from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -40,6 +42,17 @@ def test_op_classes_are_timed_at_the_model_shapes_and_read_as_fractions_of_peak(
     # 32 tokens: grouped GEMM FLOPs are 18 T k d fe
     assert timed["grouped_gemm"]["flops"] == 18.0 * 32 * 4 * 256 * 512
     assert timed["op_overhead"]["operators"] > 100 and eff.op_overhead_us > 0
+    # the trainer's clipping and AdamW step over OPTIMIZER_ELEMENTS parameters, at step_time's bytes per parameter
+    assert timed["optimizer"]["bytes"] == OPTIMIZER_ELEMENTS * OPTIMIZER_BYTES_PER_ELEMENT
+    assert eff.optimizer == pytest.approx(timed["optimizer"]["bytes"] / timed["optimizer"]["seconds"] / 1e12)
+
+
+def test_the_optimizer_class_defaults_to_memory_bound_and_may_beat_a_copy():
+    assert Efficiency.from_dict({"memory_bound": 0.4}, "preset").optimizer == 0.4  # presets, older caches
+    assert Efficiency.from_dict({"memory_bound": 0.4, "optimizer": 2.2}, "cache").optimizer == 2.2
+    for bad in ({"optimizer": 9.0}, {"memory_bound": 1.5}):
+        with pytest.raises(ValueError, match="out of range"):
+            Efficiency.from_dict(bad, "cache")
 
 
 def test_under_tp_the_op_classes_are_timed_as_one_tp_rank_holds_them():
@@ -65,13 +78,16 @@ def test_here_cluster_shares_the_host_between_ranks():
     two, four = here_cluster(entry, 2), here_cluster(entry, 4)
     assert two.peak_flops("fp32") == 3e10 and four.peak_flops("fp32") == 1.5e10  # 4 ranks on 2 cores
     assert two.memory_gb == 4 and four.memory_gb == 2
-    assert two.hbm_gb_s == 8.0 and four.hbm_gb_s == 4.0
+    # a rank streams with one thread, and no faster than its part of the socket
+    assert here_cluster(entry, 1).hbm_gb_s == 8.0 and two.hbm_gb_s == 5.0 and four.hbm_gb_s == 2.5
     assert two.efficiency.op_overhead_us == 10.0 and four.efficiency.op_overhead_us == 20.0
     assert two.efficiency.loss_head == 0.6 and two.intra_node_latency_us == 100.0 and two.auto_dtype == "fp32"
     assert two.fresh_page_s_per_byte == 0.0  # a cache from before the fresh pages were measured
     entry["machine"]["fresh_page_s_per_byte"] = 4e-10  # faults run on the rank's share of a core
     assert here_cluster(entry, 2).fresh_page_s_per_byte == 4e-10 and here_cluster(entry, 4).fresh_page_s_per_byte == 8e-10
     assert here_cluster(entry, 2).fresh_block_bytes == 32 * 1024 * 1024
+    del entry["efficiency"]["optimizer"]  # a calibration from before the optimizer step was timed
+    assert here_cluster(entry, 2).efficiency.optimizer == CPU_DEFAULT_EFFICIENCY.optimizer
 
 
 def test_fresh_page_cost_is_a_non_negative_cost_per_byte():
@@ -85,7 +101,7 @@ def test_measured_share_of_the_cores_replaces_the_idle_assumption():
     fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
     machine = {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
                "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
-               "copy_gb_s_all_cores": 1.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}}, "measured_at": "t",
+               "copy_gb_s_all_cores": 32.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}}, "measured_at": "t",
                "share": {"1": 1.0, "2": 0.5, "4": 0.2}}  # a busy machine: 2 ranks get half a core each
     two, four = here_cluster({"machine": machine}, 2), here_cluster({"machine": machine}, 4)
     assert two.peak_flops("fp32") == pytest.approx(1.5e10) and four.peak_flops("fp32") == pytest.approx(6e9)

@@ -193,6 +193,25 @@ def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     assert slow.parts["compute"] == pytest.approx(fast.parts["compute"])  # the FLOP classes did not change
 
 
+def test_the_optimizer_step_follows_its_own_class_over_the_parameters_a_rank_owns():
+    from dataclasses import replace
+
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT, OPTIMIZER_OPS, Efficiency, step_time
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=8"])
+    layout = validate_layout(config, 1)
+    shape, cluster = ModelShape.of(layout.config), _toy()
+    base = Efficiency(0.5, 0.5, 0.5, 0.5, 10.0, optimizer=2.0)
+    fused = step_time(layout.config, layout.dims, shape, cluster, base, 1).parts["optimizer"]
+    update = shape.total * OPTIMIZER_BYTES_PER_ELEMENT / (2.0 * cluster.hbm_gb_s * 1e9)
+    assert fused == pytest.approx(update + 10e-6 * OPTIMIZER_OPS)
+    # the unfused elementwise work's rate does not move it
+    other = step_time(layout.config, layout.dims, shape, cluster, replace(base, memory_bound=0.1), 1)
+    assert other.parts["optimizer"] == pytest.approx(fused)
+
+
 def test_energy_is_nodes_times_power_times_time_and_carbon_adds_pue_and_grid():
     from optimus.plan.energy import run_cost
 
