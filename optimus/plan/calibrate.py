@@ -13,7 +13,8 @@ planned model uses (micro-batch x sequence tokens; under tp as one tp rank holds
 projections' outputs or inputs, of the heads and of the vocabulary; the vocab-parallel loss's own passes over
 its logits are step_time's), and read against the same formula the step-time model uses:
     dense_gemm      the block's projections and its dense MLP: 6 T (in x out) FLOPs / time / peak
-    grouped_gemm    the MoE expert op (optimus.ops.moe_experts_forward) with random routing: 18 T k d fe FLOPs
+    grouped_gemm    the MoE expert op (optimus.ops.moe_experts_forward) with random routing, as one ep x tp rank
+                    runs it (its E / (ep tp) experts, ep T k / E rows each): 18 T k d fe / tp FLOPs
     attention       causal SDPA: 12 T d S FLOPs (the model's count, masked half included) / time / peak
     loss_head       the fused LM head + cross-entropy (optimus.ops.linear_cross_entropy) on up to 1,024 of the
                     T rows (it works chunk by chunk, so its rate per row does not depend on T): 6 T d V FLOPs
@@ -287,12 +288,19 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         flops += 6.0 * tokens * fan_in * fan_out
     measured["dense_gemm"] = {"seconds": seconds, "flops": flops}
     if m.is_moe:
-        k, fe, experts = m.top_k, m.expert_ffn_hidden, m.n_experts
-        ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
-        weights = torch.softmax(torch.randn(tokens, k), dim=-1).to(dt)
-        run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), x,
+        # as one ep x tp rank computes them: its E / (ep tp) experts, each fed the copies the ep group routes to it
+        # (ep T k / E rows), T k / tp copies in all; more rows per expert run faster (a 2-core EPYC's tiny MoE:
+        # 49 GFLOP/s over all 16 experts, 59 over the 8 of an ep 2 rank)
+        k, fe = m.top_k, m.expert_ffn_hidden
+        experts = max(1, m.n_experts // (config.parallel.ep * tp))
+        picks = min(k, experts)
+        routed = max(1, -(-tokens * k // (tp * picks)))  # tokens whose `picks` copies make this rank's T k / tp
+        ids = torch.stack([torch.randperm(experts)[:picks] for _ in range(routed)])
+        weights = torch.softmax(torch.randn(routed, picks), dim=-1).to(dt)
+        run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), tensor(routed, h),
                                 tensor(experts, h, 2 * fe), tensor(experts, fe, h))
-        measured["grouped_gemm"] = {"seconds": best_time(run), "flops": 18.0 * tokens * k * h * fe}
+        measured["grouped_gemm"] = {"seconds": best_time(run), "flops": 18.0 * routed * picks * h * fe,
+                                    "experts": experts}
     heads, seq = max(1, m.n_heads // tp), train.seq_len  # a tp rank's heads
     batch = max(1, tokens // seq)
     q = tensor(batch, heads, seq, m.head_dim)

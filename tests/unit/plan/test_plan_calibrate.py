@@ -55,6 +55,19 @@ def test_the_optimizer_class_defaults_to_memory_bound_and_may_beat_a_copy():
             Efficiency.from_dict(bad, "cache")
 
 
+@pytest.mark.parametrize("parallel, experts, share", [(["--parallel.dp_shard=2", "--parallel.ep=2"], 8, 1),
+                                                     (["--parallel.tp=2"], 8, 2),
+                                                     (["--parallel.dp_shard=4", "--parallel.ep=4", "--parallel.tp=2"], 2, 2)])
+def test_the_experts_are_timed_as_one_ep_x_tp_rank_computes_them(parallel, experts, share):
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.seq_len=32",
+                                                            "--train.micro_batch_size=1", "--model.vocab_size=512",
+                                                            *parallel])
+    timed = measure_op_classes(config, "fp32", peak_flops=1e12, copy_bytes_s=1e12)["timed"]["grouped_gemm"]
+    # its E / (ep tp) of the 16 experts, and its 1 / tp of the micro-batch's T k expert FLOPs (top 4 of 16)
+    assert timed["experts"] == experts
+    assert timed["flops"] == 18.0 * 32 * 4 * 256 * 512 / share
+
+
 def test_under_tp_the_op_classes_are_timed_as_one_tp_rank_holds_them():
     config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.seq_len=32",
                                                               "--train.micro_batch_size=1", "--model.vocab_size=512",
