@@ -60,6 +60,7 @@ from optimus.optim.flat import Slot, checkpoint_view, cut_buckets, local_tensor
 from optimus.optim.buffers import BucketBuffers, bucket_order, buffer_nbytes
 from optimus.optim.config import OptimConfig
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
+from optimus.parallel.partial_grads import reduce_partial_gradients
 
 # Megatron-Core's default bucket: big enough that per-collective latency does not dominate.
 DEFAULT_BUCKET_NUMEL = 40_000_000
@@ -323,6 +324,8 @@ class ShardedOptimizer:
         padding tail zeroed, as the buffer is reused), then drop the whole gradients (zero2 frees them in every
         backward: its memory saving)."""
         packed[bucket.total:].zero_()
+        # the sequence-parallel norms' Partial gradients in this bucket: summed over tp together, not one by one
+        reduce_partial_gradients([slot.param for slot in bucket.slots if slot.param.grad is not None])
         for slot in bucket.slots:
             region = packed[slot.offset:slot.offset + slot.numel]
             grad = slot.param.grad

@@ -122,44 +122,6 @@ def _dense_mlp_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def reduce_partial_gradients(params: list[nn.Parameter]) -> None:
-    """Sum the gradients DTensor left unreduced (Partial over tp) in one all-reduce per mesh dim, dtype and
-    placements, and store them as their parameters are placed.
-
-    Under sequence parallelism the norms' replicated weights see only their rank's tokens, so their gradients
-    come out of the backward as Partial sums. Left so, each is all-reduced on its own wherever it is read, and it
-    is read twice: by the gradient clipping's norm and again by the optimizer step (18 all-reduces a step of the
-    tiny dense model at tp 2, a latency each). Megatron-LM all-reduces its sequence-parallel norms' gradients
-    together, flattened, for the same reason. A gradient that is Partial where its parameter is not Replicate (or
-    is reduced other than by a sum) is redistributed by DTensor itself.
-    """
-    groups: dict[tuple, list[nn.Parameter]] = {}
-    for param in params:
-        grad = param.grad
-        if not isinstance(grad, DTensor) or not any(placement.is_partial() for placement in grad.placements):
-            continue
-        summed = all(not placement.is_partial() or (getattr(placement, "reduce_op", "sum") == "sum" and
-                                                   param.placements[dim].is_replicate())
-                     for dim, placement in enumerate(grad.placements))
-        if not summed or not isinstance(param, DTensor):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements) if isinstance(param, DTensor) else \
-                grad.full_tensor()
-            continue
-        groups.setdefault((grad.device_mesh, tuple(grad.placements), grad.dtype), []).append(param)
-    for (mesh, placements, _dtype), members in groups.items():
-        parts = [param.grad.to_local() for param in members]
-        flat = torch.cat([part.reshape(-1) for part in parts])
-        for dim, placement in enumerate(placements):
-            if placement.is_partial():
-                dist.all_reduce(flat, group=mesh.get_group(dim))
-        offset = 0
-        for param, part in zip(members, parts):
-            reduced = flat[offset:offset + part.numel()].view_as(part)
-            offset += part.numel()
-            param.grad = DTensor.from_local(reduced, mesh, param.placements, run_check=False,
-                                            shape=param.grad.shape, stride=param.grad.stride())
-
-
 def _pad_sequence_to_tp_multiple(forward, tp: int):
     """Wrap Transformer.forward so any sequence length works under sequence parallelism.
 

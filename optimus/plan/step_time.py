@@ -40,8 +40,9 @@
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
                  backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
                  reduce-scatter (fp32), the zero modes' parameter all-gather after the update, ddp's fp32 all-reduce
-                 beyond the last backward that hides it, and the AdamW update (memory bound: 30 bytes of HBM
-                 traffic per owned element, at the memory_bound efficiency). The zero modes and ddp move their
+                 beyond the last backward that hides it, and the gradient clipping with the AdamW update (42 bytes of
+                 HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
+                 CPU streams at about twice a copy's bandwidth). The zero modes and ddp move their
                  gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective
                  each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora
                  tiles) 0.15 s of a 1.0 s sync

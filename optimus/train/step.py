@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus.parallel.data_parallel import set_gradient_sync
 from optimus.parallel.pipeline import get_pipeline
-from optimus.parallel.tensor_parallel import reduce_partial_gradients
+from optimus.parallel.partial_grads import reduce_partial_gradients
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 SkipReason = Literal["non-finite", "loss spike"]

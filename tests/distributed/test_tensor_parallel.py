@@ -109,7 +109,7 @@ def _tp_backward_collectives(rank: int, world: int, config) -> dict:
 
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
-    from optimus.parallel.tensor_parallel import reduce_partial_gradients
+    from optimus.parallel.partial_grads import reduce_partial_gradients
 
     dims = ParallelDims(tp=world, world_size=world)
     model = build_parallel_model(config, dims, dims.build_mesh("cpu"), torch.device("cpu"))
