@@ -385,8 +385,11 @@ def describe(entry: dict[str, Any]) -> list[str]:
         lines.append(f"  op classes at {entry.get('calibrated_for', '?')} (one thread):")
         for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer"):
             took = timed.get(name, {}).get("seconds")
-            lines.append(f"    {name:<13} {e[name]:.2f} of peak" + (f" ({took * 1e3:.1f} ms timed)" if took else
-                                                                    " (no experts: as dense_gemm)"))
+            if name not in e:  # a calibration from before the optimizer step was timed
+                continue
+            of = "of one thread's copy bandwidth" if name in ("memory_bound", "optimizer") else "of peak"
+            lines.append(f"    {name:<13} {e[name]:.2f} {of}" + (f" ({took * 1e3:.1f} ms timed)" if took else
+                                                                 " (no experts: as dense_gemm)"))
         lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")
         lines.append(f"    dtensor       {e.get('dtensor_overhead_us', 0.0):.1f} us more per DTensor operator (under tp)")
     return lines
