@@ -16,8 +16,8 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the smaller of a core's copy
-bandwidth x that share (a rank runs one thread) and the socket's bandwidth / R, 1 / share times the fixed operator cost and the fresh
-pages' cost, and 1 / R of the memory.
+bandwidth x that share (a rank runs one thread) and the socket's bandwidth / R, 1 / share times the fixed
+operator cost and the fresh pages' cost, and 1 / R of the memory.
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
 ranks occupy every core, nothing overlaps: gloo moves the bytes on the cores the ranks compute on (FSDP's
 prefetched all-gathers were measured waiting in full, benchmarks/plan_vs_measured.py).
