@@ -78,7 +78,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         for pid in pending.values():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-        results = []
+        results, failures = [], []
         for rank in range(world_size):
             path = Path(tmp) / f"rank{rank}.pkl"
             if not path.exists():
@@ -86,8 +86,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 raise DistributedTestError(f"rank {rank} of {world_size} {reason}")
             status, payload = pickle.loads(path.read_bytes())
             if status != "ok":
-                raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
+                failures.append(f"rank {rank} of {world_size} failed:\n{payload}")
             results.append(payload)
+        if failures:  # the rank that failed first, not one that lost its peer when that rank exited
+            raise DistributedTestError(next((f for f in failures if "closed by peer" not in f), failures[0]))
         return results
 
 
