@@ -96,6 +96,26 @@ class StepTime:
     bubble_fraction: float = 0.0
 
 
+def fsdp_gathers_per_micro_batch(layers: int, micro_batches: int, pp: int, virtual: int) -> tuple[float, float]:
+    """FSDP all-gathers per micro-batch of each of a rank's `layers` blocks and of its root (embedding, final norm,
+    head), averaged over the step's micro-batches.
+
+    Without pp: two for a block (its forward, again for its backward), one for the last block and the root, which
+    stay gathered from their forward to their backward (parallel/data_parallel.py). Under pp torch's schedules keep
+    a unit gathered from its first backward to the step's end (reshard after backward off until the last
+    micro-batch): each of the `virtual` stage modules gathers its l - 1 resharding blocks once per forward and once
+    more for the first backward, its last block and the root once a step. Counted (gloo all-gathers of a profiled
+    MoE PP 2 + EP 2 step): 4, 6, 7 and 11 block gathers for l = 2, 2, 3, 3 blocks and m = 2, 4, 2, 4 micro-batches,
+    8 for two virtual stages of 2 blocks at m = 2, 1 root gather each time; the per-micro-batch count priced 60%
+    more at l = 2.
+    """
+    if pp == 1:
+        return (2 * layers - 1) / layers, 1.0
+    per_module = layers / virtual
+    per_step = virtual * ((per_module - 1) * (micro_batches + 1) + 1)
+    return per_step / (layers * micro_batches), 1.0 / micro_batches
+
+
 def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int,
                      gathers: tuple[float, float]) -> tuple[float, float]:
     """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
@@ -322,11 +342,11 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
         expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
         # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype
-        # per micro-batch (parallel/data_parallel.py): two for a block (forward, and again for its backward), one
-        # for the last block and the root, which stay gathered from their forward to their backward; and one fp32
+        # (fsdp_gathers_per_micro_batch: two a block and micro-batch without pp, fewer under pp); and one fp32
         # reduce-scatter per micro-batch, under pp deferred by torch's schedules to once per step, after the last
         # backward (stage.perform_reduce_grad), where nothing hides it
-        block_gathers, root_gathers = (2 * layers - 1) / layers, 1.0  # per block and for the root
+        block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp,
+                                                                   p.pp_virtual_stages if dims.pp > 1 else 1)
 
         def unit_gathers(dense: float, experts: float, gathers: float) -> float:
             return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))

@@ -370,3 +370,18 @@ def test_the_vocab_parallel_loss_pays_its_own_passes_over_the_logits(monkeypatch
     logits = 2 * 128 * layout.config.model.vocab_size / 2  # a micro-batch's fp32 logits on one tp rank
     hbm_eff = cluster.hbm_gb_s * 1e9 * cluster.efficiency.memory_bound
     assert with_passes - memory_bound() == pytest.approx(4 * 20 * logits / hbm_eff)
+
+
+@pytest.mark.parametrize("layers, micro_batches, virtual, counted", [(2, 2, 1, 4), (2, 4, 1, 6), (3, 2, 1, 7),
+                                                                     (3, 4, 1, 11), (4, 2, 2, 8)])
+def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_batches, virtual, counted):
+    """The block all-gathers counted in profiled MoE PP 2 + EP 2 steps (gloo all-gathers of a block unit's size,
+    last stage): torch's schedules keep a unit gathered from its first backward to the step's end."""
+    from optimus.plan.step_time import fsdp_gathers_per_micro_batch
+
+    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=2, virtual=virtual)
+    assert block * layers * micro_batches == pytest.approx(counted)
+    assert root * micro_batches == pytest.approx(1.0)  # the root once a step
+    # without pp: forward and backward each micro-batch, the last block and the root once
+    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=1, virtual=1)
+    assert (block * layers, root) == (2 * layers - 1, 1.0)
