@@ -103,7 +103,8 @@ def test_torchrun_cli_trains_at_tp_2(tmp_path):
 
 
 def _tp_backward_collectives(rank: int, world: int, config) -> dict:
-    """All-reduces of full activations in a tp step's backward, and what reduce_partial_gradients leaves."""
+    """All-reduces of full activations in a tp step's forward and backward, and what reduce_partial_gradients
+    leaves."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -128,7 +129,7 @@ def _tp_backward_collectives(rank: int, world: int, config) -> dict:
     funcol.all_reduce, dist.all_reduce = functional, eager
     try:
         model(ids, labels=ids).loss.backward()
-        backward = list(shapes)
+        forward_backward = list(shapes)
         partial = [name for name, p in model.named_parameters()
                    if any(placement.is_partial() for placement in getattr(p.grad, "placements", ()))]
         expected = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters() if name in partial}
@@ -141,7 +142,7 @@ def _tp_backward_collectives(rank: int, world: int, config) -> dict:
         assert p.grad.placements == p.placements, name
         if name in expected:
             torch.testing.assert_close(p.grad.full_tensor(), expected[name], rtol=0, atol=0)
-    return {"full_activation_all_reduces": sum(1 for s in backward if s[-1:] == (config.model.d_model,)),
+    return {"full_activation_all_reduces": sum(1 for s in forward_backward if s[-1:] == (config.model.d_model,)),
             "partial": len(partial), "reductions_after": len(shapes)}
 
 
