@@ -22,15 +22,14 @@ def reduce_partial_gradients(params: list[nn.Parameter]) -> None:
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
     for param in params:
-        grad = param.grad
+        grad = param.grad  # (a DTensor parameter's gradient is a DTensor)
         if not isinstance(grad, DTensor) or not any(placement.is_partial() for placement in grad.placements):
             continue
         summed = all(not placement.is_partial() or (getattr(placement, "reduce_op", "sum") == "sum" and
                                                    param.placements[dim].is_replicate())
                      for dim, placement in enumerate(grad.placements))
-        if not summed or not isinstance(param, DTensor):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements) if isinstance(param, DTensor) else \
-                grad.full_tensor()
+        if not summed:
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
             continue
         groups.setdefault((grad.device_mesh, tuple(grad.placements), grad.dtype), []).append(param)
     for (mesh, placements, _dtype), members in groups.items():

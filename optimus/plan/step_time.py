@@ -345,8 +345,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         # (fsdp_gathers_per_micro_batch: two a block and micro-batch without pp, fewer under pp); and one fp32
         # reduce-scatter per micro-batch, under pp deferred by torch's schedules to once per step, after the last
         # backward (stage.perform_reduce_grad), where nothing hides it
-        block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp,
-                                                                   p.pp_virtual_stages if dims.pp > 1 else 1)
+        block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp, p.pp_virtual_stages)
 
         def unit_gathers(dense: float, experts: float, gathers: float) -> float:
             return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))

@@ -79,8 +79,6 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     first = grads[0]
     if not isinstance(first, DTensor):
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().pow(2)
-    if any(placement.is_partial() for placement in first.placements):  # unreduced sums: reduce, then square
-        return torch.nn.utils.get_total_norm(grads, norm_type=2.0).full_tensor().float().pow(2)
     local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0).float().pow(2)
     for dim, placement in enumerate(first.placements):
         if not placement.is_replicate():  # Shard, or FSDP-over-TP's _StridedShard (which is_shard() denies)
@@ -95,8 +93,10 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_mesh=None) ->
     norm is summed over its local shards, then over the mesh dims that shard it (one all-reduce per
     dim and group; replicated dims counted once). Under pipeline parallelism pass the pp mesh: each
     stage holds different parameters, so the squared norms are summed over the stages too. The
-    result is the same on every rank.
+    result is the same on every rank. Gradients DTensor left as Partial sums (the sequence-parallel norms') are
+    summed first, together and in place, so the optimizer step reads them reduced too.
     """
+    reduce_partial_gradients(params)
     groups = _norm_groups(params)
     squares = [_squared_norm([p.grad for p in group]) for group in groups]
     # on the parameters' device: the pp group's backend (NCCL on GPUs) reduces device tensors only
@@ -187,7 +187,6 @@ def train_step(
         grad_norm = optimizer.clip_grad_norm_(grad_clip)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-        reduce_partial_gradients(params)  # once, together, before the clipping and the update read them
         # each pp rank holds other parameters: the norm sums over the stages
         grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---
