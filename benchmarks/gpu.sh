@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Every GPU check and figure of the expert kernels in one command, on a CUDA machine:
+# Every GPU check and figure in one command, on a CUDA machine:
 #
 #     bash benchmarks/gpu.sh [OUT_DIR]          (default OUT_DIR: bench-results/gpu)
 #
 # 1. the GPU kernel tests (pytest -m gpu tests/gpu): Triton and torch._grouped_mm paths against
 #    their CPU references;
-# 2. benchmarks/moe_layer.py: MoE layer fwd+bwd, ours vs the reference loop vs HF's OLMoE block,
+# 2. tests/gpu/resume_check.py: `optimus train` on the GPU (mula-tiny-moe, the default job) for 8 steps, then
+#    the same run rewound to its step-4 checkpoint and resumed, the two runs' losses compared;
+# 3. benchmarks/plan_gpu.py: the planner's step time and memory from the GPU's cluster preset alone vs short
+#    trainings of Mula-1B and Mula-7B-A1B's block on this GPU (torch.cuda.max_memory_allocated);
+# 4. benchmarks/moe_layer.py: MoE layer fwd+bwd, ours vs the reference loop vs HF's OLMoE block,
 #    with TFLOP/s against the dense bf16 matmul measured in the same run;
-# 3. benchmarks/moe_step.py: whole training step on OLMoE-1B-7B layers, ours vs the reference loop
-#    (2 layers with HF beside; then 4 layers without HF, which weighs the LM head less).
+# 5. benchmarks/moe_step.py: whole training step on OLMoE-1B-7B layers, ours vs the reference loop
+#    (2 layers with HF beside; then 4 layers without HF, which weighs the LM head less);
+# 6. benchmarks/step_profile.py: plan_gpu.py's steps under torch.profiler, kernel time by the planner's op
+#    classes, the rate each reached against its preset efficiency, and the GPU's idle time.
 # Each step's log and JSON go to OUT_DIR; a failing step is reported and the others still run.
 #
 # The Python used is $PYTHON (default python3); it needs torch with CUDA, triton, transformers,
@@ -31,15 +37,28 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 failed=0
-step() {  # step NAME COMMAND...: run, keep the log, remember a failure
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # seconds any one step may run (a lent GPU's time is short)
+STEPS=${STEPS:-}  # space-separated step names to run (default: all), e.g. STEPS="train-resume plan-gpu"
+step() {  # step NAME COMMAND...: run (at most STEP_TIMEOUT s), keep the log, remember a failure
     local name=$1; shift
+    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
     echo "=== $name: $*"
-    if ! "$@" 2>&1 | tee "$OUT/$name.log"; then failed=1; echo "=== $name FAILED"; fi
+    local start=$SECONDS
+    if ! timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"; then failed=1; echo "=== $name FAILED"; fi
+    echo "=== $name took $((SECONDS - start)) s"
 }
+# pytest-xdist spreads the kernel tests (their Triton compiles are CPU work) over 4 workers where it is there
+parallel_tests=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 4")
 set -o pipefail
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/device.txt"
-step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/gpu
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PYTHON" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/device.txt"
+step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider $parallel_tests -m gpu tests/gpu
+# relative 1e-3: a GPU kernel with atomics need not sum in the same order twice; the verdict prints either way
+step train-resume "$PYTHON" tests/gpu/resume_check.py configs/mula-tiny-moe.yaml --tolerance 1e-3
+step plan-gpu "$PYTHON" benchmarks/plan_gpu.py --json "$OUT/plan_gpu.json"
 step moe-layer "$PYTHON" benchmarks/moe_layer.py --device cuda --json "$OUT/moe_layer.json"
 step moe-step "$PYTHON" benchmarks/moe_step.py --device cuda --json "$OUT/moe_step.json"
 step moe-step-4l "$PYTHON" benchmarks/moe_step.py --device cuda --layers 4 --no-hf --json "$OUT/moe_step_4layers.json"
+step step-profile "$PYTHON" benchmarks/step_profile.py --json "$OUT/step_profile.json"
 exit $failed

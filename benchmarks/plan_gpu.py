@@ -1,0 +1,173 @@
+"""The planner's prediction for one GPU, from its cluster preset alone, vs short real trainings on that GPU.
+
+    python benchmarks/plan_gpu.py [--cluster h100|h200] [--steps 5] [--warmup 3] [--only NAME,...]
+        [--json bench-results/gpu/plan_gpu.json]
+
+Each case trains in this process as `optimus train` does on one GPU (the Trainer on cuda:0, `dtype: auto`, i.e.
+bf16 autocast over fp32 weights and AdamW state), for warm-up + measured steps, and reads
+  * the step time: the median measured step, from the run's metrics.jsonl (tokens per step / tokens_per_s), and
+  * the memory: torch.cuda.max_memory_allocated over the whole run, reset just before the Trainer is built (the
+    allocator's peak of live tensors, as the issue asks; the cache around them is not counted),
+and sets beside them the planner's step_time and stage_memory for the same validated layout on one device of
+the cluster preset (default: the preset whose device name the GPU's name holds) with no calibration: the
+preset's datasheet peaks and efficiencies, as `optimus plan --cluster NAME` uses them. The cases are Mula
+shapes that fit one GPU: Mula-1B whole (with and without full activation checkpointing) and Mula-7B-A1B's
+block with fewer layers (its 64 experts, top-8), with and without selective checkpointing.
+
+Checkpointing and the end-of-run evaluation are left out of these runs (their callbacks are removed): they
+are not in the step the planner prices, and a 1B model's checkpoint would cost more than the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import machine_info  # noqa: E402
+from optimus.config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# one device: every parallel degree 1 (the configs carry their published layouts)
+ONE_DEVICE = ["--parallel.dp_shard=1", "--parallel.dp_replicate=1", "--parallel.tp=1", "--parallel.pp=1",
+              "--parallel.ep=1", "--parallel.shard_mode=fsdp"]
+BASE = ["--train.seq_len=2048", "--train.global_batch_size=16", "--train.log_every=1", "--train.eval_every=0",
+        "--train.report=false", "--train.loss_plot=false", "--optim.warmup_steps=1"]
+# name -> (config, overrides)
+CASES: dict[str, tuple[str, list[str]]] = {
+    "mula-1b": ("configs/mula-1b.yaml", ["--train.micro_batch_size=4"]),
+    "mula-1b-full-ac": ("configs/mula-1b.yaml", ["--train.micro_batch_size=8", "--train.activation_checkpointing=full"]),
+    "mula-7b-a1b-4l": ("configs/mula-7b-a1b.yaml", ["--model.n_layers=4", "--train.micro_batch_size=4"]),
+    "mula-7b-a1b-4l-selective": ("configs/mula-7b-a1b.yaml", ["--model.n_layers=4", "--train.micro_batch_size=8",
+                                                              "--train.activation_checkpointing=selective"]),
+}
+
+
+def cluster_for_device(name: str) -> str:
+    """The preset whose device this GPU is (an H200 is not an H100: the more specific name first)."""
+    for preset in ("h200", "h100", "a100"):
+        if preset in name.lower():
+            return preset
+    raise SystemExit(f"plan_gpu: no cluster preset for the GPU '{name}': pass --cluster NAME")
+
+
+def predict(config_path: str, overrides: list[str], cluster_name: str) -> dict:
+    """The planner's step time (and parts) and memory (by term) for this layout on one device of the preset."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.cluster import load_cluster
+    from optimus.plan.memory import ModelShape, stage_memory
+    from optimus.plan.step_time import step_time
+
+    layout = validate_layout(load_config(config_path, overrides), 1)
+    cluster = load_cluster(cluster_name)
+    shape = ModelShape.of(layout.config)
+    time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
+    memory = stage_memory(layout.config, layout.dims, shape, 0)
+    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": sum(memory.values()), "memory_terms": memory,
+            "mfu": getattr(time_, "mfu", None)}
+
+
+def train(config_path: str, overrides: list[str], warmup: int) -> dict:
+    """One short training run on cuda:0: the measured steps after the warm-up, the allocator's peak, the losses."""
+    from optimus.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="optimus-plan-gpu-") as tmp:
+        config = load_config(config_path, [*overrides, f"--run.dir={tmp}/run"])
+        gc.collect()  # the last case's trainer, gone before this one's baseline is read
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        trainer = Trainer(config, progress_bar=False)
+        built = time.perf_counter() - start
+        # the priced step only: no checkpoint (a 1B model's would outlast the run), no evaluation at the end
+        trainer.callbacks = [c for c in trainer.callbacks if c not in (trainer.checkpointing, trainer.evaluation)]
+        trainer.fit()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        wall = time.perf_counter() - start
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
+        del trainer
+    tokens = config.train.global_batch_size * config.train.seq_len
+    steps = [r for r in rows if "tokens_per_s" in r]
+    measured = [tokens / r["tokens_per_s"] for r in steps if r["step"] > warmup]
+    losses = [r["loss"] for r in steps]
+    return {"steps_s": measured, "peak_bytes": peak, "losses": losses, "build_s": built, "wall_s": wall,
+            "mfu": [r.get("mfu") for r in steps if r["step"] > warmup]}
+
+
+def run_case(name: str, cluster: str, steps: int, warmup: int, more: list[str] = ()) -> dict:
+    config_path, extra = CASES[name]
+    config_path = str(ROOT / config_path)
+    extra = [*extra, *more]
+    overrides = [*ONE_DEVICE, *BASE, *extra, f"--train.max_steps={warmup + steps}"]
+    predicted = predict(config_path, overrides, cluster)
+    measured = train(config_path, overrides, warmup)
+    step = statistics.median(measured["steps_s"])
+    gib = 1024**3
+    return {"case": name, "overrides": extra, "cluster": cluster,
+            "measured_step_s": step, "measured_steps_s": measured["steps_s"],
+            "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
+            "predicted_parts_s": predicted["parts"],
+            "measured_memory_gib": measured["peak_bytes"] / gib, "predicted_memory_gib": predicted["memory_bytes"] / gib,
+            "memory_error": predicted["memory_bytes"] / measured["peak_bytes"] - 1,
+            "predicted_memory_terms_gib": {k: v / gib for k, v in predicted["memory_terms"].items()},
+            "measured_mfu": statistics.median(m for m in measured["mfu"] if m is not None) if any(measured["mfu"]) else None,
+            "losses": measured["losses"], "build_s": measured["build_s"], "wall_s": measured["wall_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default=None, help="the preset to predict with (default: from the GPU's name)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--json", default="bench-results/gpu/plan_gpu.json")
+    parser.add_argument("--override", action="append", default=[],
+                        help="an extra config override for every case, e.g. --override=--train.compile=true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("plan_gpu: needs a CUDA (or ROCm) GPU")
+    device_name = torch.cuda.get_device_name(0)
+    cluster = args.cluster or cluster_for_device(device_name)
+    names = args.only.split(",") if args.only else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"plan_gpu: unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    print(f"{device_name}: predicted from the '{cluster}' preset alone (no calibration)")
+    print(f"{'case':<26} {'measured s':>10} {'predicted s':>11} {'error':>7} {'meas GiB':>9} {'pred GiB':>9} "
+          f"{'error':>7} {'MFU':>6}")
+    rows = []
+    for name in names:
+        try:
+            row = run_case(name, cluster, args.steps, args.warmup, args.override)
+        except Exception as error:  # noqa: BLE001 - one failing case is reported, the others still run
+            print(f"{name:<26} FAILED: {type(error).__name__}: {error}")
+            rows.append({"case": name, "error": f"{type(error).__name__}: {error}"})
+            torch.cuda.empty_cache()
+            continue
+        rows.append(row)
+        mfu = f"{row['measured_mfu']:.3f}" if row["measured_mfu"] is not None else "-"
+        print(f"{name:<26} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%} "
+              f"{row['measured_memory_gib']:>9.2f} {row['predicted_memory_gib']:>9.2f} {row['memory_error']:>+7.1%} "
+              f"{mfu:>6}", flush=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "device": device_name, "cluster": cluster, "rows": rows},
+                              indent=1))
+    print(f"wrote {out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Where a training step's time goes on a GPU, by op class, beside what the planner charges each class.
+
+    python benchmarks/step_profile.py [--cluster h100|h200] [--only CASE,...] [--steps 2] [--warmup 3]
+        [--json bench-results/gpu/step_profile.json]
+
+The cases are benchmarks/plan_gpu.py's (Mula shapes on one GPU). Each trains in this process as `optimus train`
+does, under torch.profiler for `--steps` steps after the warm-up, and sorts every GPU kernel of those steps into
+the planner's op classes by its name:
+  dense_gemm    cuBLAS / CUTLASS matrix products (nvjet, xmma, gemm, cutlass kernels not grouped)
+  grouped_gemm  the experts' grouped products (torch._grouped_mm's grouped CUTLASS kernels, our Triton ones)
+  attention     flash / memory-efficient attention, forward and backward
+  optimizer     AdamW and the clipping norm (multi-tensor / foreach kernels)
+  memory_bound  everything else: elementwise, reductions, norms, softmax/loss, permutes, copies
+and reports per step: each class's kernel seconds, the rate it reached (the class's FLOPs as the planner counts
+them, over its seconds, over the preset's peak; bytes over HBM bandwidth for memory_bound), the preset's
+efficiency for that class, and the GPU's idle time (the step's wall time the union of kernels leaves
+uncovered: launches and Python the GPU waits for). So a miss of plan_gpu.py's step time reads as: which class
+ran below its preset's efficiency, and how much of the step the GPU sat idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import machine_info  # noqa: E402
+from benchmarks.plan_gpu import BASE, CASES, ONE_DEVICE, ROOT, cluster_for_device  # noqa: E402
+from optimus.config import load_config  # noqa: E402
+from optimus.train.callbacks.base import Callback  # noqa: E402
+
+# first match wins: grouped before dense (grouped CUTLASS kernels are gemms too)
+KERNEL_CLASSES = (
+    ("grouped_gemm", re.compile(r"grouped|GroupProblem|_grouped_rows|_grouped_wgrad", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("dense_gemm", re.compile(r"nvjet|xmma|gemm|cutlass|cublas", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return label
+    return "memory_bound"
+
+
+class _StepProfiler(Callback):
+    """Advances the profiler's schedule once per training step."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+
+    def after_step(self, step: int) -> None:
+        torch.cuda.synchronize()
+        self.profiler.step()
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered
+
+
+def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: list[str] = ()) -> dict:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.cluster import load_cluster
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import _flops_by_class, _recomputed_flops, memory_bound_bytes, step_time
+    from optimus.train.trainer import Trainer
+
+    config_path, extra = CASES[name]
+    overrides = [*ONE_DEVICE, *BASE, *extra, *more, f"--train.max_steps={warmup + steps}"]
+    layout = validate_layout(load_config(str(ROOT / config_path), overrides), 1)
+    config, cluster = layout.config, load_cluster(cluster_name)
+    shape = ModelShape.of(config)
+    predicted = step_time(config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
+    tokens = config.train.global_batch_size * config.train.seq_len
+    by_class = _flops_by_class(config, shape)
+    recomputed = _recomputed_flops(config, by_class)
+    flops = {c: tokens * (by_class[c] + recomputed.get(c, 0.0)) for c in by_class}
+    class_flops = {"dense_gemm": flops["attention_proj"] + flops["mlp"] + flops["head"],
+                   "grouped_gemm": flops["experts"], "attention": flops["attention"]}
+    hbm_bytes = layout.batch.micro_batches * memory_bound_bytes(
+        config, layout.dims, shape.n_layers, config.train.activation_checkpointing != "none")
+    peak = cluster.peak_flops("bf16" if config.train.dtype != "fp32" else "fp32")
+
+    with tempfile.TemporaryDirectory(prefix="optimus-step-profile-") as tmp:
+        run_config = load_config(str(ROOT / config_path), [*overrides, f"--run.dir={tmp}/run"])
+        trainer = Trainer(run_config, progress_bar=False)
+        trainer.callbacks = [c for c in trainer.callbacks if c not in (trainer.checkpointing, trainer.evaluation)]
+        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                           schedule=schedule(wait=warmup - 1, warmup=1, active=steps))
+        trainer.callbacks.append(_StepProfiler(profiler))
+        with profiler:
+            trainer.fit()
+        del trainer
+    events = profiler.events() or []
+    # the GPU timeline also carries annotations spanning kernels (ProfilerStep*, Optimizer.step#AdamW.step):
+    # not kernels, and they would count those kernels twice
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")
+               and "#" not in e.name]
+    seconds: dict[str, float] = {}
+    for kernel in kernels:
+        label = kernel_class(kernel.name)
+        seconds[label] = seconds.get(label, 0.0) + kernel.time_range.elapsed_us() * 1e-6 / steps
+    step_spans = [e for e in events if e.name.startswith("ProfilerStep")]
+    wall = statistics.median(e.time_range.elapsed_us() for e in step_spans) * 1e-6 if step_spans else float("nan")
+    busy = _union([(k.time_range.start, k.time_range.end) for k in kernels]) * 1e-6 / steps
+    top = {}
+    for kernel in kernels:
+        top[kernel.name] = top.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() * 1e-6 / steps
+    rates = {c: class_flops[c] / seconds[c] / peak for c in class_flops if seconds.get(c)}
+    if seconds.get("memory_bound"):
+        rates["memory_bound"] = hbm_bytes / seconds["memory_bound"] / (cluster.hbm_gb_s * 1e9)
+    return {"case": name, "cluster": cluster_name, "wall_s": wall, "gpu_busy_s": busy, "gpu_idle_s": wall - busy,
+            "class_s": seconds, "class_rate": rates, "class_flops": class_flops, "memory_bound_bytes": hbm_bytes,
+            "preset_efficiency": cluster.efficiency.to_dict(), "predicted_step_s": predicted.step_s,
+            "predicted_parts_s": predicted.parts,
+            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default=None, help="the preset to compare with (default: from the GPU's name)")
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--json", default="bench-results/gpu/step_profile.json")
+    parser.add_argument("--override", action="append", default=[],
+                        help="an extra config override for every case, e.g. --override=--train.compile=true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("step_profile: needs a CUDA (or ROCm) GPU")
+    cluster = args.cluster or cluster_for_device(torch.cuda.get_device_name(0))
+    names = args.only.split(",") if args.only else list(CASES)
+    rows = []
+    for name in names:
+        try:
+            row = profile_case(name, cluster, args.steps, max(1, args.warmup), args.override)
+        except Exception as error:  # noqa: BLE001 - one failing case is reported, the others still run
+            print(f"{name}: FAILED: {type(error).__name__}: {error}", flush=True)
+            rows.append({"case": name, "error": f"{type(error).__name__}: {error}"})
+            continue
+        rows.append(row)
+        print(f"\n{name}: step {row['wall_s']:.3f} s (planner {row['predicted_step_s']:.3f}), GPU busy "
+              f"{row['gpu_busy_s']:.3f} s, idle {row['gpu_idle_s']:.3f} s")
+        print(f"  {'class':<14} {'kernel s':>9} {'rate':>7} {'preset':>7}")
+        for label in ("dense_gemm", "grouped_gemm", "attention", "memory_bound", "optimizer"):
+            if label in row["class_s"]:
+                rate = row["class_rate"].get(label)
+                preset = row["preset_efficiency"].get(label)
+                print(f"  {label:<14} {row['class_s'][label]:>9.4f} "
+                      f"{(f'{rate:.3f}' if rate is not None else '-'):>7} {(f'{preset:.2f}' if preset else '-'):>7}")
+        for kernel, secs in list(row["top_kernels_s"].items())[:12]:
+            print(f"    {secs:8.4f} s  {kernel[:110]}")
+        sys.stdout.flush()
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "device": torch.cuda.get_device_name(0), "rows": rows},
+                              indent=1))
+    print(f"wrote {out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

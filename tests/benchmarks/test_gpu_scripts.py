@@ -1,0 +1,71 @@
+"""What of the GPU-only scripts (benchmarks/plan_gpu.py, benchmarks/step_profile.py, tests/gpu/resume_check.py) runs
+without a GPU: the kernel classes, the preset chosen per GPU name, every case's prediction, and the resume check's
+rewinding of a run directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.plan_gpu import BASE, CASES, ONE_DEVICE, ROOT, cluster_for_device, predict
+from benchmarks.step_profile import _union, kernel_class
+from tests.gpu.resume_check import resumed_at, rewind
+
+
+@pytest.mark.parametrize("name, label", [
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "dense_gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "dense_gemm"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17"
+     "GroupProblemShapeIN4cute5tupleIJiiiEEEEE", "grouped_gemm"),
+    ("_grouped_rows_kernel", "grouped_gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128", "attention"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "memory_bound"),
+    ("triton_poi_fused__unsafe_view_mul_silu_silu_backward_view_1", "memory_bound"),
+])
+def test_kernels_sort_into_the_planners_classes(name, label):
+    assert kernel_class(name) == label
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert _union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
+def test_the_preset_follows_the_gpus_name():
+    assert cluster_for_device("NVIDIA H200") == "h200"
+    assert cluster_for_device("NVIDIA H100 80GB HBM3") == "h100"
+    with pytest.raises(SystemExit, match="--cluster"):
+        cluster_for_device("AMD Instinct MI300X")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_case_is_a_valid_one_device_layout_the_planner_prices(case):
+    config, extra = CASES[case]
+    predicted = predict(str(ROOT / config), [*ONE_DEVICE, *BASE, *extra, "--train.max_steps=8"], "h200")
+    assert 0 < predicted["step_s"] < 10
+    assert 0 < predicted["memory_bytes"] < 141 * 1024**3
+
+
+def _run_dir(path, steps: int, checkpoints: list[int]):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n"
+                                                for s in range(1, steps + 1)))
+    for step in checkpoints:
+        (path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    (path / "latest").write_text(str(checkpoints[-1]))
+    return path
+
+
+def test_rewind_leaves_the_run_as_it_stood_after_the_checkpoint(tmp_path):
+    straight = _run_dir(tmp_path / "straight", 8, [4, 8])
+    rewind(straight, tmp_path / "copy", 4)
+    copy = tmp_path / "copy"
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step-4"]
+    assert (copy / "latest").read_text() == "4"
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["rewound"] for r in records)
+    assert resumed_at(copy, 4)
+    # a run that started over rewrites the early records, unmarked
+    (copy / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 9)))
+    assert not resumed_at(copy, 4)
