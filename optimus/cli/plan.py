@@ -37,12 +37,27 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
+    if best.fits and not config.train.compile:
+        _compile_hint(best, cluster, efficiency)
     if not best.fits:
         print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")
     elif args.write_config:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
+
+
+def _compile_hint(best, cluster, efficiency) -> None:
+    """Say what train.compile would give the best layout, where the planner prices it worth a tenth or more."""
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import step_time
+
+    config = best.config.model_copy(update={"train": best.config.train.model_copy(update={"compile": True})})
+    micro_batches = config.train.global_batch_size // (best.dims().dp * config.train.micro_batch_size)
+    compiled = step_time(config, best.dims(), ModelShape.of(config), cluster, efficiency, micro_batches).step_s
+    if compiled < best.step_s / 1.1:
+        print(f"with --train.compile=true the best layout is predicted {compiled:.3f} s a step ({best.step_s / compiled:.2f}x "
+              f"faster): compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")
 
 
 def here_cache_files() -> tuple[Path, tuple[Path, str]]:

@@ -15,7 +15,14 @@ fraction of a peak:
                     "peak" is a measured copy (`here`): the update works in place, so it pays none of a copy's
                     reads-for-ownership of the lines it writes (2.1-2.4 x one thread's copy on a 2-core EPYC)
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
-                    work; near zero on a GPU fed asynchronously, tens of microseconds on a CPU running tiny ops
+                    work: tens of microseconds on a CPU running tiny ops; on a GPU the host queues kernels ahead
+                    of the device, but not through runs of small ones: an H200's eager Mula steps left it idle
+                    18-22 us per operator (benchmarks/step_profile.py). Under train.compile a block launches
+                    a tenth of the operators (step_time.COMPILED_OPERATOR_SHARE)
+    eager_memory_traffic  bytes the memory-bound operators move when run eagerly (a kernel per operator, the norms'
+                    fp32 upcasts materialised) over the fused count memory_bound is read against
+                    (step_time.memory_bound_bytes); 1 where memory_bound was itself timed on eager operators
+                    (`here`'s calibration) or the kernels are fused (train.compile, which the fused count prices)
     dtensor_overhead_us  what tensor parallelism adds per DTensor operator (DTensor's Python dispatch and the
                     placement copies around the kernels; optimus/plan/dtensor_cost.py): 0 on a GPU fed
                     asynchronously, ~100-200 us on a CPU core
@@ -51,6 +58,7 @@ class Efficiency:
     loss_head: float = DEFAULT_LOSS_HEAD
     dtensor_overhead_us: float = 0.0
     optimizer: float = DEFAULT_MEMORY_BOUND
+    eager_memory_traffic: float = 1.0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, where: str) -> "Efficiency":
@@ -66,11 +74,14 @@ class Efficiency:
         def out_of_range(name: str, value: float) -> bool:
             if name in costs:
                 return value < 0
+            if name == "eager_memory_traffic":
+                return value < 1
             return not 0 < value <= (OPTIMIZER_MAX if name == "optimizer" else 1)
         bad = [k for k, v in values.items() if out_of_range(k, v)]
         if bad:
             raise ValueError(f"{where}: efficiency {bad[0]}={values[bad[0]]:g} is out of range (fractions in (0, 1], "
-                             f"optimizer in (0, {OPTIMIZER_MAX:g}], op_overhead_us and dtensor_overhead_us >= 0)")
+                             f"optimizer in (0, {OPTIMIZER_MAX:g}], op_overhead_us and dtensor_overhead_us >= 0, "
+                             "eager_memory_traffic >= 1)")
         # presets and calibrations from before the optimizer was timed price it as the other memory-bound work
         values.setdefault("optimizer", values.get("memory_bound", DEFAULT_MEMORY_BOUND))
         return cls(**values)

@@ -29,12 +29,15 @@
                  the busy ones (work-conserving), so the step is max(the stages' average busy time, that critical
                  path x core_share)
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
-                 memory_bound_bytes), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
+                 memory_bound_bytes as fused kernels move them, times eager_memory_traffic unless train.compile
+                 fuses them), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
                  vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
-    op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; zero on the GPU
-                 presets, where launches run ahead of the device; calibrated on a CPU), and under tp what DTensor's
-                 dispatch adds per DTensor operator (dtensor_overhead_us x dtensor_cost.dtensor_operators; likewise)
+    op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; calibrated on a
+                 CPU; on the h100/h200 presets what an H200 left exposed of its host's launches, on the other GPU
+                 presets, which model fused published stacks, zero; a compiled block counts a tenth of its
+                 operators), and under tp what DTensor's dispatch adds per DTensor operator (dtensor_overhead_us x
+                 dtensor_cost.dtensor_operators; zero on the GPU presets)
     per micro-batch, zero2: its fp32 gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
@@ -78,6 +81,10 @@ OPTIMIZER_BYTES_PER_ELEMENT = ADAMW_BYTES_PER_ELEMENT + CLIP_BYTES_PER_ELEMENT
 # loss head; a backward runs about twice as many
 DENSE_BLOCK_OPS, MOE_BLOCK_OPS, ROOT_OPS = 84, 92, 23
 BACKWARD_OPS_FACTOR = 2.0
+# the share of a block's operators whose launch the host still pays under train.compile (parallelize.py compiles
+# each block; the embedding, head and loss stay eager): Mula-1B on an H200 left the GPU idle 0.312 s a step eager
+# and 0.029 s compiled (benchmarks/step_profile.py, 2026-11-26)
+COMPILED_OPERATOR_SHARE = 0.1
 # the vocab-parallel loss (parallel/vocab_parallel.py) reduces its logits across tp with separate passes (amax, sub_,
 # exp_, sum, mul_: 8 read or write streams of fp32 where the fused loss head's softmax makes 3): 20 bytes a logit
 # beyond what the loss_head class, timed on the fused op, includes (60-67 ms a step of dense TP 2 on the 2-core EPYC)
@@ -210,8 +217,11 @@ def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recomput
 
 
 def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root: bool) -> float:
-    """Operators one rank launches for one micro-batch (forward, backward, recomputed forward)."""
-    forward = layers * (MOE_BLOCK_OPS if config.model.is_moe else DENSE_BLOCK_OPS) + (ROOT_OPS if root else 0)
+    """Operators one rank launches for one micro-batch (forward, backward, recomputed forward); a compiled block's
+    fused kernels count as COMPILED_OPERATOR_SHARE of its eager operators."""
+    block = (MOE_BLOCK_OPS if config.model.is_moe else DENSE_BLOCK_OPS) * \
+        (COMPILED_OPERATOR_SHARE if config.train.compile else 1.0)
+    forward = layers * block + (ROOT_OPS if root else 0)
     return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
 
 
@@ -275,7 +285,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
     hbm_eff = hbm * efficiency.memory_bound
-    blocks_memory_mb = memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
+    # eager operators move more than the fused count (each its own kernel, fp32 upcasts written out); compiled
+    # blocks fuse them
+    traffic = 1.0 if config.train.compile else efficiency.eager_memory_traffic
+    blocks_memory_mb = traffic * memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
 
     def stage_mb(head: bool) -> tuple[float, float, float, float]:
         """A stage's seconds per micro-batch as (matmuls and attention, memory-bound work, operator launches,

@@ -193,6 +193,40 @@ def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     assert slow.parts["compute"] == pytest.approx(fast.parts["compute"])  # the FLOP classes did not change
 
 
+def test_compiled_blocks_fuse_the_memory_bound_traffic_and_launch_a_tenth_of_the_operators():
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import (
+        COMPILED_OPERATOR_SHARE, DENSE_BLOCK_OPS, ROOT_OPS, Efficiency, memory_bound_bytes, operators_per_micro_batch,
+        step_time,
+    )
+
+    def priced(compile_: bool):
+        config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=8",
+                                                                 f"--train.compile={str(compile_).lower()}"])
+        layout = validate_layout(config, 1)
+        efficiency = Efficiency(0.5, 0.5, 0.5, 0.5, 20.0, eager_memory_traffic=1.7)
+        return layout, step_time(layout.config, layout.dims, ModelShape.of(layout.config), _toy(), efficiency, 1)
+
+    (layout, eager), (compiled_layout, compiled) = priced(False), priced(True)
+    fused = memory_bound_bytes(layout.config, layout.dims, 4, recompute=False) / (0.5 * _toy().hbm_gb_s * 1e9)
+    assert eager.parts["memory_bound"] == pytest.approx(1.7 * fused)
+    assert compiled.parts["memory_bound"] == pytest.approx(fused)
+    # the blocks' operators shrink, the embedding, head and loss stay eager
+    assert operators_per_micro_batch(compiled_layout.config, 4, recompute=False, root=True) == pytest.approx(
+        3 * (4 * DENSE_BLOCK_OPS * COMPILED_OPERATOR_SHARE + ROOT_OPS))
+    assert compiled.parts["op_overhead"] < eager.parts["op_overhead"] / 2
+    assert compiled.parts["compute"] == pytest.approx(eager.parts["compute"])
+
+
+def test_eager_memory_traffic_below_one_is_refused():
+    from optimus.plan.efficiency import Efficiency
+
+    assert Efficiency.from_dict({"memory_bound": 0.5}, "x").eager_memory_traffic == 1.0  # older caches: unchanged
+    with pytest.raises(ValueError, match="eager_memory_traffic=0.5 is out of range"):
+        Efficiency.from_dict({"eager_memory_traffic": 0.5}, "preset y")
+
+
 def test_the_optimizer_step_follows_its_own_class_over_the_parameters_a_rank_owns():
     from dataclasses import replace
 
