@@ -214,6 +214,42 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     return kept_bytes, once
 
 
+def autocast_weight_copy_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
+                               loss_on_cpu: bool = False) -> float:
+    """bf16 copies of fp32 weights that autocast makes in the forward and autograd keeps for the backward.
+
+    Only where a module's weights are fp32 when it computes in bf16: no FSDP (one process, tp or pp alone) and ddp;
+    FSDP gathers its weights in bf16 already (MixedPrecisionPolicy) and the zero modes keep bf16 parameters. Not
+    under train.compile: the compiled graph chooses what it saves (Mula-1B on an H200 held 7.5 GiB less compiled).
+    Held once, whatever the micro-batches in flight (the copies are the weights', not the tokens'): every block's
+    matrices (attention, dense MLP or the experts, whose fused op keeps its bf16 weights), those of the sub-modules
+    a selective mask does not recompute plus one recomputed at a time, one block under full checkpointing; and the
+    LM head on its stage where the loss is the plain F.cross_entropy of an accelerator. Measured: Mula-1B and
+    Mula-7B-A1B's block on one H200 peaked 4.4 GiB above the model without them (2.2 and 3.4 GiB of copies).
+    """
+    m, t = config.model, dims.tp
+    fp32_weights = config.parallel.shard_mode == "ddp" or not dims.has_data_parallel
+    if config.train.dtype != "bf16" or config.train.compile or not fp32_weights:
+        return 0.0
+    h, kv = m.d_model, m.kv_heads * m.head_dim
+    attention = (h * (h + 2 * kv) + h * h) / t
+    if m.is_moe:
+        mlp = m.n_experts * 3 * h * m.expert_ffn_hidden / (dims.ep * t) + h * m.n_experts
+    else:
+        mlp = 3 * h * m.ffn_hidden / t
+    mode, recompute = config.train.activation_checkpointing, set(config.train.recompute)
+    if mode == "full":
+        kept = attention + mlp  # the block being recomputed
+    elif mode == "selective":
+        attention_again, mlp_again = "attention" in recompute, ("moe" if m.is_moe else "mlp") in recompute
+        kept = layers * ((0 if attention_again else attention) + (0 if mlp_again else mlp))
+        kept += max(attention if attention_again else 0, mlp if mlp_again else 0)
+    else:
+        kept = layers * (attention + mlp)
+    head = m.vocab_size * h / t if has_loss_head and not loss_on_cpu else 0.0
+    return 2.0 * (kept + head)
+
+
 def _selective_layer(config: Config, dims: ParallelDims, attn_full: float, mlp_full: float) -> tuple[float, float]:
     """Bytes per token one block keeps under the selective mask, and the largest recomputed sub-module's
     full activations (held while it is recomputed); see activation_bytes."""
@@ -303,6 +339,9 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }
+    copies = autocast_weight_copy_bytes(config, dims, layers, has_head)
+    if copies:  # fp32 weights computed in bf16: one process, tp or pp alone, ddp
+        memory.bytes["bf16 weight copies (autocast)"] = copies
     if getattr(model, "zero_plan", None) is not None:
         memory.bytes = {**_zero_bytes(model, config, dims), **{
             k: v for k, v in memory.bytes.items() if k.startswith("activations")}}

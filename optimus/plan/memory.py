@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from optimus.config import Config
 from optimus.parallel.dry_run import (
+    autocast_weight_copy_bytes,
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
@@ -203,6 +204,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
     in_flight = micro_batches_in_flight(act_config, dims, stage)
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
+    held["bf16 weight copies (autocast)"] = autocast_weight_copy_bytes(act_config, dims, layers, last, loss_on_cpu)
     mode = config.parallel.shard_mode
     fsdp = mode == "fsdp" and "FSDP transient" in held
     deferred = fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims) if fsdp else 0.0

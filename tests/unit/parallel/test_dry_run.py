@@ -363,3 +363,47 @@ def test_fsdp_without_pp_peaks_in_the_roots_reduce_when_it_outweighs_the_activat
     assert fsdp_root_reduce_bytes(10.0, fsdp, loss_weight_gradient=5.0, gloo=True) == 85.0  # gloo's copy, the loss's
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=4, dp_shard=2, pp=2)) == 0.0  # pp: deferred instead
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=2, tp=2)) == 0.0  # no FSDP
+
+
+@pytest.mark.parametrize("preset", ["mula-tiny-dense", "mula-tiny-moe"])
+def test_autocast_weight_copies_are_the_bf16_casts_autograd_keeps(preset):
+    """One process in bf16: every block's matrices are cast to bf16 by autocast (the experts by their fused op) and
+    kept for the backward; the saved tensors of a real forward, deduplicated by storage, against the formula."""
+    import torch
+
+    from optimus.models.transformer import build_model
+    from optimus.parallel.dry_run import autocast_weight_copy_bytes
+
+    config = build_config({"model": {"preset": preset}, "train": {"seq_len": 32, "micro_batch_size": 2,
+                                                                   "global_batch_size": 2, "dtype": "bf16"}})
+    model = build_model(config.model, seed=0)
+    shapes = {tuple(p.shape) for p in model.layers.parameters() if p.dim() >= 2}
+    kept: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in shapes:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.model.vocab_size, (2, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, ids)
+    layers = config.model.n_layers
+    expected = autocast_weight_copy_bytes(config, ParallelDims(world_size=1), layers, has_loss_head=False)
+    assert sum(kept.values()) == pytest.approx(expected, rel=0.02)
+
+
+def test_autocast_weight_copies_only_where_fp32_weights_compute_in_bf16():
+    from optimus.parallel.dry_run import autocast_weight_copy_bytes
+
+    def copies(dims, shard_mode="fsdp", **train):
+        config = build_config({"model": {"preset": "mula-tiny-dense"}, "parallel": {"shard_mode": shard_mode},
+                               "train": {"seq_len": 32, "global_batch_size": 8, "dtype": "bf16", **train}})
+        return autocast_weight_copy_bytes(config, dims, 4, has_loss_head=False)
+
+    one, two = ParallelDims(world_size=1), ParallelDims(dp_shard=2, world_size=2)
+    blocks = copies(one)
+    assert blocks > 0 and copies(two) == 0 and copies(two, "zero1") == 0  # FSDP gathers bf16, zero keeps bf16
+    assert copies(two, "ddp") == blocks  # whole fp32 replicas
+    assert copies(one, compile=True) == 0 and copies(one, dtype="fp32") == 0
+    assert copies(one, activation_checkpointing="full") == pytest.approx(blocks / 4)  # the block recomputed
