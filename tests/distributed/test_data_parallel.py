@@ -132,3 +132,10 @@ def test_fsdp_root_stays_gathered_from_forward_to_backward():
     for result in run_distributed(_root_gathers_per_step, 2, tiny_config()):
         assert result == {"gathers_per_step": 1.0, "root after forward": False, "first block after forward": True,
                           "root after backward": True}
+
+
+@pytest.mark.slow  # every rank compiles each block (inductor): about two minutes on 2 cores
+def test_compiled_blocks_under_fsdp_with_expert_parallel_match_one_process():
+    # train.compile, as the GPU figures recommend it (BENCHMARKS.md, "On one GPU"), under the layout it must
+    # compose with: torch.compile per block inside FSDP2's units, the experts' all-to-all between them
+    check_layout(tiny_config(moe=True, parallel=dict(dp_shard=2, ep=2), train=dict(compile=True)), world_size=2)
