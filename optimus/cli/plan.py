@@ -37,7 +37,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.json:
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
-    if best.fits and not config.train.compile:
+    if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
         _compile_hint(best, cluster, efficiency)
     if not best.fits:
         print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")

@@ -77,3 +77,16 @@ def test_plan_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_plan_on_gpus_says_what_compiling_would_give_and_not_when_compiled(monkeypatch, tmp_path, capsys):
+    from optimus.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "mula-1b.yaml")
+    args = ["plan", config, "--cluster", "h200", "--devices", "8", "--top", "1"]
+    assert main(args) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if "--train.compile=true" in line]
+    assert len(hint) == 1 and "x faster" in hint[0], hint
+    assert main([*args, "--train.compile=true"]) == 0
+    assert "--train.compile=true the best layout" not in capsys.readouterr().out
