@@ -8,7 +8,8 @@
 # 2. tests/gpu/resume_check.py: `optimus train` on the GPU (mula-tiny-moe, the default job) for 8 steps, then
 #    the same run rewound to its step-4 checkpoint and resumed, the two runs' losses compared;
 # 3. benchmarks/plan_gpu.py: the planner's step time and memory from the GPU's cluster preset alone vs short
-#    trainings of Mula-1B and Mula-7B-A1B's block on this GPU (torch.cuda.max_memory_allocated);
+#    trainings of Mula-1B and Mula-7B-A1B's block on this GPU (torch.cuda.max_memory_allocated), eager and
+#    with --train.compile=true;
 # 4. benchmarks/moe_layer.py: MoE layer fwd+bwd, ours vs the reference loop vs HF's OLMoE block,
 #    with TFLOP/s against the dense bf16 matmul measured in the same run;
 # 5. benchmarks/moe_step.py: whole training step on OLMoE-1B-7B layers, ours vs the reference loop
@@ -57,6 +58,7 @@ step gpu-tests "$PYTHON" -m pytest -q -p no:cacheprovider $parallel_tests -m gpu
 # relative 1e-3: a GPU kernel with atomics need not sum in the same order twice; the verdict prints either way
 step train-resume "$PYTHON" tests/gpu/resume_check.py configs/mula-tiny-moe.yaml --tolerance 1e-3
 step plan-gpu "$PYTHON" benchmarks/plan_gpu.py --json "$OUT/plan_gpu.json"
+step plan-gpu-compiled "$PYTHON" benchmarks/plan_gpu.py --override=--train.compile=true --json "$OUT/plan_gpu_compiled.json"
 step moe-layer "$PYTHON" benchmarks/moe_layer.py --device cuda --json "$OUT/moe_layer.json"
 step moe-step "$PYTHON" benchmarks/moe_step.py --device cuda --json "$OUT/moe_step.json"
 step moe-step-4l "$PYTHON" benchmarks/moe_step.py --device cuda --layers 4 --no-hf --json "$OUT/moe_step_4layers.json"
