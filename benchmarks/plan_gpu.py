@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info  # noqa: E402
+from benchmarks._common import machine_info, write_json  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +50,46 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "mula-7b-a1b-4l-selective": ("configs/mula-7b-a1b.yaml", ["--model.n_layers=4", "--train.micro_batch_size=8",
                                                               "--train.activation_checkpointing=selective"]),
 }
+
+
+def case_overrides(name: str, steps: int, warmup: int, more: list[str] = ()) -> tuple[str, list[str]]:
+    """(config path, overrides) of case `name` on one device for warm-up + measured steps, `more` appended."""
+    config_path, extra = CASES[name]
+    return str(ROOT / config_path), [*ONE_DEVICE, *BASE, *extra, *more, f"--train.max_steps={warmup + steps}"]
+
+
+def priced_trainer(config_path: str, overrides: list[str], run_dir: str):
+    """The Trainer as `optimus train` builds it, less what the planner does not price in a step: no checkpoint (a
+    1B model's would outlast the run), no evaluation at the end."""
+    from optimus.train.trainer import Trainer
+
+    trainer = Trainer(load_config(config_path, [*overrides, f"--run.dir={run_dir}"]), progress_bar=False)
+    trainer.callbacks = [c for c in trainer.callbacks if c not in (trainer.checkpointing, trainer.evaluation)]
+    return trainer
+
+
+def add_case_arguments(parser: argparse.ArgumentParser, steps: int, steps_help: str, json_default: str) -> None:
+    """The arguments plan_gpu.py and step_profile.py share: the preset, the cases, their steps, extra overrides."""
+    parser.add_argument("--cluster", default=None, help="the preset to compare with (default: from the GPU's name)")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--json", default=json_default)
+    parser.add_argument("--override", action="append", default=[],
+                        help="an extra config override for every case, e.g. --override=--train.compile=true")
+
+
+def selected_cases(args: argparse.Namespace, script: str) -> tuple[str, str, list[str]]:
+    """(the GPU's name, the preset, the case names) of parsed `args`; SystemExit without a GPU or for an unknown
+    case."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA (or ROCm) GPU")
+    device_name = torch.cuda.get_device_name(0)
+    names = args.only.split(",") if args.only else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"{script}: unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    return device_name, args.cluster or cluster_for_device(device_name), names
 
 
 def cluster_for_device(name: str) -> str:
@@ -72,25 +112,20 @@ def predict(config_path: str, overrides: list[str], cluster_name: str) -> dict:
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
     memory = stage_memory(layout.config, layout.dims, shape, 0)
-    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": sum(memory.values()), "memory_terms": memory,
-            "mfu": getattr(time_, "mfu", None)}
+    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": sum(memory.values()), "memory_terms": memory}
 
 
 def train(config_path: str, overrides: list[str], warmup: int) -> dict:
     """One short training run on cuda:0: the measured steps after the warm-up, the allocator's peak, the losses."""
-    from optimus.train.trainer import Trainer
-
     with tempfile.TemporaryDirectory(prefix="optimus-plan-gpu-") as tmp:
-        config = load_config(config_path, [*overrides, f"--run.dir={tmp}/run"])
         gc.collect()  # the last case's trainer, gone before this one's baseline is read
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        trainer = Trainer(config, progress_bar=False)
+        trainer = priced_trainer(config_path, overrides, f"{tmp}/run")
         built = time.perf_counter() - start
-        # the priced step only: no checkpoint (a 1B model's would outlast the run), no evaluation at the end
-        trainer.callbacks = [c for c in trainer.callbacks if c not in (trainer.checkpointing, trainer.evaluation)]
+        config = trainer.config
         trainer.fit()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
@@ -107,15 +142,12 @@ def train(config_path: str, overrides: list[str], warmup: int) -> dict:
 
 
 def run_case(name: str, cluster: str, steps: int, warmup: int, more: list[str] = ()) -> dict:
-    config_path, extra = CASES[name]
-    config_path = str(ROOT / config_path)
-    extra = [*extra, *more]
-    overrides = [*ONE_DEVICE, *BASE, *extra, f"--train.max_steps={warmup + steps}"]
+    config_path, overrides = case_overrides(name, steps, warmup, more)
     predicted = predict(config_path, overrides, cluster)
     measured = train(config_path, overrides, warmup)
     step = statistics.median(measured["steps_s"])
     gib = 1024**3
-    return {"case": name, "overrides": extra, "cluster": cluster,
+    return {"case": name, "overrides": [*CASES[name][1], *more], "cluster": cluster,
             "measured_step_s": step, "measured_steps_s": measured["steps_s"],
             "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
             "predicted_parts_s": predicted["parts"],
@@ -128,22 +160,9 @@ def run_case(name: str, cluster: str, steps: int, warmup: int, more: list[str] =
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", default=None, help="the preset to predict with (default: from the GPU's name)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
-    parser.add_argument("--json", default="bench-results/gpu/plan_gpu.json")
-    parser.add_argument("--override", action="append", default=[],
-                        help="an extra config override for every case, e.g. --override=--train.compile=true")
+    add_case_arguments(parser, 5, "measured steps after the warm-up", "bench-results/gpu/plan_gpu.json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("plan_gpu: needs a CUDA (or ROCm) GPU")
-    device_name = torch.cuda.get_device_name(0)
-    cluster = args.cluster or cluster_for_device(device_name)
-    names = args.only.split(",") if args.only else list(CASES)
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        raise SystemExit(f"plan_gpu: unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    device_name, cluster, names = selected_cases(args, "plan_gpu")
     print(f"{device_name}: predicted from the '{cluster}' preset alone (no calibration)")
     print(f"{'case':<26} {'measured s':>10} {'predicted s':>11} {'error':>7} {'meas GiB':>9} {'pred GiB':>9} "
           f"{'error':>7} {'MFU':>6}")
@@ -161,11 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<26} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%} "
               f"{row['measured_memory_gib']:>9.2f} {row['predicted_memory_gib']:>9.2f} {row['memory_error']:>+7.1%} "
               f"{mfu:>6}", flush=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "device": device_name, "cluster": cluster, "rows": rows},
-                              indent=1))
-    print(f"wrote {out}")
+    write_json(args.json, {"machine": machine_info(), "device": device_name, "cluster": cluster, "rows": rows})
+    print(f"wrote {args.json}")
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -21,7 +21,6 @@ ran below its preset's efficiency, and how much of the step the GPU sat idle.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -32,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info  # noqa: E402
-from benchmarks.plan_gpu import BASE, CASES, ONE_DEVICE, ROOT, cluster_for_device  # noqa: E402
+from benchmarks._common import machine_info, write_json  # noqa: E402
+from benchmarks.plan_gpu import add_case_arguments, case_overrides, priced_trainer, selected_cases  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 from optimus.train.callbacks.base import Callback  # noqa: E402
 
@@ -80,11 +79,9 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     from optimus.plan.cluster import load_cluster
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import _flops_by_class, _recomputed_flops, memory_bound_bytes, step_time
-    from optimus.train.trainer import Trainer
 
-    config_path, extra = CASES[name]
-    overrides = [*ONE_DEVICE, *BASE, *extra, *more, f"--train.max_steps={warmup + steps}"]
-    layout = validate_layout(load_config(str(ROOT / config_path), overrides), 1)
+    config_path, overrides = case_overrides(name, steps, warmup, more)
+    layout = validate_layout(load_config(config_path, overrides), 1)
     config, cluster = layout.config, load_cluster(cluster_name)
     shape = ModelShape.of(config)
     predicted = step_time(config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
@@ -99,9 +96,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     peak = cluster.peak_flops("bf16" if config.train.dtype != "fp32" else "fp32")
 
     with tempfile.TemporaryDirectory(prefix="optimus-step-profile-") as tmp:
-        run_config = load_config(str(ROOT / config_path), [*overrides, f"--run.dir={tmp}/run"])
-        trainer = Trainer(run_config, progress_bar=False)
-        trainer.callbacks = [c for c in trainer.callbacks if c not in (trainer.checkpointing, trainer.evaluation)]
+        trainer = priced_trainer(config_path, overrides, f"{tmp}/run")
         profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                            schedule=schedule(wait=warmup - 1, warmup=1, active=steps))
         trainer.callbacks.append(_StepProfiler(profiler))
@@ -114,16 +109,16 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")
                and "#" not in e.name]
-    seconds: dict[str, float] = {}
+    seconds: dict[str, float] = {}  # per op class
+    top: dict[str, float] = {}  # per kernel name
     for kernel in kernels:
+        per_step = kernel.time_range.elapsed_us() * 1e-6 / steps
         label = kernel_class(kernel.name)
-        seconds[label] = seconds.get(label, 0.0) + kernel.time_range.elapsed_us() * 1e-6 / steps
+        seconds[label] = seconds.get(label, 0.0) + per_step
+        top[kernel.name] = top.get(kernel.name, 0.0) + per_step
     step_spans = [e for e in events if e.name.startswith("ProfilerStep")]
     wall = statistics.median(e.time_range.elapsed_us() for e in step_spans) * 1e-6 if step_spans else float("nan")
     busy = _union([(k.time_range.start, k.time_range.end) for k in kernels]) * 1e-6 / steps
-    top = {}
-    for kernel in kernels:
-        top[kernel.name] = top.get(kernel.name, 0.0) + kernel.time_range.elapsed_us() * 1e-6 / steps
     rates = {c: class_flops[c] / seconds[c] / peak for c in class_flops if seconds.get(c)}
     if seconds.get("memory_bound"):
         rates["memory_bound"] = hbm_bytes / seconds["memory_bound"] / (cluster.hbm_gb_s * 1e9)
@@ -136,18 +131,9 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", default=None, help="the preset to compare with (default: from the GPU's name)")
-    parser.add_argument("--steps", type=int, default=2, help="profiled steps after the warm-up")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default=None, help="comma-separated case names (default: all)")
-    parser.add_argument("--json", default="bench-results/gpu/step_profile.json")
-    parser.add_argument("--override", action="append", default=[],
-                        help="an extra config override for every case, e.g. --override=--train.compile=true")
+    add_case_arguments(parser, 2, "profiled steps after the warm-up", "bench-results/gpu/step_profile.json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("step_profile: needs a CUDA (or ROCm) GPU")
-    cluster = args.cluster or cluster_for_device(torch.cuda.get_device_name(0))
-    names = args.only.split(",") if args.only else list(CASES)
+    device_name, cluster, names = selected_cases(args, "step_profile")
     rows = []
     for name in names:
         try:
@@ -169,11 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         for kernel, secs in list(row["top_kernels_s"].items())[:12]:
             print(f"    {secs:8.4f} s  {kernel[:110]}")
         sys.stdout.flush()
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "device": torch.cuda.get_device_name(0), "rows": rows},
-                              indent=1))
-    print(f"wrote {out}")
+    write_json(args.json, {"machine": machine_info(), "device": device_name, "rows": rows})
+    print(f"wrote {args.json}")
     return 1 if any("error" in r for r in rows) else 0
 
 

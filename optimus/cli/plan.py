@@ -49,12 +49,14 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _compile_hint(best, cluster, efficiency) -> None:
     """Say what train.compile would give the best layout, where the planner prices it worth a tenth or more."""
+    from optimus.parallel.validate import resolve_batch
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     config = best.config.model_copy(update={"train": best.config.train.model_copy(update={"compile": True})})
-    micro_batches = config.train.global_batch_size // (best.dims().dp * config.train.micro_batch_size)
-    compiled = step_time(config, best.dims(), ModelShape.of(config), cluster, efficiency, micro_batches).step_s
+    dims = best.dims()
+    micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
+    compiled = step_time(config, dims, ModelShape.of(config), cluster, efficiency, micro_batches).step_s
     if compiled < best.step_s / 1.1:
         print(f"with --train.compile=true the best layout is predicted {compiled:.3f} s a step ({best.step_s / compiled:.2f}x "
               f"faster): compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.plan_gpu import BASE, CASES, ONE_DEVICE, ROOT, cluster_for_device, predict
+from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, predict
 from benchmarks.step_profile import _union, kernel_class
 from tests.gpu.resume_check import resumed_at, rewind
 
@@ -41,8 +41,7 @@ def test_the_preset_follows_the_gpus_name():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_case_is_a_valid_one_device_layout_the_planner_prices(case):
-    config, extra = CASES[case]
-    predicted = predict(str(ROOT / config), [*ONE_DEVICE, *BASE, *extra, "--train.max_steps=8"], "h200")
+    predicted = predict(*case_overrides(case, steps=5, warmup=3), "h200")
     assert 0 < predicted["step_s"] < 10
     assert 0 < predicted["memory_bytes"] < 141 * 1024**3
 
