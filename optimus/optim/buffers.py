@@ -7,7 +7,7 @@ collectives are in flight and the memory held is about two buckets, not the whol
 per-bucket buffers would hold: zero2 would lose its 1/dp gradient memory). Each buffer is raw bytes,
 sized for the largest of its buckets, and viewed per use in the dtype the collective moves:
 
-    reduce-scatter (fp32):        [ranks, segment] packed gradients  | [segment] output to accumulate
+    reduce-scatter (reduce dtype): [ranks, segment] packed gradients | [segment] output to accumulate
     all-gather (parameter dtype): [ranks, segment] gathered segments | [segment] this rank's segment
 
 where ranks x segment is the bucket's elements padded to a multiple of ranks (optim/flat.py). The reduced
@@ -24,16 +24,17 @@ from optimus.optim.flat import cut_buckets
 BUFFERS = 2  # one bucket's collective travels while the next bucket is packed (double buffering)
 
 
-def buffer_nbytes(buckets: list[tuple[int, int]], width: int, accumulates: bool) -> list[int]:
+def buffer_nbytes(buckets: list[tuple[int, int]], width: int, accumulates: bool, reduce_width: int = 4) -> list[int]:
     """Bytes of each persistent buffer for buckets given as (ranks, segment) in order, for parameters of
-    `width` bytes per element (the all-gather's dtype; gradients reduce in fp32). `accumulates`: a step
-    reduces a bucket more than once (zero2 with several micro-batches), the later reductions summed in."""
+    `width` bytes per element (the all-gather's dtype) and gradients reduced in `reduce_width` (fp32: 4, bf16:
+    2; a one-rank bucket packs in fp32). `accumulates`: a step reduces a bucket more than once (zero2 with
+    several micro-batches), the later reductions summed in."""
     nbytes = [0] * min(BUFFERS, len(buckets))
     for index, (ranks, segment) in enumerate(buckets):
         # a bucket over one rank has no collective: it packs straight into its shard, and uses a buffer only
         # to pack the later micro-batches' gradients that are summed in
         if ranks > 1 or accumulates:
-            need = max(4, width) * (ranks + 1) * segment
+            need = max(reduce_width if ranks > 1 else 4, width) * (ranks + 1) * segment
             nbytes[index % BUFFERS] = max(nbytes[index % BUFFERS], need)
     return nbytes
 
@@ -93,8 +94,8 @@ def zero_layout(model: nn.Module, dense_ranks: int, expert_ranks: int, bucket_nu
 
 
 def buffer_bytes_for(model: nn.Module, dense_ranks: int, expert_ranks: int, width: int, mode: str,
-                     bucket_numel: int) -> int:
+                     bucket_numel: int, reduce_width: int = 4) -> int:
     """Bytes of the persistent communication buffers ShardedOptimizer allocates for `model` (works on meta: the
     dry run), non-expert state sharded over `dense_ranks`, expert state over `expert_ranks`."""
     layout = zero_layout(model, dense_ranks, expert_ranks, bucket_numel)
-    return sum(buffer_nbytes(layout, width, accumulates=mode == "zero2"))
+    return sum(buffer_nbytes(layout, width, mode == "zero2", reduce_width))

@@ -31,7 +31,8 @@ Averaging is FSDP mode's: non-expert gradients averaged over dp, expert gradient
 
 The parameters are not views into the bucket buffers (they stay ordinary whole tensors, as every other
 mode has them): one copy each way, through two persistent buffers that the buckets take turns over
-(optim/buffers.py): gradients packed straight into one, cast to fp32 in the copy; gathered segments
+(optim/buffers.py): gradients packed straight into one, cast to the reduce dtype in the copy (fp32; bf16 under
+parallel.grad_reduce_dtype=bf16: half the bytes, summed in bf16, the shard fp32 again); gathered segments
 copied straight from it into the parameters.
 
 Checkpoints stay per parameter, whatever the buckets: state_dict() is the flattened form
@@ -75,6 +76,7 @@ class ZeroPlan:
     ep_aware: bool
     mesh: object  # optimus.parallel.mesh.ParallelMesh
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype = torch.float32  # what gradients travel and are summed in (parallel.grad_reduce_dtype)
 
 
 @dataclass
@@ -99,8 +101,9 @@ class _Bucket:
     shard: torch.Tensor | None = None  # persistent fp32 [segment], allocated on the first reduction
     grad_shard: torch.Tensor | None = None  # `shard` once this step reduced into it: this rank's segment summed
     # over ranks (and micro-batches)
-    # its reduce-scatter in flight (at most one: its buffer is claimed before the next packing):
-    # (work, the buffer's output to add to grad_shard when it lands, or None: it writes grad_shard itself)
+    # its reduce-scatter in flight (at most one: its buffer is claimed before the next packing): (work, the
+    # buffer's output to put into grad_shard when it lands, or None: it writes grad_shard itself, whether it is the
+    # step's first reduction: copied, else added)
     pending: tuple | None = None
     finished: bool = False  # grad_shard averaged and handed to the masters as .grad
     arrived: set = None  # zero2: parameters whose gradient this backward has produced
@@ -150,8 +153,8 @@ class ShardedOptimizer:
         self._slots = {slot.param: (slot, bucket) for bucket in self.buckets for slot in bucket.slots}
         self._init_masters(plan.compute_dtype)
         layout = [(bucket.group.mesh.size(), bucket.segment) for bucket in self.buckets]
-        width = plan.compute_dtype.itemsize
-        self.buffers = BucketBuffers(buffer_nbytes(layout, width, accumulates=self.mode == "zero2"), self._device)
+        self.buffers = BucketBuffers(buffer_nbytes(layout, plan.compute_dtype.itemsize, self.mode == "zero2",
+                                                   plan.reduce_dtype.itemsize), self._device)
         self._buffer_user: dict[int, _Bucket] = {}  # buffer -> the bucket whose reduce-scatter is using it
         for index, bucket in enumerate(self.buckets):
             bucket.buffer = self.buffers.index(index)
@@ -295,9 +298,10 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _reduce_bucket(self, bucket: _Bucket) -> None:
-        """Pack the bucket's whole gradients (fp32, end to end) into its persistent buffer,
-        free them, and start their reduce-scatter: the step's first straight into the bucket's shard, later
-        ones (zero2's micro-batches) into the buffer, summed into the shard when they land (_land)."""
+        """Pack the bucket's whole gradients (end to end, in the reduce dtype) into its persistent buffer,
+        free them, and start their reduce-scatter: in fp32 the step's first straight into the bucket's shard,
+        otherwise into the buffer, copied (first) or summed (zero2's later micro-batches) into the fp32 shard when
+        it lands (_land). With one rank nothing travels: the gradients are packed in fp32, unrounded."""
         size = bucket.group.mesh.size()
         self._claim(bucket.buffer)  # the buffer's previous reduce-scatter (this bucket's own too) has landed
         first = bucket.grad_shard is None
@@ -308,14 +312,16 @@ class ShardedOptimizer:
         if size == 1 and first:  # nothing to reduce: the packed gradients are the shard
             self._pack(bucket, bucket.shard)
             return
-        packed, out = self.buffers.views(bucket.buffer, size, bucket.segment, torch.float32)
+        dtype = self.plan.reduce_dtype if size > 1 else torch.float32
+        packed, out = self.buffers.views(bucket.buffer, size, bucket.segment, dtype)
         self._pack(bucket, packed.view(-1))
         if size == 1:
             bucket.grad_shard.add_(packed.view(-1))
             return
-        target = bucket.grad_shard if first else out
+        straight = first and dtype == torch.float32
+        target = bucket.grad_shard if straight else out
         work = reduce_scatter_single(target, packed.view(-1), group=bucket.group.mesh.get_group(), async_op=True)
-        bucket.pending = (work, None if first else out)
+        bucket.pending = (work, None if straight else out, first)
         self._buffer_user[bucket.buffer] = bucket
         self._in_flight.append(bucket)
 
@@ -336,7 +342,7 @@ class ShardedOptimizer:
                 if grad.placements != slot.param.placements:
                     grad = grad.redistribute(slot.param.device_mesh, slot.param.placements)
                 grad = grad._local_tensor
-            region.copy_(grad.reshape(-1))  # (the cast to fp32 fused into the copy)
+            region.copy_(grad.reshape(-1))  # (the cast to the reduce dtype fused into the copy)
             slot.param.grad = None
         bucket.arrived.clear()
 
@@ -349,13 +355,17 @@ class ShardedOptimizer:
             self._land(user)
 
     def _land(self, bucket: _Bucket) -> None:
-        """Wait for the bucket's reduce-scatter and add its output to grad_shard (unless it wrote grad_shard)."""
-        work, out = bucket.pending
+        """Wait for the bucket's reduce-scatter and put its output into grad_shard: copied (the step's first
+        reduction, cast to fp32) or added (later ones), unless the collective wrote grad_shard itself."""
+        work, out, first = bucket.pending
         bucket.pending = None
         del self._buffer_user[bucket.buffer]
         work.wait()
         if out is not None:
-            bucket.grad_shard.add_(out)
+            if first:
+                bucket.grad_shard.copy_(out)
+            else:
+                bucket.grad_shard.add_(out)
 
     def _land_all(self) -> None:
         while self._in_flight:

@@ -41,5 +41,11 @@ class ParallelConfig(ParallelDegrees):
         "fsdp", description="fsdp: FSDP2 (ZeRO-3); zero1/zero2: whole parameters, sharded fp32 master + AdamW "
                             "state (optimus/optim/sharded.py), gradients reduce-scattered at the step / per bucket; "
                             "ddp: nothing sharded, torch DDP (pure data parallel, small models)")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="the dtype gradients cross data-parallel ranks and are summed in: fp32 (the default: a "
+                            "sum over many ranks loses nothing) or bf16 (half the bytes, as Megatron's "
+                            "--grad-reduce-in-bf16, FSDP2's reduce_dtype and the Aurora team's bf16 gradient "
+                            "buffers; each gradient and each partial sum rounded to bf16). The reduced gradient "
+                            "is fp32 again before clipping and the optimizer, whatever the mode")
     ep_aware: bool = Field(True, description="zero1/zero2: non-expert state sharded over DP x EP (False: over DP "
                                              "only, replicated across EP: the ablation baseline)")

@@ -303,19 +303,25 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> f
     return min(n_micro, dims.pp - stage)
 
 
-def fsdp_transient_bytes(blocks: list[float], root: float, width: int, dims: ParallelDims) -> float:
+def reduce_width(config: Config) -> float:
+    """Bytes per element of the gradients data parallelism reduces (parallel.grad_reduce_dtype): fp32 4, bf16 2."""
+    return 2.0 if config.parallel.grad_reduce_dtype == "bf16" else 4.0
+
+
+def fsdp_transient_bytes(blocks: list[float], root: float, width: int, dims: ParallelDims,
+                         reduce: float = 4.0) -> float:
     """Bytes FSDP holds gathered beyond the shards: two blocks' weights (the running and the prefetched one), one
-    block's unreduced gradients and the root unit; under pp the whole stage's weights and fp32 gradients, since
-    torch's pipeline stages keep blocks gathered after their backward and accumulate unsharded gradients until
-    the step's one reduce-scatter (pipelining/stage.py: reshard_after_backward and requires_gradient_sync off
-    between micro-batches). Without data parallelism (one process, tp / pp only) there is no FSDP: nothing is
-    gathered."""
+    block's unreduced gradients (in the `reduce` width, what FSDP reduces them in) and the root unit; under pp the
+    whole stage's weights and gradients, since torch's pipeline stages keep blocks gathered after their backward
+    and accumulate unsharded gradients until the step's one reduce-scatter (pipelining/stage.py:
+    reshard_after_backward and requires_gradient_sync off between micro-batches). Without data parallelism (one
+    process, tp / pp only) there is no FSDP: nothing is gathered."""
     if not dims.has_data_parallel:
         return 0.0
     if dims.pp > 1:
-        return (sum(blocks) + root) * (width + 4.0)
+        return (sum(blocks) + root) * (width + reduce)
     largest = max(blocks, default=0)
-    return (2 * largest + root) * width + 4.0 * largest
+    return (2 * largest + root) * width + reduce * largest
 
 
 def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int) -> RankMemory:
@@ -335,7 +341,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # no data parallelism, no FSDP: nothing is gathered
-        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims),
+        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims, reduce_width(config)),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }
@@ -349,11 +355,12 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
     fsdp = "FSDP transient" in memory.bytes
-    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims) if fsdp else 0.0
+    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, reduce_width(config)) if fsdp else 0.0
     overlap = gradients_not_at_the_activation_peak(_batch(config, dims).micro_batches,
                                                    whole_gradient_bytes(mode, local, width),
                                                    memory.bytes["activations (as configured)"], deferred,
-                                                   fsdp_root_reduce_bytes(root, dims) if fsdp else 0.0,
+                                                   fsdp_root_reduce_bytes(root, dims, reduce=reduce_width(config))
+                                                   if fsdp else 0.0,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0)
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
@@ -404,27 +411,29 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
 
 
 def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient: float = 0.0,
-                           gloo: bool = False) -> float:
+                           gloo: bool = False, reduce: float = 4.0) -> float:
     """What FSDP holds beyond the sharded gradients while it reduces the root unit (embedding, final norm, LM
-    head; `root` in unsharded elements) at the end of the backward, without pp: the flat fp32 reduce-scatter input
+    head; `root` in unsharded elements) at the end of the backward, without pp: the flat reduce-scatter input
+    (`reduce` bytes an element: fp32 4, bf16 2)
     of the root's gradients, with `gloo` (CPU) also the copy gloo's reduce_scatter makes of its input, and
     `loss_weight_gradient`: what the loss keeps until the backward ends (the CPU's fused loss ops hold their fp32
     head-weight gradient in their autograd node). 0 under pp (fsdp_deferred_reduce_bytes) or without data
     parallelism."""
     if dims.pp > 1 or not dims.has_data_parallel:
         return 0.0
-    return 4.0 * root * (2 if gloo else 1) + loss_weight_gradient
+    return reduce * root * (2 if gloo else 1) + loss_weight_gradient
 
 
-def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims) -> float:
+def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims, reduce: float = 4.0) -> float:
     """The reduce-scatter inputs FSDP holds under pp while it reduces the stage's accumulated gradients, unit by
-    unit after the last backward: a flat fp32 copy of one unit's unsharded gradients, and the previous unit's
+    unit after the last backward: a flat copy (`reduce` bytes an element) of one unit's unsharded gradients, and
+    the previous unit's
     until its reduce completes (torch keeps one in flight: reduce_scatter_max_input_buffers), so the two largest
     units (`blocks` and `root` in unsharded elements, as fsdp_transient_bytes takes them); 0 where there is no
     such deferred reduce (no pp, or no data parallelism)."""
     if dims.pp == 1 or not dims.has_data_parallel:
         return 0.0
-    return 4.0 * sum(sorted([*blocks, root], reverse=True)[:2])
+    return reduce * sum(sorted([*blocks, root], reverse=True)[:2])
 
 
 def zero_gradient_bytes(mode: str, local: float, owned: float, width: int, buffers: float) -> float:
@@ -449,7 +458,7 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     layout = zero_layout(model, dense_ranks, dims.expert_dp, DEFAULT_BUCKET_NUMEL)
     owned = sum(segment for _, segment in layout)  # rank 0's: a whole segment of every bucket (optim/flat.py)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
-    buffers = sum(buffer_nbytes(layout, width, accumulates=mode == "zero2"))
+    buffers = sum(buffer_nbytes(layout, width, mode == "zero2", int(reduce_width(config))))
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
         ("gradients (whole + fp32 shard + 2 bucket buffers, zero1)" if mode == "zero1" else

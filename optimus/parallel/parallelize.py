@@ -141,12 +141,13 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     if parallel and config.parallel.shard_mode == "ddp":
         from optimus.parallel.data_parallel import apply_ddp
 
-        apply_ddp(model, mesh["dp"])  # pure data parallel (validate.check_shard_mode): dp is every rank
+        apply_ddp(model, mesh["dp"], reduce_dtype=config.parallel.grad_reduce_dtype)  # pure data parallel (validate.check_shard_mode): dp is every rank
     elif parallel and config.parallel.shard_mode != "fsdp":
         from optimus.optim.sharded import ZeroPlan
 
         compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32
-        model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute)
+        reduce = torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32
+        model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute, reduce)
     elif parallel and dims.has_data_parallel:
         from optimus.parallel.data_parallel import apply_fsdp
 
@@ -156,7 +157,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
         # under pp the schedule calls the stage modules, never model: they are FSDP's roots
         for root in pipeline.stages if pipeline is not None else [model]:
             apply_fsdp(
-                root, fsdp_mesh(dims, mesh), dtype=train.dtype, experts_mesh=experts_mesh,
+                root, fsdp_mesh(dims, mesh), dtype=train.dtype, reduce_dtype=config.parallel.grad_reduce_dtype,
+                experts_mesh=experts_mesh,
                 # op-level checkpointing cannot replay a one-rank experts group: leave experts out of FSDP
                 ignore_experts=train.activation_checkpointing == "selective_ops" and experts_mesh is not None
                 and experts_mesh.size() == 1,

@@ -12,14 +12,15 @@
                  QK-norm's all-reduces; the embedding's, LM head's and loss's collectives),
                  ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
-                 gradient reduce-scatter (fp32), of every rank's padded shard (memory.fsdp_elements); pp sends of
+                 gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
+                 gradient collective below), of every rank's padded shard (memory.fsdp_elements); pp sends of
                  activations and gradients (asynchronous, 2 per virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
     buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp the gradients'
                  once per step), on a host CPU also the page faults of those buffers and unsharded weights of
                  32 MiB or more, which glibc maps afresh each time (fsdp_fresh_bytes), the zero modes' packing
-                 of gradients into fp32 buffers (per reduction) and unpacking of the gathered parameters (per
+                 of gradients into their buffers (per reduction) and unpacking of the gathered parameters (per
                  step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       the last stage (LM head) runs its m micro-batches back to back; filling and draining the pipe
@@ -38,11 +39,11 @@
                  presets, which model fused published stacks, zero; a compiled block counts a tenth of its
                  operators), and under tp what DTensor's dispatch adds per DTensor operator (dtensor_overhead_us x
                  dtensor_cost.dtensor_operators; zero on the GPU presets)
-    per micro-batch, zero2: its fp32 gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
+    per micro-batch, zero2: its gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
                  backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
-                 reduce-scatter (fp32), the zero modes' parameter all-gather after the update, ddp's fp32 all-reduce
+                 reduce-scatter, the zero modes' parameter all-gather after the update, ddp's all-reduce
                  beyond the last backward that hides it, and the gradient clipping with the AdamW update (42 bytes of
                  HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
                  CPU streams at about twice a copy's bandwidth). The zero modes and ddp move their
@@ -64,6 +65,7 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
+from optimus.parallel.dry_run import reduce_width
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
@@ -124,11 +126,11 @@ def fsdp_gathers_per_micro_batch(layers: int, micro_batches: int, pp: int, virtu
 
 
 def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int,
-                     gathers: tuple[float, float]) -> tuple[float, float]:
+                     gathers: tuple[float, float], reduce: float = 4.0) -> tuple[float, float]:
     """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
     host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
-    all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's fp32 input and
-    output. `gathers`: (per block, for the root) all-gathers per micro-batch, as step_time counts them; each of
+    all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's input and output
+    (`reduce` bytes an element: fp32 4, bf16 2). `gathers`: (per block, for the root) all-gathers per micro-batch, as step_time counts them; each of
     the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
     def fresh(nbytes: float) -> float:
         return nbytes if nbytes >= threshold else 0.0
@@ -148,7 +150,7 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
         gathered = sum(fsdp_elements(t, dims)[1] for t in tensors)
         copied_out = sum(fresh(width * math.prod(t.local_shape(dims))) for t in tensors)
         per_gather += gathers[unit] * (fresh(width * gathered) + copied_out)
-        per_reduce += reduces[unit] * (fresh(4 * gathered) + fresh(4 * gathered / ranks))
+        per_reduce += reduces[unit] * (fresh(reduce * gathered) + fresh(reduce * gathered / ranks))
     return per_gather, per_reduce
 
 
@@ -344,6 +346,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # where the links move bytes beside it, nothing where the ranks' own cores must move them (`here`)
     overlap = compute_mb if cluster.comm_overlaps_compute else 0.0
     hidden_by_backward = 2 / 3 * overlap
+    grad_width = reduce_width(config)  # what data parallelism reduces gradients in (parallel.grad_reduce_dtype)
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
@@ -364,24 +367,25 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))
 
         def unit_reduce(dense: float, experts: float) -> float:
-            return (ring_time(shard_link, 4 * dense, "reduce_scatter") +
-                    ring_time(expert_link, 4 * experts, "reduce_scatter"))
+            return (ring_time(shard_link, grad_width * dense, "reduce_scatter") +
+                    ring_time(expert_link, grad_width * experts, "reduce_scatter"))
         block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
         fsdp_mb = layers * unit_gathers(block_dense, block_experts, block_gathers) + unit_gathers(root, 0.0, root_gathers)
         reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
         gather_copies = reduce_copies = 0.0
         if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
             # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
-            # reduce-scatter copies the whole fp32 gradients in (a read and a write each)
+            # reduce-scatter copies the whole gradients into its input (fp32 read, reduce dtype written)
             gathered = dense_stage + expert_stage
             blocks_dense = dense_stage - root
             gathered_now = block_gathers * (blocks_dense + expert_stage) + root_gathers * root
             owned_now = (block_gathers * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) +
                          root_gathers * root / dims.dp_shard)
-            gather_copies, reduce_copies = 2 * width * (gathered_now + owned_now) / hbm_eff, 2 * 4 * gathered / hbm_eff
+            gather_copies = 2 * width * (gathered_now + owned_now) / hbm_eff
+            reduce_copies = (4 + grad_width) * gathered / hbm_eff
             if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
                 fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
-                                                                (block_gathers, root_gathers))
+                                                                (block_gathers, root_gathers), grad_width)
                 gather_copies += fresh_gathers * cluster.fresh_page_s_per_byte
                 reduce_copies += fresh_reduces * cluster.fresh_page_s_per_byte
         if dims.pp > 1:
@@ -390,14 +394,16 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
             fsdp_mb, fsdp_copy_mb = fsdp_mb + reduce, gather_copies + reduce_copies
         if dims.dp_replicate > 1:
             rep_link = group_link(dims, ("dp_replicate",), cluster)
-            step_sync += all_reduce_time(rep_link, 4 * (dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep))
+            step_sync += all_reduce_time(rep_link, grad_width * (dense_stage / dims.dp_shard +
+                                                                 expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-    elif p.shard_mode == "ddp":  # one fp32 all-reduce of the whole gradients per step, bucket by bucket as the
-        # last micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything
-        buckets = [(dp_link, ddp_bucket_bytes(4 * (dense_stage + expert_stage)))]
+    elif p.shard_mode == "ddp":  # one all-reduce of the whole gradients per step, bucket by bucket as the last
+        # micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything. DDP cuts
+        # its buckets from the fp32 gradients; bf16 reduction compresses each (its comm hook)
+        buckets = [(dp_link, [b * grad_width / 4 for b in ddp_bucket_bytes(4 * (dense_stage + expert_stage))])]
         step_sync = max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
         owned = dense_stage + expert_stage
-    else:  # zero1/zero2: reduce-scatter the gradients (packed fp32, optim/sharded.py), all-gather the updated
+    else:  # zero1/zero2: reduce-scatter the gradients (packed in the reduce dtype, optim/sharded.py), all-gather the updated
         # parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
         # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it
         # one collective per bucket each way (optim/sharded.py), and each pays its ring's latency
@@ -405,15 +411,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense_stage, expert_stage,
                                                           first=dims.pp == 1, last=True)
         buckets = [(dense_link, dense_buckets), (expert_dp_link, expert_buckets)]
-        reduce = _per_bucket(lambda link, n: ring_time(link, 4 * n, "reduce_scatter"), buckets)
+        reduce = _per_bucket(lambda link, n: ring_time(link, grad_width * n, "reduce_scatter"), buckets)
         gather = _per_bucket(lambda link, n: ring_time(link, width * n), buckets)
         # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): each reduction packs the
-        # gradients into a persistent fp32 bucket buffer (read w B, write 4 B per element); after the update each
+        # gradients into a persistent bucket buffer (read w B, write the reduce dtype's); after the update each
         # rank writes its masters into the send area (4 + w B per owned element) and the gathered blocks are
         # copied into the parameters (read and write w B)
         local_elements = (dense_stage + expert_stage) if dims.is_parallel else 0.0  # one process: a plain optimizer
         group = dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep
-        pack = (4 + width) * local_elements / hbm_eff
+        pack = (grad_width + width) * local_elements / hbm_eff
         unpack = (2 * width + (4 + width) / group) * local_elements / hbm_eff
         if p.shard_mode == "zero2":
             zero2_mb = max(0.0, reduce - hidden_by_backward)
