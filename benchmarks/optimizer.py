@@ -17,7 +17,9 @@
    gradient bytes per rank held when backward is done (before clipping: fsdp's sharded gradients,
    zero1's whole ones, zero2's reduced fp32 shards); the zero modes' persistent bucket buffers too.
    Ratios are against the EP-unaware variant of the same zero mode (fsdp: against zero1 EP-unaware).
-   Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32, each sharding group's
+   And zero1 EP-aware with parallel.grad_reduce_dtype=bf16 (the Aurora team's bf16 gradient buffers) against
+   the same in fp32: half the reduce-scatter's bytes, and what packing and summing bf16 costs here.
+   Analytic counts, exact here: the zero modes' gradient reduce-scatter (fp32 or bf16, each sharding group's
    parameters end to end, padded to a multiple of the group's size; zero1 once per step, zero2 once per
    micro-batch, its price for holding only shards) and parameter all-gather, and EP's
    all_to_all (per MoE layer and micro-batch: the [T*k, D] token rows out and back, forward and
@@ -71,12 +73,15 @@ LAYOUTS = {  # name -> (ranks, parallel)
     "dp2 x ep2": (4, dict(dp_shard=4, ep=2)), "pp2 x ep2": (4, dict(pp=2, dp_shard=2, ep=2, pp_schedule="1f1b")),
     "dp2": (2, dict(dp_shard=2, ep=1)),  # 2 ranks, nothing but the optimizer's sharding: its buffer copies show
 }
-VARIANTS = {  # name -> (shard_mode, ep_aware)
-    "zero1 ep-unaware": ("zero1", False), "zero1 ep-aware": ("zero1", True),
-    "zero2 ep-unaware": ("zero2", False), "zero2 ep-aware": ("zero2", True), "fsdp": ("fsdp", True),
+VARIANTS = {  # name -> (shard_mode, ep_aware, grad_reduce_dtype)
+    "zero1 ep-unaware": ("zero1", False, "fp32"), "zero1 ep-aware": ("zero1", True, "fp32"),
+    "zero2 ep-unaware": ("zero2", False, "fp32"), "zero2 ep-aware": ("zero2", True, "fp32"),
+    "fsdp": ("fsdp", True, "fp32"),
+    "zero1 ep-aware bf16-reduce": ("zero1", True, "bf16"),  # the Aurora team's bf16 gradient buffers
 }
 BASELINE = {"zero1 ep-aware": "zero1 ep-unaware", "zero2 ep-aware": "zero2 ep-unaware", "fsdp": "zero1 ep-unaware",
-            "zero1 ep-unaware": "zero1 ep-unaware", "zero2 ep-unaware": "zero2 ep-unaware"}
+            "zero1 ep-unaware": "zero1 ep-unaware", "zero2 ep-unaware": "zero2 ep-unaware",
+            "zero1 ep-aware bf16-reduce": "zero1 ep-aware"}
 MULA = {"20b": ("configs/mula-20b-a2b.yaml", 1.36), "100b": ("configs/mula-100b-a7b.yaml", 1.23),
         "220b": ("configs/mula-220b-a10b.yaml", 1.07)}
 HSDP = dict(dp_replicate=2, dp_shard=2)
@@ -86,9 +91,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def zero_analytic_bytes(model, mesh, ep_aware: bool, scatters_per_step: int = 1) -> dict[str, int]:
-    """The zero modes' optimizer collectives per step and rank: fp32 gradient reduce-scatter input (zero1: once
-    per step; zero2: once per micro-batch, pass scatters_per_step) and parameter all-gather output. Each sharding
+def zero_analytic_bytes(model, mesh, ep_aware: bool, scatters_per_step: int = 1,
+                        reduce_width: int = 4) -> dict[str, int]:
+    """The zero modes' optimizer collectives per step and rank: the gradient reduce-scatter input (`reduce_width`
+    bytes an element: fp32 4, bf16 2; zero1: once per step; zero2: once per micro-batch, pass scatters_per_step)
+    and the fp32 parameters' all-gather output. Each sharding
     group's parameters are one flat bucket here (the model is far below DEFAULT_BUCKET_NUMEL), padded only to a
     multiple of the group's size (optim/flat.py)."""
     from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL, expert_parameters
@@ -98,14 +105,14 @@ def zero_analytic_bytes(model, mesh, ep_aware: bool, scatters_per_step: int = 1)
     non_expert = sum(_local(p).numel() for p in model.parameters() if p not in experts)
     if max(expert, non_expert) >= DEFAULT_BUCKET_NUMEL:
         raise ValueError("zero_analytic_bytes counts one bucket per group: the model is too large for that")
-    total = 0
+    total = 0  # padded elements sent
     for elements, group in ((non_expert, "dp" if ep_aware else "expert_dp"), (expert, "expert_dp")):
         size = mesh.size(group)
         if size > 1 and elements:
-            total += math.ceil(elements / size) * size * 4
+            total += math.ceil(elements / size) * size
     # EP-unaware: the reduced non-expert shard is all-reduced over ep
     ep_shard = 0 if ep_aware else math.ceil(non_expert / mesh.size("expert_dp")) * 4
-    out = {"reduce_scatter_single": scatters_per_step * total, "all_gather_single": total}
+    out = {"reduce_scatter_single": scatters_per_step * total * reduce_width, "all_gather_single": total * 4}
     if ep_shard and mesh.size("ep") > 1:
         out["all_reduce"] = ep_shard  # measured all_reduce adds a few scalars (gradient norm, losses)
     return out
@@ -160,8 +167,9 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
     tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, BATCH, SEQ + 1), generator=gen)
     micro = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(MICRO)]
     runs, out = {}, {}
-    for name, (mode, aware) in VARIANTS.items():
-        config = tiny_config(moe=True, model=MODEL, parallel=dict(parallel, shard_mode=mode, ep_aware=aware),
+    for name, (mode, aware, reduce) in VARIANTS.items():
+        config = tiny_config(moe=True, model=MODEL, parallel=dict(parallel, shard_mode=mode, ep_aware=aware,
+                                                                  grad_reduce_dtype=reduce),
                              train=dict(seq_len=SEQ, micro_batch_size=BATCH, dtype="fp32",
                                         global_batch_size=BATCH * MICRO * mesh.size("dp")))
         torch.manual_seed(0)
@@ -188,7 +196,8 @@ def _layout_rank(rank: int, world: int, parallel: dict, steps: int, rounds: int)
         counter.active = False
         analytic = {}
         if mode != "fsdp":
-            analytic = zero_analytic_bytes(model, mesh, aware, MICRO if mode == "zero2" else 1)
+            analytic = zero_analytic_bytes(model, mesh, aware, MICRO if mode == "zero2" else 1,
+                                           2 if reduce == "bf16" else 4)
         if parallel["ep"] > 1 and config.parallel.ep_dispatch == "all_to_all":
             moe_layers = sum(isinstance(block.mlp, MoE) for block in model.layers.values())
             analytic["all_to_all_single"] = MICRO * ep_all_to_all_bytes(
@@ -309,7 +318,7 @@ def hsdp_analytic_bytes(config, defer: str) -> dict[str, int]:
 def mula_computed(names: list[str]) -> list[dict]:
     """Section 2 of the module docstring: the analytic figures for the Mula recipes at 3,072 tiles."""
     from optimus.config import load_config
-    from optimus.parallel.dry_run import dry_run
+    from optimus.parallel.dry_run import dry_run, reduce_width
 
     root = Path(__file__).resolve().parents[1]
     rows = []
@@ -326,7 +335,8 @@ def mula_computed(names: list[str]) -> list[dict]:
         # bf16 parameters: fp32 master + 2 fp32 moments = 12 bytes per owned element
         owned = {aware: state[aware] / 12 for aware in state}
         non_expert_unaware = (owned[False] - owned[True]) * ep / (ep - 1)
-        comm_aware = 4 * params + 2 * params  # fp32 gradient reduce-scatter input + bf16 all-gather output
+        # gradient reduce-scatter input (in the recipe's grad_reduce_dtype) + bf16 all-gather output
+        comm_aware = reduce_width(config) * params + 2 * params
         comm_unaware = comm_aware + 4 * non_expert_unaware  # + all-reduce over ep of the non-expert shard
         # AdamW touches master, both moments and the fp32 gradient shard: 16 bytes per owned element
         layout = f"ep {ep}" + (f" x pp {report.dims.pp}" if report.dims.pp > 1 else "")
@@ -370,11 +380,11 @@ def main(argv: list[str] | None = None) -> dict:
         merged = _merge(run_distributed(_layout_rank, world, parallel, args.steps, args.rounds, timeout=900))
         payload["layouts"][name] = merged
         print(f"\n{name} ({world} gloo ranks, tiny MoE d128 8x256 experts, {MICRO} micro-batches of {BATCH}x{SEQ}); "
-              "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware)")
-        print(f"{'variant':<17} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
+              "ratios vs the EP-unaware variant (fsdp: vs zero1 EP-unaware; bf16-reduce: vs zero1 EP-aware)")
+        print(f"{'variant':<26} {'opt ms':>8} {'opt x':>6} {'opt cpu ms':>10} {'cpu x':>6} {'step ms':>8} "
               f"{'step x':>6} {'state/rank':>11} {'state r':>7} {'grads/rank':>11} {'bytes/step':>11} {'bytes r':>7}")
         for variant, row in merged.items():
-            print(f"{variant:<17} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} "
+            print(f"{variant:<26} {row['opt_s'] * 1e3:>8.1f} {row['opt_speedup']:>6.2f} "
                   f"{row['opt_cpu_s'] * 1e3:>10.1f} {row['opt_cpu_speedup']:>6.2f} {row['step_s'] * 1e3:>8.1f} "
                   f"{row['step_speedup']:>6.2f} {row['state_bytes'] / 1e6:>8.2f} MB {row['state_ratio']:>7.2f} "
                   f"{row['grad_bytes'] / 1e6:>8.2f} MB {row['bytes_total'] / 1e6:>8.2f} MB {row['bytes_ratio']:>7.2f}")
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
         for variant, row in merged.items():
             cells = [f"{kind} {got:,.0f}" + (f" / {row['analytic'][kind]:,.0f}" if kind in row["analytic"] else "")
                      for kind, got in row["bytes"].items()]
-            print(f"  {variant:<17} " + "; ".join(cells))
+            print(f"  {variant:<26} " + "; ".join(cells))
     if mula:
         payload["mula"] = mula_computed(mula)
         print("\nMula at the published layouts on 3,072 tiles (zero1, bf16): COMPUTED, per rank (largest stage)")

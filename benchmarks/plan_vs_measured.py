@@ -78,6 +78,13 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                    "--parallel.ep_dispatch=allgather", "--parallel.shard_mode=zero1"]),
     "moe-tp2-pp2-interleaved": (MOE, 4, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
                                          "--parallel.pp_virtual_stages=2", "--train.micro_batch_size=2"]),
+    # gradients reduced in bf16 (parallel.grad_reduce_dtype): half the bytes of every gradient collective
+    "dense-zero1-2-bf16-reduce": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero1",
+                                             "--parallel.grad_reduce_dtype=bf16"]),
+    "dense-ddp2-bf16-reduce": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=ddp",
+                                          "--parallel.grad_reduce_dtype=bf16"]),
+    "moe-fsdp2-ep2-bf16-reduce": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
+                                           "--parallel.grad_reduce_dtype=bf16"]),
 }
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
 

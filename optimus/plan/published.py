@@ -159,14 +159,15 @@ def lumi() -> list[Comparison]:
 
 def mula_220b(devices: int, global_batch: int = 3072, schedule: str = "1f1b") -> Config:
     """Mula-220B-A10B at the published layout scaled to `devices` tiles: EP 12 x PP 8, micro-batch 1, 1F1B,
-    recompute of MoE + attention + norms, the EP-aware sharded optimizer, all-gather dispatch (REFERENCE.md, the
-    Aurora team's code: all-to-all was unreliable on their fabric)."""
+    recompute of MoE + attention + norms, the EP-aware sharded optimizer with its gradients reduced in bf16 (their
+    bf16 flat gradient buffers), all-gather dispatch (REFERENCE.md, the Aurora team's code: all-to-all was
+    unreliable on their fabric)."""
     return load_config(None, [
         "--model.preset=mula-220b-a10b", "--train.seq_len=2048", f"--train.global_batch_size={global_batch}",
         "--train.micro_batch_size=1", "--train.dtype=bf16", "--train.activation_checkpointing=selective",
         "--train.recompute=[moe,attention,norms]", f"--parallel.dp_shard={devices // 8}", "--parallel.ep=12",
         "--parallel.pp=8", f"--parallel.pp_schedule={schedule}", "--parallel.shard_mode=zero1",
-        "--parallel.ep_dispatch=allgather"])
+        "--parallel.ep_dispatch=allgather", "--parallel.grad_reduce_dtype=bf16"])
 
 
 def _is_published_aurora_layout(config: Config) -> bool:

@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a benchmark smoke run: make test-slow
 
-VARIANTS = {"fsdp", "zero1 ep-aware", "zero1 ep-unaware", "zero2 ep-aware", "zero2 ep-unaware"}
+VARIANTS = {"fsdp", "zero1 ep-aware", "zero1 ep-unaware", "zero2 ep-aware", "zero2 ep-unaware",
+            "zero1 ep-aware bf16-reduce"}
 
 
 def test_optimizer_benchmark_measures_bytes_and_state_as_counted(tmp_path, load_benchmark):
@@ -37,6 +38,10 @@ def test_optimizer_benchmark_measures_bytes_and_state_as_counted(tmp_path, load_
     aware, unaware = rows["zero1 ep-aware"], rows["zero1 ep-unaware"]
     assert aware["state_ratio"] == aware["state_bytes"] / unaware["state_bytes"]
     assert rows["fsdp"]["bytes"]["all_gather_single"] > rows["zero1 ep-aware"]["bytes"]["all_gather_single"]
+    # bf16 gradient reduction: half the reduce-scatter's bytes, the same all-gather
+    bf16, fp32 = rows["zero1 ep-aware bf16-reduce"]["bytes"], rows["zero1 ep-aware"]["bytes"]
+    assert 2 * bf16["reduce_scatter_single"] == fp32["reduce_scatter_single"]
+    assert bf16["all_gather_single"] == fp32["all_gather_single"]
     # zero2 reduce-scatters in every micro-batch and holds only shards; zero1 holds whole gradients
     assert rows["zero2 ep-aware"]["grad_bytes"] < rows["zero1 ep-aware"]["grad_bytes"] / 2
     (mula,) = payload["mula"]

@@ -90,3 +90,22 @@ def test_plan_on_gpus_says_what_compiling_would_give_and_not_when_compiled(monke
     assert len(hint) == 1 and "x faster" in hint[0], hint
     assert main([*args, "--train.compile=true"]) == 0
     assert "--train.compile=true the best layout" not in capsys.readouterr().out
+
+
+def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
+    from optimus.cli.plan import _what_if
+    from optimus.config import load_config
+    from optimus.plan.cluster import load_cluster
+    from optimus.plan.search import plan
+
+    cluster = load_cluster("frontier")
+    config = load_config(REPO / "configs" / "mula-1b.yaml", ["--parallel.grad_reduce_dtype=fp32"])
+    # zero1 reduce-scatters its gradients at the step, where nothing hides them
+    best = next(c for c in plan(config, cluster, 64) if c.fits and c.config.parallel.shard_mode == "zero1")
+    _what_if(best, cluster, None, "parallel", "grad_reduce_dtype", "bf16", 1.0, "half the bytes")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("with --parallel.grad_reduce_dtype=bf16 the best layout is predicted ")
+    faster = float(line.split("(")[1].split("x faster")[0])
+    assert faster > 1.0 and line.endswith("half the bytes")
+    _what_if(best, cluster, None, "parallel", "grad_reduce_dtype", "bf16", faster + 0.01, "half the bytes")
+    assert capsys.readouterr().out == ""  # below the speedup asked for: nothing said
