@@ -25,7 +25,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
-    config = load_config(args.config, overrides)
+    config = _config_to_plan(args.config, overrides)
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
     efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
@@ -49,6 +49,28 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
+
+
+# the layout degrees, reset: the plan chooses them (optimus.plan.search enumerates every layout)
+ONE_DEVICE = [f"--parallel.{dim}=1" for dim in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+
+
+def _config_to_plan(path: str, overrides: list[str]):
+    """The config as written, or, when its own layout does not hold with the overrides (a global batch its
+    data-parallel ranks do not divide: 3,072 ranks, --train.global_batch_size=384 for 384 devices), the same with
+    the layout degrees reset, since the plan chooses them; a config that is wrong otherwise fails as written."""
+    from optimus.config import ConfigError, load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as err:
+        try:
+            config = load_config(path, [*ONE_DEVICE, *overrides])
+        except ConfigError:
+            raise err from None
+        print(f"note: the config's own layout does not hold ({err}); planning every layout from its other settings",
+              file=sys.stderr)
+        return config
 
 
 def _what_if(best, cluster, efficiency, section: str, field: str, value, min_speedup: float, why: str) -> None:

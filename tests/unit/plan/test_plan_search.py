@@ -109,3 +109,20 @@ def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
     assert faster > 1.0 and line.endswith("half the bytes")
     _what_if(best, cluster, None, "parallel", "grad_reduce_dtype", "bf16", faster + 0.01, "half the bytes")
     assert capsys.readouterr().out == ""  # below the speedup asked for: nothing said
+
+
+def test_plan_at_another_scale_with_its_own_batch_needs_no_degrees(monkeypatch, tmp_path, capsys):
+    # mula-1b's recipe is data parallel over 3,072 ranks: a 64-sequence batch does not divide over them, but the
+    # plan chooses the degrees, so planning 64 devices with it works (and says why the recipe's layout was dropped)
+    from optimus.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "mula-1b.yaml")
+    assert main(["plan", config, "--cluster", "frontier", "--devices", "64", "--top", "1",
+                 "--train.global_batch_size=64"]) == 0
+    captured = capsys.readouterr()
+    assert "note: the config's own layout does not hold" in captured.err and "best 1" in captured.out
+    # a config wrong in another way still fails as written: one line, exit 2
+    assert main(["plan", config, "--cluster", "frontier", "--devices", "64", "--train.global_batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "global_batch_size" in err
