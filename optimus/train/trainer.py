@@ -222,6 +222,9 @@ class Trainer:
         if self.is_rank0:
             save_config(self.requested_config, self.run_dir / "config.yaml")
             self._say(self.precision.describe())
+            if cfg.parallel.grad_reduce_dtype == "bf16" and self.dims.dp > 1:
+                self._say(f"gradients reduced in bf16 over the {self.dims.dp} data-parallel ranks "
+                          "(parallel.grad_reduce_dtype=bf16): half the bytes, each sum rounded to bf16")
             if self.precision.warning:
                 self._say(self.precision.warning, warning=True)
             self._say(f"peak for MFU: {self.peak_flops / 1e12:.4g} TFLOP/s per device ({self.peak_source})")

@@ -77,3 +77,28 @@ def test_moe_dp_4_ep_2_reduces_in_bf16_and_tracks_one_process(mode):
 def test_hsdp_all_reduce_is_bf16_too():
     parallel = dict(dp_replicate=2, dp_shard=2, grad_reduce_dtype="bf16")
     _check_bf16_reduction(tiny_config(parallel=parallel), 4)
+
+
+def _trainer_output(rank: int, world: int, run_dir: str, token_dir: str) -> str:
+    import contextlib
+    import io
+    import os
+
+    from optimus.config import build_config
+    from optimus.train.trainer import Trainer
+    from tests.helpers.runs import tiny_run_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as torchrun would
+    train = dict(max_steps=1, ckpt_every=0, global_batch_size=4)
+    config = build_config(tiny_run_config(run_dir, token_dir, train=train,
+                                          parallel=dict(dp_shard=2, grad_reduce_dtype="bf16")))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        Trainer(config, progress_bar=False).fit()
+    return out.getvalue()
+
+
+def test_the_trainer_says_its_gradients_are_reduced_in_bf16(tmp_path, small_token_dir):
+    first, second = run_distributed(_trainer_output, 2, str(tmp_path), str(small_token_dir), timeout=120)
+    assert "gradients reduced in bf16 over the 2 data-parallel ranks" in first
+    assert "gradients reduced" not in second  # rank 0 speaks for the job
