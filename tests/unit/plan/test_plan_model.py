@@ -54,6 +54,11 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
                               "--train.activation_checkpointing=selective"]),
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=2", "--parallel.shard_mode=zero2"]),
     ("mula-tiny-dense.yaml", ["--parallel.dp_shard=8", "--parallel.shard_mode=ddp"]),
+    # gradients reduced in bf16: FSDP's reduce-scatter inputs and the zero modes' buffers at 2 bytes an element
+    ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=4", "--train.dtype=bf16",
+                            "--parallel.grad_reduce_dtype=bf16"]),
+    ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=2", "--parallel.shard_mode=zero2",
+                            "--train.dtype=bf16", "--parallel.grad_reduce_dtype=bf16"]),
 ])
 def test_memory_model_agrees_with_the_dry_run(config, overrides):
     measured, predicted = run_forked(_memory_pair, str(CONFIGS / config), 8,
@@ -372,6 +377,38 @@ def test_the_sharded_optimizer_pays_a_ring_latency_per_bucket(monkeypatch):
         link = group_link(dims, group, aurora)
         extra += rings(link, buckets) - rings(link, [sum(buckets)])
     assert bucketed - whole == pytest.approx(extra, rel=1e-6) and extra > 0.01
+
+
+def test_bf16_gradient_reduction_halves_the_gradient_collectives():
+    """parallel.grad_reduce_dtype=bf16 prices every gradient collective at 2 bytes an element: on links without
+    latency FSDP's once-per-step reduce under pp takes half the time, and zero1 saves half its reduce-scatter."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape, zero_bucket_sizes
+    from optimus.plan.step_time import step_time
+
+    aurora = replace(load_cluster("aurora"), intra_node_latency_us=0, inter_node_latency_us=0)
+    base = ["--model.preset=mula-20b-a2b", "--train.seq_len=2048", "--train.micro_batch_size=1",
+            "--train.global_batch_size=96", "--train.dtype=bf16", "--parallel.ep=12"]
+
+    def dp_sync(extra: list[str], reduce: str) -> float:
+        config = load_config(None, [*base, *extra, f"--parallel.grad_reduce_dtype={reduce}"])
+        layout = validate_layout(config, config.parallel.layout_ranks)
+        return step_time(layout.config, layout.dims, ModelShape.of(layout.config), aurora, None,
+                         layout.batch.micro_batches).parts["dp_sync"]
+
+    fsdp_pp = ["--parallel.dp_shard=48", "--parallel.pp=2", "--parallel.shard_mode=fsdp"]
+    assert dp_sync(fsdp_pp, "bf16") == pytest.approx(dp_sync(fsdp_pp, "fp32") / 2, rel=1e-9)
+    zero1 = ["--parallel.dp_shard=96", "--parallel.shard_mode=zero1"]
+    config = load_config(None, [*base, *zero1])
+    layout = validate_layout(config, 96)
+    shape, dims = ModelShape.of(layout.config), layout.dims
+    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    experts = shape.n_layers * shape.block_experts / dims.ep
+    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, True, True)
+    saved = sum(ring_time(group_link(dims, group, aurora), 2 * n, "reduce_scatter")
+                for group, buckets in ((("dp_replicate", "dp_shard_mod_ep", "ep"), dense_buckets),
+                                       (("dp_replicate", "dp_shard_mod_ep"), expert_buckets)) for n in buckets)
+    assert dp_sync(zero1, "fp32") - dp_sync(zero1, "bf16") == pytest.approx(saved, rel=1e-6) and saved > 0
 
 
 def test_ddp_all_reduces_in_torchs_buckets():
