@@ -16,6 +16,9 @@
 #    (2 layers with HF beside; then 4 layers without HF, which weighs the LM head less);
 # 6. benchmarks/step_profile.py: plan_gpu.py's steps under torch.profiler, kernel time by the planner's op
 #    classes, the rate each reached against its preset efficiency, and the GPU's idle time.
+# 7. on a machine with several GPUs, tests/gpu/layout_parity.py under torchrun on 2, 4 and 8 of them (as many
+#    as there are): every layout kind (FSDP, HSDP, zero1/2, DDP, TP, PP, EP and their mixes) on NCCL against one
+#    process, within the CPU parity tests' tolerances (steps layouts-2, layouts-4, layouts-8).
 # Each step's log and JSON go to OUT_DIR; a failing step is reported and the others still run.
 #
 # The Python used is $PYTHON (default python3); it needs torch with CUDA, triton, transformers,
@@ -63,4 +66,12 @@ step moe-layer "$PYTHON" benchmarks/moe_layer.py --device cuda --json "$OUT/moe_
 step moe-step "$PYTHON" benchmarks/moe_step.py --device cuda --json "$OUT/moe_step.json"
 step moe-step-4l "$PYTHON" benchmarks/moe_step.py --device cuda --layers 4 --no-hf --json "$OUT/moe_step_4layers.json"
 step step-profile "$PYTHON" benchmarks/step_profile.py --json "$OUT/step_profile.json"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+for n in 2 4 8; do
+    if [ "$gpus" -ge "$n" ]; then
+        step "layouts-$n" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n" \
+            tests/gpu/layout_parity.py --json "$OUT/layout_parity_$n.json"
+    fi
+done
+[ "$gpus" -ge 2 ] || echo "=== layouts: $gpus GPU(s) here; the NCCL layout checks need 2 or more"
 exit $failed

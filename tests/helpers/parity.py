@@ -190,15 +190,17 @@ def _checkpoint_io(model: nn.Module, optimizer, run_dir: str, step: int, save: b
         manager.load(step, state)
 
 
-def run_single_process(config: Config, steps: int, checkpoint: CheckpointPlan | None = None) -> RunRecord:
+def run_single_process(config: Config, steps: int, checkpoint: CheckpointPlan | None = None,
+                       device: str = "cpu") -> RunRecord:
     """Train `steps` steps in this process (build_model with the config's seed, AdamW, train_step).
 
     With `checkpoint`, resume from / save to a DCP checkpoint (steps before the loaded one are skipped).
+    `device`: where it trains (tests/gpu/layout_parity.py: this rank's accelerator).
     """
     from optimus.models.transformer import build_model
     from optimus.optim.build import build_optimizer
 
-    device = torch.device("cpu")
+    device = torch.device(device)
     model = build_model(config.model, device=device, seed=config.train.seed)
     optimizer = build_optimizer(model, config.optim)
     micro = functools.partial(_whole_batch_micro, config.train.micro_batch_size)
@@ -210,13 +212,14 @@ def _whole_batch_micro(micro_batch_size: int, batch) -> TinyBatch:
 
 
 def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int,
-                      checkpoint: CheckpointPlan | None = None) -> RunRecord:
+                      checkpoint: CheckpointPlan | None = None, device: str = "cpu") -> RunRecord:
     """Train `steps` steps as rank `rank` of a `run_distributed` job, the way the Trainer builds things.
 
     ParallelDims -> build_mesh -> build_parallel_model (build_model + parallelize_model) ->
     build_optimizer -> this rank's dp slice of each global batch -> train_step. Returns dp-averaged
     losses; gradients only on the first rank of each pipeline stage (the others return none, to keep
-    results small; merge them with merge_rank_records). `checkpoint` as in run_single_process.
+    results small; merge them with merge_rank_records). `checkpoint` and `device` as in run_single_process
+    (the process group must suit the device: gloo for cpu, NCCL for cuda).
     """
     from optimus.optim.build import build_optimizer
     from optimus.parallel.mesh import ParallelDims
@@ -225,7 +228,7 @@ def run_parallel_rank(rank: int, world_size: int, config: Config, steps: int,
     p = config.parallel
     dims = ParallelDims.from_config(p, world_size)
     dims.check_model(config.model, p.pp_virtual_stages)
-    device = torch.device("cpu")
+    device = torch.device(device)
     mesh = dims.build_mesh(device.type)
     model = build_parallel_model(config, dims, mesh, device)
     optimizer = build_optimizer(model, config.optim)
