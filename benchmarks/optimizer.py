@@ -318,7 +318,7 @@ def hsdp_analytic_bytes(config, defer: str) -> dict[str, int]:
 def mula_computed(names: list[str]) -> list[dict]:
     """Section 2 of the module docstring: the analytic figures for the Mula recipes at 3,072 tiles."""
     from optimus.config import load_config
-    from optimus.parallel.dry_run import dry_run, reduce_width
+    from optimus.parallel.dry_run import dry_run
 
     root = Path(__file__).resolve().parents[1]
     rows = []
@@ -336,7 +336,7 @@ def mula_computed(names: list[str]) -> list[dict]:
         owned = {aware: state[aware] / 12 for aware in state}
         non_expert_unaware = (owned[False] - owned[True]) * ep / (ep - 1)
         # gradient reduce-scatter input (in the recipe's grad_reduce_dtype) + bf16 all-gather output
-        comm_aware = reduce_width(config) * params + 2 * params
+        comm_aware = config.parallel.grad_reduce_bytes * params + 2 * params
         comm_unaware = comm_aware + 4 * non_expert_unaware  # + all-reduce over ep of the non-expert shard
         # AdamW touches master, both moments and the fp32 gradient shard: 16 bytes per owned element
         layout = f"ep {ep}" + (f" x pp {report.dims.pp}" if report.dims.pp > 1 else "")

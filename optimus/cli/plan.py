@@ -11,7 +11,6 @@ from optimus.cli.errors import UsageError
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
-    from optimus.config import load_config
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import format_table, write_best_config, write_json
     from optimus.plan.search import plan
@@ -38,11 +37,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
     if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
-        _what_if(best, cluster, efficiency, "train", "compile", True, 1.1,
-                 "compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")
+        hint_setting(best, cluster, efficiency, section="train", field="compile", value=True, min_speedup=1.1,
+                     why="compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")
     if best.fits and config.parallel.grad_reduce_dtype == "fp32" and best.dims().dp > 1:
-        _what_if(best, cluster, efficiency, "parallel", "grad_reduce_dtype", "bf16", 1.05,
-                 "its gradients cross the data-parallel ranks in half the bytes, each sum rounded to bf16")
+        hint_setting(best, cluster, efficiency, section="parallel", field="grad_reduce_dtype", value="bf16",
+                     min_speedup=1.05,
+                     why="its gradients cross the data-parallel ranks in half the bytes, each sum rounded to bf16")
     if not best.fits:
         print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")
     elif args.write_config:
@@ -52,7 +52,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 # the layout degrees, reset: the plan chooses them (optimus.plan.search enumerates every layout)
-ONE_DEVICE = [f"--parallel.{dim}=1" for dim in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+RESET_DEGREES = [f"--parallel.{dim}=1" for dim in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
 
 
 def _config_to_plan(path: str, overrides: list[str]):
@@ -65,7 +65,7 @@ def _config_to_plan(path: str, overrides: list[str]):
         return load_config(path, overrides)
     except ConfigError as err:
         try:
-            config = load_config(path, [*ONE_DEVICE, *overrides])
+            config = load_config(path, [*RESET_DEGREES, *overrides])
         except ConfigError:
             raise err from None
         print(f"note: the config's own layout does not hold ({err}); planning every layout from its other settings",
@@ -73,7 +73,7 @@ def _config_to_plan(path: str, overrides: list[str]):
         return config
 
 
-def _what_if(best, cluster, efficiency, section: str, field: str, value, min_speedup: float, why: str) -> None:
+def hint_setting(best, cluster, efficiency, *, section: str, field: str, value, min_speedup: float, why: str) -> None:
     """Say what setting config.<section>.<field> to `value` would give the best layout, where the planner prices it
     at least `min_speedup` times faster (train.compile: a tenth or more; bf16 gradient reduction: a twentieth)."""
     from optimus.parallel.validate import resolve_batch

@@ -22,6 +22,7 @@ from torch import nn
 from optimus.optim.flat import cut_buckets
 
 BUFFERS = 2  # one bucket's collective travels while the next bucket is packed (double buffering)
+ALIGN = 8  # bytes: a buffer sized for 2-byte elements must still view whole as fp32 (another bucket's, or one rank's)
 
 
 def buffer_nbytes(buckets: list[tuple[int, int]], width: int, accumulates: bool, reduce_width: int = 4) -> list[int]:
@@ -35,6 +36,7 @@ def buffer_nbytes(buckets: list[tuple[int, int]], width: int, accumulates: bool,
         # to pack the later micro-batches' gradients that are summed in
         if ranks > 1 or accumulates:
             need = max(reduce_width if ranks > 1 else 4, width) * (ranks + 1) * segment
+            need = -(-need // ALIGN) * ALIGN  # every bucket sharing the buffer views it whole in its own dtype
             nbytes[index % BUFFERS] = max(nbytes[index % BUFFERS], need)
     return nbytes
 

@@ -45,7 +45,13 @@ class ParallelConfig(ParallelDegrees):
         "fp32", description="the dtype gradients cross data-parallel ranks and are summed in: fp32 (the default: a "
                             "sum over many ranks loses nothing) or bf16 (half the bytes, as Megatron's "
                             "--grad-reduce-in-bf16, FSDP2's reduce_dtype and the Aurora team's bf16 gradient "
-                            "buffers; each gradient and each partial sum rounded to bf16). The reduced gradient "
-                            "is fp32 again before clipping and the optimizer, whatever the mode")
+                            "buffers; each gradient and each partial sum rounded to bf16; FSDP also sums deferred "
+                            "micro-batches in bf16). The reduced gradient is fp32 again before clipping and the "
+                            "optimizer, whatever the mode")
     ep_aware: bool = Field(True, description="zero1/zero2: non-expert state sharded over DP x EP (False: over DP "
                                              "only, replicated across EP: the ablation baseline)")
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes per element of the gradients data parallelism reduces: 4 (fp32) or 2 (bf16)."""
+        return 2 if self.grad_reduce_dtype == "bf16" else 4

@@ -35,12 +35,15 @@ from torch.distributed.tensor import DTensor, Shard
 from optimus.models.moe import MoE
 
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype (resolved), grad_reduce_dtype
+
+
 def mixed_precision_policy(dtype: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
     """Compute in `dtype` ('bf16': weights gathered in bf16), reduce gradients in `reduce_dtype` (fp32 or bf16)."""
-    if dtype not in ("fp32", "bf16"):
+    if dtype not in TORCH_DTYPES:
         raise ValueError(f"training dtype {dtype!r} is not resolved: pass 'fp32' or 'bf16' (choose_precision)")
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None,
-                                reduce_dtype=torch.bfloat16 if reduce_dtype == "bf16" else torch.float32)
+    return MixedPrecisionPolicy(param_dtype=TORCH_DTYPES["bf16"] if dtype == "bf16" else None,
+                                reduce_dtype=TORCH_DTYPES[reduce_dtype])
 
 
 def _expert_shard_dim(shard_ranks: int, param: torch.Tensor) -> Shard:

@@ -6,10 +6,11 @@ shape and placement it would have on that rank of the N-rank job. No memory is a
 those shapes we print what the rank holds:
 
     parameters        fp32 master weights, this rank's shards            4 B / element
-    gradients         fp32, sharded like the parameters (FSDP reduce-scatters in fp32)   4 B
+    gradients         fp32, sharded like the parameters (reduce-scattered in parallel.grad_reduce_dtype)   4 B
     optimizer state   AdamW exp_avg + exp_avg_sq, fp32                   8 B / element
     FSDP transient    weights gathered for two blocks (the running one + the prefetched one); under pp the
-                      whole stage's weights and fp32 gradients (torch's stages defer resharding and reduction)
+                      whole stage's weights and gradients in the reduce dtype (torch's stages defer resharding
+                      and reduction, and FSDP accumulates in the dtype it reduces in)
                       and one block's unreduced gradients, plus the root unit (embedding, final
                       norm, LM head), which stays gathered for the whole step
     activations       see activation_split(): what each micro-batch keeps, times the micro-batches
@@ -303,25 +304,22 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims, stage: int) -> f
     return min(n_micro, dims.pp - stage)
 
 
-def reduce_width(config: Config) -> float:
-    """Bytes per element of the gradients data parallelism reduces (parallel.grad_reduce_dtype): fp32 4, bf16 2."""
-    return 2.0 if config.parallel.grad_reduce_dtype == "bf16" else 4.0
-
-
 def fsdp_transient_bytes(blocks: list[float], root: float, width: int, dims: ParallelDims,
                          reduce: float = 4.0) -> float:
     """Bytes FSDP holds gathered beyond the shards: two blocks' weights (the running and the prefetched one), one
-    block's unreduced gradients (in the `reduce` width, what FSDP reduces them in) and the root unit; under pp the
-    whole stage's weights and gradients, since torch's pipeline stages keep blocks gathered after their backward
-    and accumulate unsharded gradients until the step's one reduce-scatter (pipelining/stage.py:
-    reshard_after_backward and requires_gradient_sync off between micro-batches). Without data parallelism (one
-    process, tp / pp only) there is no FSDP: nothing is gathered."""
+    block's unreduced gradients and the root unit; under pp the whole stage's weights and gradients, since torch's
+    pipeline stages keep blocks gathered after their backward and accumulate unsharded gradients until the step's
+    one reduce-scatter (pipelining/stage.py: reshard_after_backward and requires_gradient_sync off between
+    micro-batches). A block's gradients count at the wider of the compute width (as backward writes them) and
+    `reduce`, the width FSDP reduces them in (its reduce-scatter input); accumulated under pp, at `reduce` (FSDP
+    accumulates in the dtype it reduces in). Without data parallelism (one process, tp / pp only) there is no
+    FSDP: nothing is gathered."""
     if not dims.has_data_parallel:
         return 0.0
     if dims.pp > 1:
         return (sum(blocks) + root) * (width + reduce)
     largest = max(blocks, default=0)
-    return (2 * largest + root) * width + reduce * largest
+    return (2 * largest + root) * width + max(width, reduce) * largest
 
 
 def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: int) -> RankMemory:
@@ -341,7 +339,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # no data parallelism, no FSDP: nothing is gathered
-        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims, reduce_width(config)),
+        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims, config.parallel.grad_reduce_bytes),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }
@@ -355,11 +353,12 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
     fsdp = "FSDP transient" in memory.bytes
-    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, reduce_width(config)) if fsdp else 0.0
+    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, config.parallel.grad_reduce_bytes) if fsdp else 0.0
     overlap = gradients_not_at_the_activation_peak(_batch(config, dims).micro_batches,
                                                    whole_gradient_bytes(mode, local, width),
                                                    memory.bytes["activations (as configured)"], deferred,
-                                                   fsdp_root_reduce_bytes(root, dims, reduce=reduce_width(config))
+                                                   fsdp_root_reduce_bytes(root, dims,
+                                                                          reduce=config.parallel.grad_reduce_bytes)
                                                    if fsdp else 0.0,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0)
     if overlap:
@@ -458,7 +457,7 @@ def _zero_bytes(model: nn.Module, config: Config, dims: ParallelDims) -> dict[st
     layout = zero_layout(model, dense_ranks, dims.expert_dp, DEFAULT_BUCKET_NUMEL)
     owned = sum(segment for _, segment in layout)  # rank 0's: a whole segment of every bucket (optim/flat.py)
     master = 4.0 * owned if width == 2 else 0.0  # fp32 parameters are their own master weights
-    buffers = sum(buffer_nbytes(layout, width, mode == "zero2", int(reduce_width(config))))
+    buffers = sum(buffer_nbytes(layout, width, mode == "zero2", config.parallel.grad_reduce_bytes))
     return {
         f"parameters (whole, {config.train.dtype})": width * local,
         ("gradients (whole + fp32 shard + 2 bucket buffers, zero1)" if mode == "zero1" else

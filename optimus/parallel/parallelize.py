@@ -141,13 +141,15 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh |
     if parallel and config.parallel.shard_mode == "ddp":
         from optimus.parallel.data_parallel import apply_ddp
 
-        apply_ddp(model, mesh["dp"], reduce_dtype=config.parallel.grad_reduce_dtype)  # pure data parallel (validate.check_shard_mode): dp is every rank
+        # pure data parallel (validate.check_shard_mode): dp is every rank
+        apply_ddp(model, mesh["dp"], reduce_dtype=config.parallel.grad_reduce_dtype)
     elif parallel and config.parallel.shard_mode != "fsdp":
         from optimus.optim.sharded import ZeroPlan
+        from optimus.parallel.data_parallel import TORCH_DTYPES
 
-        compute = torch.bfloat16 if train.dtype == "bf16" else torch.float32
-        reduce = torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32
-        model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute, reduce)
+        compute = TORCH_DTYPES["bf16" if train.dtype == "bf16" else "fp32"]
+        model.zero_plan = ZeroPlan(config.parallel.shard_mode, config.parallel.ep_aware, mesh, compute,
+                                   TORCH_DTYPES[config.parallel.grad_reduce_dtype])
     elif parallel and dims.has_data_parallel:
         from optimus.parallel.data_parallel import apply_fsdp
 

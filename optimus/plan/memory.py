@@ -44,7 +44,6 @@ from optimus.parallel.dry_run import (
     gradients_not_at_the_activation_peak,
     micro_batches_in_flight,
     rank_activation_bytes,
-    reduce_width,
     whole_gradient_bytes,
     zero_gradient_bytes,
 )
@@ -185,7 +184,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
-        transient = fsdp_transient_bytes([gathered_block] * layers, gathered_root, width, dims, reduce_width(config))
+        transient = fsdp_transient_bytes([gathered_block] * layers, gathered_root, width, dims,
+                                         config.parallel.grad_reduce_bytes)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts
@@ -209,10 +209,10 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     mode = config.parallel.shard_mode
     fsdp = mode == "fsdp" and "FSDP transient" in held
     deferred = fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims,
-                                          reduce_width(config)) if fsdp else 0.0
+                                          config.parallel.grad_reduce_bytes) if fsdp else 0.0
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
     root_reduce = fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
-                                         reduce=reduce_width(config)) if fsdp else 0.0
+                                         reduce=config.parallel.grad_reduce_bytes) if fsdp else 0.0
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"], deferred, root_reduce,
@@ -234,7 +234,8 @@ def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, de
     dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, first, last)
     layout = [(ranks, math.ceil(size / ranks))
               for buckets, ranks in ((dense_buckets, dense_ranks), (expert_buckets, expert_dp)) for size in buckets]
-    return float(sum(buffer_nbytes(layout, width, config.parallel.shard_mode == "zero2", int(reduce_width(config)))))
+    zero2 = config.parallel.shard_mode == "zero2"
+    return float(sum(buffer_nbytes(layout, width, zero2, config.parallel.grad_reduce_bytes)))
 
 
 def zero_bucket_sizes(shape: ModelShape, dims: ParallelDims, dense: float, experts: float, first: bool,

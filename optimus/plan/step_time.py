@@ -43,8 +43,9 @@
                  backward) that hides it
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
                  backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
-                 reduce-scatter, the zero modes' parameter all-gather after the update, ddp's all-reduce
-                 beyond the last backward that hides it, and the gradient clipping with the AdamW update (42 bytes of
+                 reduce-scatter, the zero modes' parameter all-gather after the update (and the EP-unaware
+                 baseline's fp32 all-reduce of its non-expert shard over ep), ddp's all-reduce beyond the last
+                 backward that hides it (and with bf16 reduction its comm hook's casts), and the gradient clipping with the AdamW update (42 bytes of
                  HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
                  CPU streams at about twice a copy's bandwidth). The zero modes and ddp move their
                  gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective
@@ -65,7 +66,6 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
-from optimus.parallel.dry_run import reduce_width
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
@@ -130,8 +130,8 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
     """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
     host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
     all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's input and output
-    (`reduce` bytes an element: fp32 4, bf16 2). `gathers`: (per block, for the root) all-gathers per micro-batch, as step_time counts them; each of
-    the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
+    (`reduce` bytes an element: fp32 4, bf16 2). `gathers`: (per block, for the root) all-gathers per micro-batch,
+    as step_time counts them; each of the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
     def fresh(nbytes: float) -> float:
         return nbytes if nbytes >= threshold else 0.0
 
@@ -346,7 +346,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     # where the links move bytes beside it, nothing where the ranks' own cores must move them (`here`)
     overlap = compute_mb if cluster.comm_overlaps_compute else 0.0
     hidden_by_backward = 2 / 3 * overlap
-    grad_width = reduce_width(config)  # what data parallelism reduces gradients in (parallel.grad_reduce_dtype)
+    grad_width = p.grad_reduce_bytes  # what data parallelism reduces gradients in (parallel.grad_reduce_dtype)
     # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
@@ -375,14 +375,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         gather_copies = reduce_copies = 0.0
         if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
             # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
-            # reduce-scatter copies the whole gradients into its input (fp32 read, reduce dtype written)
+            # reduce-scatter copies the whole gradients into its input (read as backward wrote them, in the compute
+            # dtype, or under pp as FSDP accumulated them, in the reduce dtype; written in the reduce dtype)
             gathered = dense_stage + expert_stage
             blocks_dense = dense_stage - root
             gathered_now = block_gathers * (blocks_dense + expert_stage) + root_gathers * root
             owned_now = (block_gathers * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) +
                          root_gathers * root / dims.dp_shard)
             gather_copies = 2 * width * (gathered_now + owned_now) / hbm_eff
-            reduce_copies = (4 + grad_width) * gathered / hbm_eff
+            reduce_copies = ((grad_width if dims.pp > 1 else width) + grad_width) * gathered / hbm_eff
             if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
                 fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
                                                                 (block_gathers, root_gathers), grad_width)
@@ -403,8 +404,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         buckets = [(dp_link, [b * grad_width / 4 for b in ddp_bucket_bytes(4 * (dense_stage + expert_stage))])]
         step_sync = max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
         owned = dense_stage + expert_stage
-    else:  # zero1/zero2: reduce-scatter the gradients (packed in the reduce dtype, optim/sharded.py), all-gather the updated
-        # parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
+        if grad_width != 4:  # the comm hook casts each fp32 bucket to bf16 and the sum back (read 4 + write 2, twice)
+            copies_step = 12 * owned / hbm_eff
+    else:  # zero1/zero2: reduce-scatter the gradients (packed in the reduce dtype, optim/sharded.py), all-gather the
+        # updated parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
         # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it
         # one collective per bucket each way (optim/sharded.py), and each pays its ring's latency
         dense_link = dp_link if p.ep_aware else expert_dp_link
@@ -430,6 +433,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         step_sync = reduce + gather
         owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
             expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
+        if not p.ep_aware and dims.ep > 1:  # the EP-unaware baseline sums its reduced non-expert shard over ep too
+            ep_link = group_link(dims, ("ep",), cluster)
+            step_sync += all_reduce_time(ep_link, 4 * dense_stage / (dims.dp_replicate * dims.dp_shard_mod_ep))
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
     # in-place kernel, not the unfused elementwise ops memory_bound times)
     optimizer = (owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +

@@ -8,9 +8,12 @@ machine has several GPUs; an HPC user can run it on a node before a job.
 N is 2, 4 or 8: the layouts of that many ranks run (LAYOUTS), each the tiny parity model of tests/helpers/parity
 (fp32, real text) trained --steps steps as a parallel layout and, on rank 0's device, as one process; losses,
 gradient norms and step-1 gradients compared within the parity tolerances tests/helpers/parity.py states (TF32
-off: fp32 matmuls on a GPU are then within those of one another). Prints one line per layout and a verdict;
-exits non-zero when a layout departs from one process or fails. --device cpu runs the same on gloo (the CI
-checks the script that way). Not a pytest module: the CPU's parity tests are tests/distributed.
+off: fp32 matmuls on a GPU are then within those of one another; layouts with gradients reduced in bf16 within
+bf16's rounding of the sums, assert_bf16_reduction_parity). Prints one line per layout and a verdict; exits
+non-zero when a layout departs from one process or fails. A layout every rank refuses is reported and the next
+one runs; a rank failing alone mid-step leaves the others in their collective until its timeout. --device cpu
+runs the same on gloo (the CI checks the script that way). Not a pytest module: the CPU's parity tests are
+tests/distributed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ LAYOUTS: dict[int, dict[str, tuple[bool, dict, dict]]] = {
         "fsdp-ep2-allgather": (True, dict(dp_shard=2, ep=2, ep_dispatch="allgather"), {}),
         "zero2-ep2-selective": (True, dict(dp_shard=2, ep=2, shard_mode="zero2"),
                                 dict(train={"activation_checkpointing": "selective", "recompute": ["moe"]})),
+        # gradients reduced in bf16 (the Mula recipes' setting): checked to bf16's rounding of the sums
+        "fsdp-bf16-reduce": (False, dict(dp_shard=2, grad_reduce_dtype="bf16"), {}),
+        "zero1-ep2-bf16-reduce": (True, dict(dp_shard=2, ep=2, shard_mode="zero1", grad_reduce_dtype="bf16"), {}),
     },
     4: {
         "hsdp2x2": (False, dict(dp_replicate=2, dp_shard=2), {}),
@@ -47,6 +53,8 @@ LAYOUTS: dict[int, dict[str, tuple[bool, dict, dict]]] = {
         "fsdp2-ep2-pp2": (True, dict(dp_shard=2, ep=2, pp=2, pp_schedule="1f1b"), dict(model={"n_layers": 4})),
         "zero1-ep2-tp2": (True, dict(dp_shard=2, ep=2, tp=2, shard_mode="zero1", ep_dispatch="allgather"), {}),
         "zero2-ep4": (True, dict(dp_shard=4, ep=4, shard_mode="zero2"), {}),
+        "hsdp2x2-bf16-reduce": (False, dict(dp_replicate=2, dp_shard=2, grad_reduce_dtype="bf16"),
+                                dict(train={"micro_batch_size": 1})),
     },
     8: {
         "fsdp2-tp2-pp2": (True, dict(dp_shard=2, tp=2, pp=2, pp_schedule="1f1b"), dict(model={"n_layers": 4})),
@@ -68,8 +76,8 @@ def check(name: str, world: int, rank: int, device: str, steps: int) -> dict:
     """Train layout `name` on every rank; rank 0 also trains one process and compares. Returns rank 0's verdict."""
     import torch.distributed as dist
 
-    from tests.helpers.parity import assert_parity, merge_rank_records, run_parallel_rank, run_single_process
-    from tests.helpers.parity import tiny_config
+    from tests.helpers.parity import (assert_bf16_reduction_parity, assert_parity, merge_rank_records,
+                                      run_parallel_rank, run_single_process, tiny_config)
 
     moe, parallel, sections = LAYOUTS[world][name]
     start = time.perf_counter()
@@ -77,7 +85,7 @@ def check(name: str, world: int, rank: int, device: str, steps: int) -> dict:
     try:
         config = tiny_config(moe=moe, parallel=parallel, **sections)
         record = _to_cpu(run_parallel_rank(rank, world, config, steps, device=device))
-    except Exception:  # this rank failed: say so on rank 0 instead of hanging the others
+    except Exception:  # this rank failed: rank 0 reports it (the others too, where every rank refused the layout)
         record = traceback.format_exc()
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(record, gathered, dst=0)
@@ -89,7 +97,8 @@ def check(name: str, world: int, rank: int, device: str, steps: int) -> dict:
             records = merge_rank_records(gathered)
             reference = _to_cpu(run_single_process(config, steps, device=device))
             try:
-                assert_parity(reference, records)
+                compare = assert_bf16_reduction_parity if parallel.get("grad_reduce_dtype") == "bf16" else assert_parity
+                compare(reference, records)
                 outcome.update(ok=True)
             except AssertionError as err:
                 outcome.update(ok=False, error=str(err).splitlines()[0])
@@ -132,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             verdict = check(name, world, rank, device, args.steps)
             if rank == 0:
                 verdicts.append(verdict)
-                status = "matches one process" if verdict["ok"] else f"DIFFERS or FAILED: {verdict['error']}"
+                within = " (to bf16's rounding)" if verdict["parallel"].get("grad_reduce_dtype") == "bf16" else ""
+                status = f"matches one process{within}" if verdict["ok"] else f"DIFFERS or FAILED: {verdict['error']}"
                 print(f"{name:<26} {world} ranks on {device}: {status} ({verdict['seconds']} s)", flush=True)
     finally:
         dist.destroy_process_group()

@@ -289,6 +289,34 @@ def assert_parity(reference: RunRecord, candidate: RunRecord, check_grads: bool 
                                  f"(atol {GRAD_ATOL}, rtol {GRAD_RTOL})")
 
 
+# parallel.grad_reduce_dtype=bf16 (fp32 compute, so the only rounding is the reduction's): each gradient is rounded
+# to bf16 before it travels and each partial sum after (2^-9 relative each), and the clipping coefficient comes from
+# the rounded norm
+BF16_REDUCE_GRAD_TOL = 1e-2  # of the tensor's largest element, plus this much relative
+BF16_REDUCE_NORM_RTOL = 1e-2
+BF16_REDUCE_LOSS_RTOL = 5e-3  # the bf16 tests' bound over 3 steps
+
+
+def assert_bf16_reduction_parity(reference: RunRecord, candidate: RunRecord) -> None:
+    """Raise AssertionError unless `candidate` (gradients reduced in bf16) is within bf16's rounding of the sums of
+    `reference` (one process) AND beyond fp32's somewhere: a reduction left in fp32 would pass the loose bound too."""
+    def close(got: list[float], want: list[float], rel: float) -> bool:
+        return len(got) == len(want) and all(abs(g - w) <= rel * abs(w) for g, w in zip(got, want))
+
+    assert close(candidate.losses, reference.losses, BF16_REDUCE_LOSS_RTOL), (
+        f"losses {candidate.losses} vs single-process {reference.losses}")
+    assert close(candidate.grad_norms, reference.grad_norms, BF16_REDUCE_NORM_RTOL), (
+        f"gradient norms {candidate.grad_norms} vs single-process {reference.grad_norms}")
+    beyond_fp32 = False
+    for name, want in reference.grads.items():
+        got = candidate.grads[name]
+        bound = BF16_REDUCE_GRAD_TOL * want.abs().max() + BF16_REDUCE_GRAD_TOL * want.abs()
+        worst = ((got - want).abs() - bound).max().item()
+        assert worst <= 0, f"{name}: gradient departs from single process by more than bf16 rounding ({worst:.3e})"
+        beyond_fp32 |= not torch.allclose(got, want, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    assert beyond_fp32, "every gradient equals one process's to fp32 rounding: was anything reduced in bf16?"
+
+
 _REFERENCE_RUNS: dict[tuple[str, int], RunRecord] = {}
 
 

@@ -86,14 +86,16 @@ def test_plan_on_gpus_says_what_compiling_would_give_and_not_when_compiled(monke
     config = str(REPO / "configs" / "mula-1b.yaml")
     args = ["plan", config, "--cluster", "h200", "--devices", "8", "--top", "1"]
     assert main(args) == 0
-    hint = [line for line in capsys.readouterr().out.splitlines() if "--train.compile=true" in line]
+    out = capsys.readouterr().out
+    hint = [line for line in out.splitlines() if "--train.compile=true" in line]
     assert len(hint) == 1 and "x faster" in hint[0], hint
+    assert "--parallel.grad_reduce_dtype=bf16 the best" not in out  # the recipe reduces in bf16 already
     assert main([*args, "--train.compile=true"]) == 0
     assert "--train.compile=true the best layout" not in capsys.readouterr().out
 
 
 def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
-    from optimus.cli.plan import _what_if
+    from optimus.cli.plan import hint_setting
     from optimus.config import load_config
     from optimus.plan.cluster import load_cluster
     from optimus.plan.search import plan
@@ -102,12 +104,13 @@ def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
     config = load_config(REPO / "configs" / "mula-1b.yaml", ["--parallel.grad_reduce_dtype=fp32"])
     # zero1 reduce-scatters its gradients at the step, where nothing hides them
     best = next(c for c in plan(config, cluster, 64) if c.fits and c.config.parallel.shard_mode == "zero1")
-    _what_if(best, cluster, None, "parallel", "grad_reduce_dtype", "bf16", 1.0, "half the bytes")
+    bf16 = dict(section="parallel", field="grad_reduce_dtype", value="bf16", why="half the bytes")
+    hint_setting(best, cluster, None, min_speedup=1.0, **bf16)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("with --parallel.grad_reduce_dtype=bf16 the best layout is predicted ")
     faster = float(line.split("(")[1].split("x faster")[0])
     assert faster > 1.0 and line.endswith("half the bytes")
-    _what_if(best, cluster, None, "parallel", "grad_reduce_dtype", "bf16", faster + 0.01, "half the bytes")
+    hint_setting(best, cluster, None, min_speedup=faster + 0.01, **bf16)
     assert capsys.readouterr().out == ""  # below the speedup asked for: nothing said
 
 
