@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, write_json  # noqa: E402
+from optimus.cli.plan import RESET_DEGREES  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # one device: every parallel degree 1 (the configs carry their published layouts)
-ONE_DEVICE = ["--parallel.dp_shard=1", "--parallel.dp_replicate=1", "--parallel.tp=1", "--parallel.pp=1",
-              "--parallel.ep=1", "--parallel.shard_mode=fsdp"]
+ONE_DEVICE = [*RESET_DEGREES, "--parallel.shard_mode=fsdp"]
 BASE = ["--train.seq_len=2048", "--train.global_batch_size=16", "--train.log_every=1", "--train.eval_every=0",
         "--train.report=false", "--train.loss_plot=false", "--optim.warmup_steps=1"]
 # name -> (config, overrides)

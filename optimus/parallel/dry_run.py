@@ -329,6 +329,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     stage = rank // (dims.world_size // dims.pp)  # the model is this stage's part: parallelize_model split it
     has_head = getattr(model, "lm_head", None) is not None
     width = 2 if config.train.dtype == "bf16" else 4
+    reduce = config.parallel.grad_reduce_bytes
     blocks = [sum(_gathered_numel(p) for p in block.parameters()) for block in model.layers.values()]
     block_ids = {id(p) for p in model.layers.parameters()}
     root = sum(_gathered_numel(p) for p in params if id(p) not in block_ids)
@@ -339,7 +340,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         "gradients (fp32)": 4.0 * local,
         "optimizer (AdamW, 2 x fp32)": 8.0 * local,
         # no data parallelism, no FSDP: nothing is gathered
-        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims, config.parallel.grad_reduce_bytes),
+        "FSDP transient": fsdp_transient_bytes(blocks, root, width, dims, reduce),
         **({"DDP gradient buckets (fp32)": 4.0 * local} if config.parallel.shard_mode == "ddp" else {}),
         "activations (as configured)": rank_activation_bytes(config, dims, layers, has_head, in_flight),
     }
@@ -353,13 +354,11 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
     fsdp = "FSDP transient" in memory.bytes
-    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, config.parallel.grad_reduce_bytes) if fsdp else 0.0
+    deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, reduce) if fsdp else 0.0
     overlap = gradients_not_at_the_activation_peak(_batch(config, dims).micro_batches,
                                                    whole_gradient_bytes(mode, local, width),
                                                    memory.bytes["activations (as configured)"], deferred,
-                                                   fsdp_root_reduce_bytes(root, dims,
-                                                                          reduce=config.parallel.grad_reduce_bytes)
-                                                   if fsdp else 0.0,
+                                                   fsdp_root_reduce_bytes(root, dims, reduce=reduce) if fsdp else 0.0,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0)
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
@@ -412,9 +411,9 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
 def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient: float = 0.0,
                            gloo: bool = False, reduce: float = 4.0) -> float:
     """What FSDP holds beyond the sharded gradients while it reduces the root unit (embedding, final norm, LM
-    head; `root` in unsharded elements) at the end of the backward, without pp: the flat reduce-scatter input
-    (`reduce` bytes an element: fp32 4, bf16 2)
-    of the root's gradients, with `gloo` (CPU) also the copy gloo's reduce_scatter makes of its input, and
+    head; `root` in unsharded elements) at the end of the backward, without pp: the flat reduce-scatter input of
+    the root's gradients (`reduce` bytes an element: fp32 4, bf16 2), with `gloo` (CPU) also the copy gloo's
+    reduce_scatter makes of its input, and
     `loss_weight_gradient`: what the loss keeps until the backward ends (the CPU's fused loss ops hold their fp32
     head-weight gradient in their autograd node). 0 under pp (fsdp_deferred_reduce_bytes) or without data
     parallelism."""
@@ -426,10 +425,9 @@ def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient
 def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims, reduce: float = 4.0) -> float:
     """The reduce-scatter inputs FSDP holds under pp while it reduces the stage's accumulated gradients, unit by
     unit after the last backward: a flat copy (`reduce` bytes an element) of one unit's unsharded gradients, and
-    the previous unit's
-    until its reduce completes (torch keeps one in flight: reduce_scatter_max_input_buffers), so the two largest
-    units (`blocks` and `root` in unsharded elements, as fsdp_transient_bytes takes them); 0 where there is no
-    such deferred reduce (no pp, or no data parallelism)."""
+    the previous unit's until its reduce completes (torch keeps one in flight: reduce_scatter_max_input_buffers),
+    so the two largest units (`blocks` and `root` in unsharded elements, as fsdp_transient_bytes takes them); 0
+    where there is no such deferred reduce (no pp, or no data parallelism)."""
     if dims.pp == 1 or not dims.has_data_parallel:
         return 0.0
     return reduce * sum(sorted([*blocks, root], reverse=True)[:2])

@@ -45,11 +45,11 @@
                  backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
                  reduce-scatter, the zero modes' parameter all-gather after the update (and the EP-unaware
                  baseline's fp32 all-reduce of its non-expert shard over ep), ddp's all-reduce beyond the last
-                 backward that hides it (and with bf16 reduction its comm hook's casts), and the gradient clipping with the AdamW update (42 bytes of
-                 HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
-                 CPU streams at about twice a copy's bandwidth). The zero modes and ddp move their
-                 gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective
-                 each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora
+                 backward that hides it (and with bf16 reduction its comm hook's casts), and the gradient clipping
+                 with the AdamW update (42 bytes of HBM traffic per owned element, at the optimizer class's
+                 rate: one fused in-place pass, which on a CPU streams at about twice a copy's bandwidth). The
+                 zero modes and ddp move their gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch
+                 DDP's 25 MiB), one collective each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora
                  tiles) 0.15 s of a 1.0 s sync
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
@@ -131,7 +131,8 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
     host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
     all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's input and output
     (`reduce` bytes an element: fp32 4, bf16 2). `gathers`: (per block, for the root) all-gathers per micro-batch,
-    as step_time counts them; each of the stage's units reduces once per reduction. Under pp the last stage's (the LM head's) root."""
+    as step_time counts them; each of the stage's units reduces once per reduction. Under pp the last stage's (the
+    LM head's) root."""
     def fresh(nbytes: float) -> float:
         return nbytes if nbytes >= threshold else 0.0
 
@@ -421,7 +422,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         # rank writes its masters into the send area (4 + w B per owned element) and the gathered blocks are
         # copied into the parameters (read and write w B)
         local_elements = (dense_stage + expert_stage) if dims.is_parallel else 0.0  # one process: a plain optimizer
-        group = dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep
+        group = dims.dp if p.ep_aware else dims.expert_dp
         pack = (grad_width + width) * local_elements / hbm_eff
         unpack = (2 * width + (4 + width) / group) * local_elements / hbm_eff
         if p.shard_mode == "zero2":
@@ -431,11 +432,10 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         else:
             copies_step = pack + unpack
         step_sync = reduce + gather
-        owned = dense_stage / (dims.dp if p.ep_aware else dims.dp_replicate * dims.dp_shard_mod_ep) + \
-            expert_stage / (dims.dp_replicate * dims.dp_shard_mod_ep)
+        owned = dense_stage / group + expert_stage / dims.expert_dp
         if not p.ep_aware and dims.ep > 1:  # the EP-unaware baseline sums its reduced non-expert shard over ep too
             ep_link = group_link(dims, ("ep",), cluster)
-            step_sync += all_reduce_time(ep_link, 4 * dense_stage / (dims.dp_replicate * dims.dp_shard_mod_ep))
+            step_sync += all_reduce_time(ep_link, 4 * dense_stage / dims.expert_dp)
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
     # in-place kernel, not the unfused elementwise ops memory_bound times)
     optimizer = (owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +

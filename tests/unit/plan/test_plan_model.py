@@ -338,12 +338,24 @@ def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
 
 
 
+def _zero_buckets_by_group(shape, dims) -> list[tuple[tuple[str, ...], list[int]]]:
+    """An EP-aware zero layout's buckets of a one-stage model with its mesh dims: the non-expert parameters' over
+    dp x ep, the experts' over expert_dp (optim/sharded.py)."""
+    from optimus.plan.memory import zero_bucket_sizes
+
+    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    experts = shape.n_layers * shape.block_experts / dims.ep
+    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, True, True)
+    return [(("dp_replicate", "dp_shard_mod_ep", "ep"), dense_buckets),
+            (("dp_replicate", "dp_shard_mod_ep"), expert_buckets)]
+
+
 def test_the_sharded_optimizer_pays_a_ring_latency_per_bucket(monkeypatch):
     """zero1 reduce-scatters and all-gathers bucket by bucket (optim/sharded.py): bytes are the same however the
     gradients are cut, but every bucket's ring pays its hops' latency, which over many nodes adds up."""
     import optimus.optim.sharded as sharded
     from optimus.parallel.validate import validate_layout
-    from optimus.plan.memory import ModelShape, zero_bucket_sizes
+    from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     aurora = load_cluster("aurora")
@@ -364,16 +376,13 @@ def test_the_sharded_optimizer_pays_a_ring_latency_per_bucket(monkeypatch):
     assert bucketed_bytes_only == pytest.approx(whole_bytes_only, rel=1e-9)  # cutting moves no extra bytes
     # each bucket is its own fp32 reduce-scatter and bf16 all-gather over its group's ring (whose algorithm,
     # hierarchical or flat, suits its size)
-    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
-    experts = shape.n_layers * shape.block_experts / dims.ep
-    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, True, True)
+    (_, dense_buckets), (_, expert_buckets) = groups = _zero_buckets_by_group(shape, dims)
     assert len(expert_buckets) > 20 and len(dense_buckets) > 3
 
     def rings(link, buckets: list[float]) -> float:
         return sum(ring_time(link, 4 * n, "reduce_scatter") + ring_time(link, 2 * n) for n in buckets)
     extra = 0.0
-    for group, buckets in ((("dp_replicate", "dp_shard_mod_ep", "ep"), dense_buckets),
-                           (("dp_replicate", "dp_shard_mod_ep"), expert_buckets)):
+    for group, buckets in groups:
         link = group_link(dims, group, aurora)
         extra += rings(link, buckets) - rings(link, [sum(buckets)])
     assert bucketed - whole == pytest.approx(extra, rel=1e-6) and extra > 0.01
@@ -383,7 +392,7 @@ def test_bf16_gradient_reduction_halves_the_gradient_collectives():
     """parallel.grad_reduce_dtype=bf16 prices every gradient collective at 2 bytes an element: on links without
     latency FSDP's once-per-step reduce under pp takes half the time, and zero1 saves half its reduce-scatter."""
     from optimus.parallel.validate import validate_layout
-    from optimus.plan.memory import ModelShape, zero_bucket_sizes
+    from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     aurora = replace(load_cluster("aurora"), intra_node_latency_us=0, inter_node_latency_us=0)
@@ -402,12 +411,8 @@ def test_bf16_gradient_reduction_halves_the_gradient_collectives():
     config = load_config(None, [*base, *zero1])
     layout = validate_layout(config, 96)
     shape, dims = ModelShape.of(layout.config), layout.dims
-    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
-    experts = shape.n_layers * shape.block_experts / dims.ep
-    dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, True, True)
     saved = sum(ring_time(group_link(dims, group, aurora), 2 * n, "reduce_scatter")
-                for group, buckets in ((("dp_replicate", "dp_shard_mod_ep", "ep"), dense_buckets),
-                                       (("dp_replicate", "dp_shard_mod_ep"), expert_buckets)) for n in buckets)
+                for group, buckets in _zero_buckets_by_group(shape, dims) for n in buckets)
     assert dp_sync(zero1, "fp32") - dp_sync(zero1, "bf16") == pytest.approx(saved, rel=1e-6) and saved > 0
 
 
