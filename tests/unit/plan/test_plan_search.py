@@ -89,9 +89,22 @@ def test_plan_on_gpus_says_what_compiling_would_give_and_not_when_compiled(monke
     out = capsys.readouterr().out
     hint = [line for line in out.splitlines() if "--train.compile=true" in line]
     assert len(hint) == 1 and "x faster" in hint[0], hint
-    assert "--parallel.grad_reduce_dtype=bf16 the best" not in out  # the recipe reduces in bf16 already
     assert main([*args, "--train.compile=true"]) == 0
     assert "--train.compile=true the best layout" not in capsys.readouterr().out
+
+
+def test_plan_cli_hints_bf16_gradient_reduction_only_where_the_config_reduces_in_fp32(monkeypatch, tmp_path, capsys):
+    # a 7B MoE over 64 Frontier GCDs with one sequence each: its expert gradients' sync is not hidden, so bf16 pays
+    from optimus.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", str(REPO / "configs" / "mula-7b-a1b.yaml"), "--cluster", "frontier", "--devices", "64", "--top",
+            "1", "--train.global_batch_size=64"]
+    assert main([*args, "--parallel.grad_reduce_dtype=fp32"]) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if "--parallel.grad_reduce_dtype=bf16" in line]
+    assert len(hint) == 1 and "x faster" in hint[0], hint
+    assert main(args) == 0  # the recipe reduces in bf16 already
+    assert "--parallel.grad_reduce_dtype=bf16" not in capsys.readouterr().out
 
 
 def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
