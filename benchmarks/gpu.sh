@@ -70,7 +70,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 for n in 2 4 8; do
     if [ "$gpus" -ge "$n" ]; then
         step "layouts-$n" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n" \
-            tests/gpu/layout_parity.py --json "$OUT/layout_parity_$n.json"
+            tests/gpu/layout_parity.py --layout-timeout 120 --json "$OUT/layout_parity_$n.json"
     fi
 done
 [ "$gpus" -ge 2 ] || echo "=== layouts: $gpus GPU(s) here; the NCCL layout checks need 2 or more"

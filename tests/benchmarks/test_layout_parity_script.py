@@ -45,3 +45,33 @@ def test_a_layout_that_departs_or_fails_is_reported_not_hidden():
     differs, fails = run_distributed(_verdicts, 2, timeout=120)[0]
     assert not differs["ok"] and "single" in differs["error"]  # (the first departure assert_parity names)
     assert not fails["ok"] and fails["error"] and "Traceback" in fails["traceback"]
+
+
+STALL_RANK_1 = '''
+import os, sys, time
+sys.path.insert(0, {root!r})
+import tests.helpers.parity as parity
+import tests.gpu.layout_parity as script
+
+if os.environ["RANK"] == "1":  # rank 1 stops answering (a stuck device); rank 0 goes on into the first collective
+    def stalled(*args, **kwargs):
+        print("rank 1 stalls", file=sys.stderr, flush=True)
+        time.sleep(600)
+    parity.run_parallel_rank = stalled
+sys.exit(script.main())
+'''
+
+
+def test_a_stalled_rank_is_reported_as_hung_not_waited_on(tmp_path):
+    wrapper, out = tmp_path / "stall_rank_1.py", tmp_path / "parity.json"
+    wrapper.write_text(STALL_RANK_1.format(root=str(ROOT)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(wrapper), "--device", "cpu", "--only", "fsdp,zero1", "--steps", "1",
+                           "--layout-timeout", "15", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "rank 1 stalls" in done.stderr
+    assert "fsdp" in done.stdout and "HUNG after 15 s" in done.stdout, done.stdout + done.stderr
+    (verdict,) = json.loads(out.read_text())["layouts"]  # the job stopped at the hung layout
+    assert verdict["layout"] == "fsdp" and not verdict["ok"] and verdict["error"].startswith("hung")

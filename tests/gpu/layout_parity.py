@@ -3,7 +3,7 @@ CUDA): what tests/distributed proves on gloo, for the devices a run will use. be
 machine has several GPUs; an HPC user can run it on a node before a job.
 
     torchrun --nproc-per-node N tests/gpu/layout_parity.py [--device cuda|cpu] [--only NAME,...] [--steps 3]
-                                                           [--json F]
+                                                           [--json F] [--layout-timeout 300]
 
 N is 2, 4 or 8: the layouts of that many ranks run (LAYOUTS), each the tiny parity model of tests/helpers/parity
 (fp32, real text) trained --steps steps as a parallel layout and, on rank 0's device, as one process; losses,
@@ -11,8 +11,10 @@ gradient norms and step-1 gradients compared within the parity tolerances tests/
 off: fp32 matmuls on a GPU are then within those of one another; layouts with gradients reduced in bf16 within
 bf16's rounding of the sums, assert_bf16_reduction_parity). Prints one line per layout and a verdict; exits
 non-zero when a layout departs from one process or fails. A layout every rank refuses is reported and the next
-one runs; a rank failing alone mid-step leaves the others in their collective until its timeout. --device cpu
-runs the same on gloo (the CI checks the script that way). Not a pytest module: the CPU's parity tests are
+one runs. A rank failing alone mid-step prints its traceback at once (the others may then abort on a collective
+mismatch, or wait in a collective that cannot finish); a stalled rank leaves the others waiting too: after
+--layout-timeout seconds rank 0 reports the layout as hung, writes the verdicts so far and the job exits 3
+(torchrun stops the other ranks), rather than waiting out the collective library's own 10-30 minute timeout. --device cpu runs the same on gloo (the CI checks the script that way). Not a pytest module: the CPU's parity tests are
 tests/distributed.
 """
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -87,6 +90,8 @@ def check(name: str, world: int, rank: int, device: str, steps: int) -> dict:
         record = _to_cpu(run_parallel_rank(rank, world, config, steps, device=device))
     except Exception:  # this rank failed: rank 0 reports it (the others too, where every rank refused the layout)
         record = traceback.format_exc()
+        # said here too: where the other ranks went on into a collective, rank 0 never gathers this
+        print(f"rank {rank}: layout {name} failed:\n{record}", file=sys.stderr, flush=True)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(record, gathered, dst=0)
     if rank == 0:
@@ -108,6 +113,29 @@ def check(name: str, world: int, rank: int, device: str, steps: int) -> dict:
     return outcome
 
 
+def _report(verdicts: list[dict], device: str, world: int, json_path: str | None) -> int:
+    """Rank 0's summary line and JSON; 0 when every layout matched one process."""
+    passed = sum(v["ok"] for v in verdicts)
+    print(f"layout parity on {world} {device} ranks ({'NCCL' if device == 'cuda' else 'gloo'}): "
+          f"{passed} of {len(verdicts)} layouts match one process", flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"device": device, "world": world, "layouts": verdicts}, indent=1))
+    return 0 if passed == len(verdicts) else 1
+
+
+def _watchdog(name: str, rank: int, seconds: float, on_hang) -> threading.Timer:
+    """A timer that ends this process when layout `name` has not finished in `seconds` (rank 0 first: the other
+    ranks wait ten seconds longer, so rank 0 is the one that reports)."""
+    def hung():
+        on_hang()
+        os._exit(3)
+
+    timer = threading.Timer(seconds + (0 if rank == 0 else 10), hung)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -115,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated layout names of this world size")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", default=None, help="write rank 0's verdicts here")
+    parser.add_argument("--layout-timeout", type=float, default=300.0,
+                        help="seconds one layout may take before the job is called hung (default 300)")
     args = parser.parse_args(argv)
 
     import torch
@@ -138,7 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     try:
         for name in names:
+            def hung(name=name):
+                if rank == 0:
+                    verdicts.append({"layout": name, "ranks": world, "parallel": LAYOUTS[world][name][1], "ok": False,
+                                     "error": f"hung: not finished in {args.layout_timeout:g} s (a rank stalled, "
+                                              f"or failed mid-step: its traceback is above)"})
+                    print(f"{name:<26} {world} ranks on {device}: HUNG after {args.layout_timeout:g} s; stopping",
+                          flush=True)
+                    _report(verdicts, device, world, args.json)
+
+            watchdog = _watchdog(name, rank, args.layout_timeout, hung)
             verdict = check(name, world, rank, device, args.steps)
+            watchdog.cancel()
             if rank == 0:
                 verdicts.append(verdict)
                 within = " (to bf16's rounding)" if verdict["parallel"].get("grad_reduce_dtype") == "bf16" else ""
@@ -146,14 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<26} {world} ranks on {device}: {status} ({verdict['seconds']} s)", flush=True)
     finally:
         dist.destroy_process_group()
-    if rank != 0:
-        return 0
-    passed = sum(v["ok"] for v in verdicts)
-    print(f"layout parity on {world} {device} ranks ({'NCCL' if device == 'cuda' else 'gloo'}): "
-          f"{passed} of {len(verdicts)} layouts match one process")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "world": world, "layouts": verdicts}, indent=1))
-    return 0 if passed == len(verdicts) else 1
+    return _report(verdicts, device, world, args.json) if rank == 0 else 0
 
 
 if __name__ == "__main__":
