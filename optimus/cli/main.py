@@ -17,6 +17,12 @@ from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd
 from optimus.cli.train import cmd_chaos, cmd_tokenize, cmd_train
 
 
+ONLY_HELP = ("search only layouts whose KEY (a --json layout key: dp_replicate, dp_shard, tp, pp, ep, micro_batch_size, "
+             "grad_accum, activation_checkpointing, shard_mode, pp_schedule, ep_dispatch) is one of the values; "
+             "repeat for other keys (--only tp=1 --only shard_mode=zero1,zero2: what a stack without TP runs). "
+             "pp_schedule applies where pp > 1, ep_dispatch where ep > 1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimus", description="Pretrain dense and MoE language models.")
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -114,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--efficiency", type=float, default=None,
                       help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
                            "efficiency block)")
+    plan.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 
     tune_ = verbs.add_parser("tune", help="measured layout search here: short real runs of the planner's feasible "
@@ -123,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune_.add_argument("--ranks", type=int, default=1, help="processes per trial (gloo on this machine; default 1)")
     tune_.add_argument("--steps", type=int, default=2, help="measured steps per trial, after the warm-up (default 2)")
     tune_.add_argument("--warmup", type=int, default=1, help="steps not measured (default 1)")
+    tune_.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     tune_.add_argument("--seed", type=int, default=0, help="optuna sampler seed")
     tune_.add_argument("--out", default="runs/tune", help="where trials.jsonl and best.yaml go (default runs/tune)")
     tune_.set_defaults(func=cmd_tune, takes_overrides=True)

@@ -13,8 +13,9 @@ from optimus.cli.errors import UsageError
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import format_table, write_best_config, write_json
-    from optimus.plan.search import plan
+    from optimus.plan.search import parse_only, plan
 
+    only = parse_only(args.only or [])
     if args.calibrate and args.cluster != "here":
         raise UsageError(f"--calibrate measures this machine: use it with --cluster here (not '{args.cluster}')")
     cluster = None if args.cluster == "here" else load_cluster(args.cluster)  # an unknown one fails before the config
@@ -28,10 +29,15 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
     efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
-    candidates = plan(config, cluster, args.devices, efficiency)
+    candidates = plan(config, cluster, args.devices, efficiency, only)
+    if not candidates and only:
+        raise UsageError(f"no layout of {args.devices} devices within --only {' '.join(args.only)} passes "
+                         f"validate_layout for this config: allow more values, or check train.global_batch_size")
     if not candidates:
         raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
                          f"check train.global_batch_size (it must divide over the data-parallel ranks)")
+    if only:
+        print(f"searched only layouts with {'; '.join(f'{k} in {{{sorted_values(v)}}}' for k, v in only.items())}")
     print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
     if args.json:
         write_json(args.json, candidates, cluster, args.tokens)
@@ -49,6 +55,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
+
+
+def sorted_values(values: frozenset[str]) -> str:
+    """A restriction's values, numbers in numeric order."""
+    return ", ".join(sorted(values, key=lambda v: (not v.isdigit(), int(v) if v.isdigit() else 0, v)))
 
 
 # the layout degrees, reset: the plan chooses them (optimus.plan.search enumerates every layout)
@@ -130,8 +141,10 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
 def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
     from optimus.plan.report import write_best_config
+    from optimus.plan.search import parse_only
     from optimus.plan.tune import format_trials, tune
 
+    only = parse_only(args.only or [])
     for flag, value in (("--trials", args.trials), ("--ranks", args.ranks), ("--steps", args.steps)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
@@ -146,7 +159,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     out_dir = Path(args.out)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
-                         steps=args.steps, warmup=args.warmup, seed=args.seed)
+                         steps=args.steps, warmup=args.warmup, seed=args.seed, only=only)
     print(format_trials(records))
     print(f"every trial: {out_dir / 'trials.jsonl'}")
     if best is None:

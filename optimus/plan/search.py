@@ -7,6 +7,10 @@ none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2 / d
 ddp only where validation allows it: no tp, pp or ep), pp_schedule 1f1b / gpipe / interleaved_1f1b (2 virtual
 stages) when pp > 1, and ep_dispatch all_to_all / allgather when ep > 1. Every candidate goes through the ONE
 validation function the trainer uses, so the planner never proposes a layout the trainer rejects.
+
+A search can be held to part of that space (`optimus plan --only tp=1 --only shard_mode=zero1`: what a stack
+without tensor parallelism runs, or a user's own constraints): `parse_only` reads the restrictions, `plan` skips
+every variant outside them before pricing it.
 """
 
 from __future__ import annotations
@@ -73,6 +77,49 @@ class Candidate:
         return p.dp_replicate * p.dp_shard * p.tp * p.pp
 
 
+# the --json layout keys a search may be held to, and the values the categorical ones take
+ONLY_CHOICES: dict[str, tuple[str, ...] | None] = {
+    "dp_replicate": None, "dp_shard": None, "tp": None, "pp": None, "ep": None, "micro_batch_size": None,
+    "grad_accum": None, "activation_checkpointing": ("none", "selective", "full"),
+    "shard_mode": ("fsdp", "zero1", "zero2", "ddp"), "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
+    "ep_dispatch": ("all_to_all", "allgather"),
+}
+
+
+def parse_only(specs: list[str]) -> dict[str, frozenset[str]]:
+    """`KEY=V1,V2` restrictions (one per key; integer keys take positive integers) -> {key: allowed values}.
+    ConfigError naming the one that cannot be read, and what would be."""
+    only: dict[str, frozenset[str]] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip()
+        allowed = [v.strip() for v in values.split(",") if v.strip()]
+        if key not in ONLY_CHOICES or not sep or not allowed:
+            raise ConfigError(f"--only {spec!r}: write KEY=V1[,V2...] with KEY one of {', '.join(ONLY_CHOICES)}")
+        choices = ONLY_CHOICES[key]
+        bad = [v for v in allowed if not (v in choices if choices else v.isdigit() and int(v) > 0)]
+        if bad:
+            kinds = ", ".join(choices) if choices else "positive integers"
+            raise ConfigError(f"--only {key}: {bad[0]!r} is not a value it takes ({kinds})")
+        if key in only:
+            raise ConfigError(f"--only {key} is given twice: list its values once, comma-separated")
+        only[key] = frozenset(str(int(v)) if not choices else v for v in allowed)
+    return only
+
+
+def _within(only: dict[str, frozenset[str]], parallel: dict, train: dict, global_batch: int) -> bool:
+    """Whether a variant keeps to the restrictions. A schedule restriction holds where there is a pipeline (pp >
+    1) and a dispatch restriction where there is expert parallelism (ep > 1): elsewhere neither has a value."""
+    dp = parallel["dp_replicate"] * parallel["dp_shard"]
+    values = {**parallel, **train, "grad_accum": global_batch // (dp * train["micro_batch_size"])}
+    for key, allowed in only.items():
+        if (key == "pp_schedule" and parallel["pp"] == 1) or (key == "ep_dispatch" and parallel["ep"] == 1):
+            continue
+        if str(values[key]) not in allowed:
+            return False
+    return True
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -105,10 +152,12 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                                         dict(micro_batch_size=mbs, activation_checkpointing=ac)
 
 
-def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None) -> list[Candidate]:
+def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None,
+         only: dict[str, frozenset[str]] | None = None) -> list[Candidate]:
     """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
 
     efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
+    only: restrictions from parse_only (none: the whole space).
     """
     if devices < 1 or devices % cluster.devices_per_node:
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
@@ -119,6 +168,8 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     budget = cluster.memory_bytes * HEADROOM
     out: list[Candidate] = []
     for parallel, train in _variants(config, devices, cluster):
+        if only and not _within(only, parallel, train, config.train.global_batch_size):
+            continue
         candidate = config.model_copy(update={"parallel": config.parallel.model_copy(update=parallel),
                                               "train": config.train.model_copy(update=train)})
         try:

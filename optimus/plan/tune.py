@@ -90,15 +90,20 @@ def _record(path: Path, row: dict[str, Any]) -> None:
 
 def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluster, ranks: int, trials: int,
          out_dir: Path, env: dict[str, str], steps: int = 2, warmup: int = 1, seed: int = 0,
-         timeout_s: float = 600.0, say=print, runner=None) -> tuple[Candidate | None, list[dict[str, Any]]]:
+         timeout_s: float = 600.0, say=print, runner=None,
+         only: dict[str, frozenset[str]] | None = None) -> tuple[Candidate | None, list[dict[str, Any]]]:
     """Run the measured search; (the best measured candidate or None, every trial's record).
 
     runner: what runs one trial (default run_trial, a real training subprocess), same arguments.
+    only: the search held to part of the layouts (search.parse_only), as `optimus plan --only`.
     """
     runner = runner or run_trial
     import optuna
 
-    candidates = plan(config, cluster, ranks)
+    candidates = plan(config, cluster, ranks, only=only)
+    if not candidates:
+        raise ConfigError(f"no layout of {ranks} ranks passes validate_layout for this config"
+                          f"{' within --only' if only else ''}: allow more values, or check train.global_batch_size")
     fitting = {layout_key(c): c for c in candidates if c.fits}
     pruned = [c for c in candidates if not c.fits]
     if not fitting:

@@ -142,3 +142,54 @@ def test_plan_at_another_scale_with_its_own_batch_needs_no_degrees(monkeypatch, 
     assert main(["plan", config, "--cluster", "frontier", "--devices", "64", "--train.global_batch_size=0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "global_batch_size" in err
+
+
+def test_a_search_held_to_some_values_is_the_whole_search_filtered():
+    from optimus.plan.search import parse_only
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    cluster = load_cluster("h100")
+    only = parse_only(["tp=1", "shard_mode=zero1,zero2", "pp_schedule=gpipe", "ep_dispatch=allgather"])
+    held = plan(config, cluster, 8, only=only)
+
+    def keeps(layout):  # schedules only where there is a pipeline, dispatch only where there are experts to send to
+        return (layout["tp"] == 1 and layout["shard_mode"] in ("zero1", "zero2") and
+                layout["pp_schedule"] in ("gpipe", "none") and layout["ep_dispatch"] in ("allgather", "none"))
+    whole = [c.layout() for c in plan(config, cluster, 8)]
+    assert [c.layout() for c in held] == [lay for lay in whole if keeps(lay)]
+    assert {c.config.parallel.pp for c in held} >= {1, 2} and {c.config.parallel.ep for c in held} >= {1, 2}
+    accum = plan(config, cluster, 8, only=parse_only(["grad_accum=2"]))
+    assert accum and {c.layout()["grad_accum"] for c in accum} == {2}
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("tp", "write KEY=V1[,V2...]"), ("shard=fsdp", "with KEY one of dp_replicate"), ("tp=", "write KEY=V1"),
+    ("tp=0", "'0' is not a value it takes (positive integers)"), ("tp=two", "'two' is not a value"),
+    ("shard_mode=zero3", "'zero3' is not a value it takes (fsdp, zero1, zero2, ddp)"),
+])
+def test_a_restriction_that_cannot_be_read_is_named(spec, needle):
+    from optimus.config import ConfigError
+    from optimus.plan.search import parse_only
+
+    with pytest.raises(ConfigError) as err:
+        parse_only([spec])
+    assert needle in str(err.value)
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_only(["tp=1", "tp=2"])
+
+
+def test_plan_cli_only_keeps_to_the_restriction_and_refuses_a_bad_one(monkeypatch, tmp_path, capsys):
+    from optimus.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", str(REPO / "configs" / "mula-tiny-moe.yaml"), "--cluster", "h100", "--devices", "8",
+            "--train.global_batch_size=16", "--json", "plan.json"]
+    assert main([*args, "--only", "tp=1", "--only", "shard_mode=zero1"]) == 0
+    assert "searched only layouts with tp in {1}; shard_mode in {zero1}" in capsys.readouterr().out
+    entries = json.loads((tmp_path / "plan.json").read_text())
+    assert entries and all((e["layout"]["tp"], e["layout"]["shard_mode"]) == (1, "zero1") for e in entries)
+    for bad, needle in ((["--only", "tp=3"], "no layout of 8 devices within --only tp=3"),
+                        (["--only", "mode=fsdp"], "--only 'mode=fsdp': write KEY=V1")):
+        assert main([*args, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err

@@ -53,3 +53,21 @@ def test_tune_with_nothing_that_fits_is_one_clear_error(tmp_path):
     config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64"])
     with pytest.raises(ConfigError, match="no layout of 2 ranks fits this machine's memory"):
         tune(config, "unused.yaml", [], _cluster(0.01), 2, 2, tmp_path, {}, runner=None, say=lambda line: None)
+
+
+def test_tune_held_to_some_layouts_runs_only_those(tmp_path):
+    from optimus.plan.search import parse_only
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    launched = []
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        launched.append(candidate.layout())
+        return TrialRun("ok", 100.0, 5.12, [5.12])
+
+    tune(config, "unused.yaml", [], _cluster(64), 2, 3, tmp_path, {}, runner=fake_run, say=lambda line: None,
+         only=parse_only(["shard_mode=zero2"]))
+    assert launched and all(lay["shard_mode"] == "zero2" for lay in launched)
+    with pytest.raises(ConfigError, match="within --only"):
+        tune(config, "unused.yaml", [], _cluster(64), 2, 3, tmp_path, {}, runner=fake_run, say=lambda line: None,
+             only=parse_only(["tp=4"]))
