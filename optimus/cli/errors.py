@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 EXIT_BAD_INPUT = 2
 
 
@@ -22,3 +25,22 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, TooManySkippedSteps,
             UsageError, ChaosError)
+
+
+def output_location(flag: str, path: str | Path, *, folder: bool = False) -> Path:
+    """Where a command will write the output `flag` names (a file, or with `folder` a directory), checked before any
+    work and without creating anything: the nearest existing folder on its way must be one this process can write
+    in, or UsageError naming the flag and the fix (a job that plans or exports for minutes should not then fail on
+    a mistyped path). The command makes the missing folders when it writes."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise UsageError(f"{flag} {path} is a {'file' if folder else 'directory'}: name a "
+                         f"{'directory' if folder else 'file'}")
+    where = target if folder else target.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise UsageError(f"{flag} {path}: {where} is a file, not a directory: choose another path")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {where} is not writable: choose a path you can write")
+    return target

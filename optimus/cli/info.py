@@ -16,6 +16,8 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.models.presets import PRESETS
     from optimus.models.transformer import build_model
 
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be at least 1 (got {args.seq_len})")
     rows = dict(PRESETS)  # no target: every preset
     highlight = None
     if args.target:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
-from optimus.cli.errors import UsageError
+from optimus.cli.errors import UsageError, output_location
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -19,12 +20,15 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.calibrate and args.cluster != "here":
         raise UsageError(f"--calibrate measures this machine: use it with --cluster here (not '{args.cluster}')")
     cluster = None if args.cluster == "here" else load_cluster(args.cluster)  # an unknown one fails before the config
-    if args.tokens is not None and args.tokens <= 0:
-        raise UsageError(f"--tokens must be positive (got {args.tokens:g})")
+    if args.tokens is not None and not 0 < args.tokens < math.inf:
+        raise UsageError(f"--tokens must be a positive number of tokens (got {args.tokens:g})")
     if args.top < 1:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
+    for flag, path in (("--json", args.json), ("--write-config", args.write_config)):
+        if path:
+            output_location(flag, path)
     config = _config_to_plan(args.config, overrides)
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
@@ -40,6 +44,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"searched only layouts with {'; '.join(f'{k} in {{{sorted_values(v)}}}' for k, v in only.items())}")
     print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
     if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
@@ -52,6 +57,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if not best.fits:
         print(f"no layout fits {cluster.memory_gb:g} GiB devices: more devices, or a smaller model or batch")
     elif args.write_config:
+        Path(args.write_config).parent.mkdir(parents=True, exist_ok=True)
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
@@ -154,9 +160,9 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         import optuna  # noqa: F401
     except ImportError:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
+    out_dir = output_location("--out", args.out, folder=True)
     config = load_config(args.config, overrides)
     cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config)
-    out_dir = Path(args.out)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from optimus.cli.errors import EXIT_BAD_INPUT, UsageError
+from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, output_location
 
 
 def load_run(run_dir: str):
@@ -114,6 +114,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.data.sources import resolve_tokenizer_path, tokenizer_info
     from optimus.models.hf import ExportTokenizer, export_hf
 
+    output_location("--out", args.out, folder=True)
     config, model = load_run(args.run)
     info = tokenizer_info(config.data.tokenizer)
     tokenizer, note = None, " without a tokenizer: the run's tokenizer has more ids than the model's vocabulary"
@@ -132,7 +133,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.models.transformer import build_model
     from optimus.train.state import ModelState
 
-    out = Path(args.out)
+    out = output_location("--out", args.out, folder=True)
     if CheckpointManager(out).latest() is not None:
         raise UsageError(f"'{out}' already holds checkpoints: choose a new --out so nothing is overwritten")
     model_config, state_dict = import_hf(args.hf_dir)
@@ -149,6 +150,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.report import ReportError, write_report
 
+    if args.out:
+        output_location("--out", args.out)
     try:
         path = write_report(args.run, args.out)
     except ReportError as err:

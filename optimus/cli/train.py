@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from optimus.cli.errors import UsageError
+from optimus.cli.errors import UsageError, output_location
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -97,7 +97,7 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.faults < 1 or args.ranks < 1:
         raise UsageError("--faults and --ranks must be at least 1")
     kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
-    out = Path(args.out or f"runs/chaos-{Path(args.config).stem}")
+    out = output_location("--out", args.out or f"runs/chaos-{Path(args.config).stem}", folder=True)
     report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,
                        hang_timeout_s=args.hang_timeout, timeout=args.timeout, min_step_s=args.min_step_seconds,
                        env=os.environ)
@@ -109,4 +109,5 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_tokenize(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.data.tokenize import tokenize_command
 
+    output_location("--output", args.output, folder=True)
     return tokenize_command(args)

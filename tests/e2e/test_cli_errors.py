@@ -147,6 +147,12 @@ def _hf_folder(tmp: Path, config: object = None, weights: bytes | None = None, i
     return folder
 
 
+def _file(tmp: Path) -> Path:
+    """A plain file where a command's output folder would go."""
+    (tmp / "a-file").write_text("x")
+    return tmp / "a-file"
+
+
 def _import(folder: Path, tmp: Path) -> list[str]:
     return ["import", str(folder), "--out", str(tmp / "imported")]
 
@@ -213,6 +219,23 @@ BAD_INPUT_CASES = {
     "npy uint32 read as uint16": (lambda t, tr: _npy_config(t, tr, {"a.npy": np.arange(500, dtype=np.uint32).tobytes()}),
                                   "set the source's dtype: uint32"),
     "recipe source missing": (lambda t, tr: _recipe_config(t, tr, make_arxiv=False), "source arxiv: no files at"),
+    # where a command writes: refused before any work (the folder on the way is a file)
+    "export under a file": (lambda t, tr: ["export", str(tr[1]), "--format", "hf", "--out", str(_file(t) / "hf")],
+                            "--out"),
+    "report under a file": (lambda t, tr: ["report", str(tr[1]), "--out", str(_file(t) / "r.html")], "--out"),
+    "import under a file": (lambda t, tr: ["import", str(t), "--out", str(_file(t) / "run")], "--out"),
+    "tokenize under a file": (lambda t, tr: ["tokenize", "--input", str(tr[0]), "--output", str(_file(t) / "tok")],
+                              "--output"),
+    "chaos into a file": (lambda t, tr: ["chaos", str(tr[0]), "--out", str(_file(t))], "is a file: name a directory"),
+    "tune under a file": (lambda t, tr: ["tune", str(tr[0]), "--trials", "1", "--out", str(_file(t) / "tune")],
+                          "--out"),
+    "plan json under a file": (lambda t, tr: ["plan", str(tr[0]), "--cluster", "h100", "--devices", "8", "--json",
+                                              str(_file(t) / "p.json")], "--json"),
+    "plan config into a folder": (lambda t, tr: ["plan", str(tr[0]), "--cluster", "h100", "--devices", "8",
+                                                 "--write-config", str(t)], "is a directory: name a file"),
+    "plan tokens not finite": (lambda t, tr: ["plan", str(tr[0]), "--cluster", "h100", "--devices", "8", "--tokens",
+                                              "nan"], "--tokens must be a positive number"),
+    "info sequence of 0": (lambda t, tr: ["info", "mula-1b", "--seq-len", "0"], "--seq-len must be at least 1"),
 }
 
 
