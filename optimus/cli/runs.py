@@ -93,8 +93,8 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        raise UsageError("--temperature must be >= 0 (0 = greedy)")
+    if not 0 <= args.temperature < float("inf"):
+        raise UsageError(f"--temperature must be a number >= 0 (0 = greedy; got {args.temperature:g})")
     config, model = load_run(args.run)
     tokenizer = load_tokenizer(config.data.tokenizer)
     ids = tokenizer.encode(args.prompt).ids

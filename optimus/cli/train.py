@@ -96,6 +96,11 @@ def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.faults < 1 or args.ranks < 1:
         raise UsageError("--faults and --ranks must be at least 1")
+    for flag, seconds in (("--hang-timeout", args.hang_timeout), ("--timeout", args.timeout)):
+        if not 0 < seconds < float("inf"):
+            raise UsageError(f"{flag} must be a positive number of seconds (got {seconds:g})")
+    if not 0 <= args.min_step_seconds < float("inf"):
+        raise UsageError(f"--min-step-seconds must be >= 0 (got {args.min_step_seconds:g})")
     kinds = args.kinds.split(",") if args.kinds else [k for k in FAULT_KINDS if args.ranks > 1 or k not in IN_JOB_KINDS]
     out = output_location("--out", args.out or f"runs/chaos-{Path(args.config).stem}", folder=True)
     report = run_chaos(args.config, overrides, out, args.faults, args.ranks, kinds, seed=args.seed,

@@ -236,6 +236,10 @@ BAD_INPUT_CASES = {
     "plan tokens not finite": (lambda t, tr: ["plan", str(tr[0]), "--cluster", "h100", "--devices", "8", "--tokens",
                                               "nan"], "--tokens must be a positive number"),
     "info sequence of 0": (lambda t, tr: ["info", "mula-1b", "--seq-len", "0"], "--seq-len must be at least 1"),
+    "generate at temperature nan": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--temperature", "nan"],
+                                    "--temperature must be a number >= 0"),
+    "chaos hang timeout -1": (lambda t, tr: ["chaos", str(tr[0]), "--hang-timeout", "-1", "--out", str(t / "c")],
+                              "--hang-timeout must be a positive number of seconds"),
 }
 
 
