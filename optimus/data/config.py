@@ -11,7 +11,7 @@ class DataSource(BaseModel):
     """One corpus of the mixture: a packaged corpus by `name`, tokenized memmaps at `path`, or a `glob`
     of OLMo/Dolma token files (flat .npy arrays; `dtype` and `eos_id` default from the tokenizer)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     name: str | None = None
     path: str | None = None
@@ -32,7 +32,7 @@ class DataSource(BaseModel):
 class DataConfig(BaseModel):
     """The training data: a weighted mixture of sources (or a mixture recipe), the tokenizer, the held-out split."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     sources: list[DataSource] = Field(
         default_factory=lambda: [

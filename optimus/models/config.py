@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class ModelConfig(BaseModel):
     """Decoder shape and MoE settings. `n_experts == 0` means dense SwiGLU blocks."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     preset: str | None = None
     d_model: int = Field(256, gt=0)

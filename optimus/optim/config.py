@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class OptimConfig(BaseModel):
     """AdamW and its learning-rate schedule, weight decay and gradient clipping."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     lr: float = Field(4e-4, gt=0)
     min_lr: float = Field(4e-5, ge=0)

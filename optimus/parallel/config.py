@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class ParallelDegrees(BaseModel):
     """How many ways a job is split along each axis. Expert parallelism borrows its ranks from dp_shard."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     dp_replicate: int = Field(1, gt=0, description="replicated data parallelism (HSDP's outer dimension)")
     dp_shard: int = Field(1, gt=0, description="sharded data parallelism (FSDP2, or ZeRO-1/2: see shard_mode)")

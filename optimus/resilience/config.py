@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class ResilienceConfig(BaseModel):
     """Loss-spike guard, hang watchdog, straggler report and preemption signals. 0 turns a guard off."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     spike_zscore: float = Field(
         0.0, ge=0, description="skip the optimizer step when the loss exceeds the running mean of recent "

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 class WandbConfig(BaseModel):
     """Weights & Biases logging, offline only: files under RUN/wandb, uploaded later with `wandb sync`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     project: str = "optimus"
     name: str | None = Field(None, description="unset: run.name")
@@ -19,7 +19,7 @@ class WandbConfig(BaseModel):
 class TrainConfig(BaseModel):
     """The training loop: sequence and batch sizes, steps, logging, evaluation, checkpoints, precision."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     seq_len: int = Field(256, gt=0)
     micro_batch_size: int | None = Field(

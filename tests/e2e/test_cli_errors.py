@@ -43,6 +43,7 @@ def test_config_mistakes(capsys, tmp_path, token_dir):
     assert "unknown model.preset" in fail_line(capsys, ["train", cfg, "--model.preset=gpt-9"])
     assert "not found" in fail_line(capsys, ["train", str(tmp_path / "nope.yaml")])
     assert "bad value for 'optim.lr'" in fail_line(capsys, ["train", cfg, "--optim.lr=fast"])
+    assert "should be a finite number" in fail_line(capsys, ["train", cfg, "--optim.lr=inf"])
     assert "world size" in fail_line(capsys, ["train", cfg, "--parallel.dp_shard=2"])
     assert "not divisible by train.micro_batch_size (4)" in fail_line(capsys, ["train", cfg, "--parallel.dp_shard=4"])
 
