@@ -17,9 +17,9 @@ from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd
 from optimus.cli.train import cmd_chaos, cmd_tokenize, cmd_train
 
 
-ONLY_HELP = ("search only layouts whose KEY (a --json layout key: dp_replicate, dp_shard, tp, pp, ep, micro_batch_size, "
-             "grad_accum, activation_checkpointing, shard_mode, pp_schedule, ep_dispatch) is one of the values; "
-             "repeat for other keys (--only tp=1 --only shard_mode=zero1,zero2: what a stack without TP runs). "
+ONLY_HELP = ("search only layouts whose KEY (a --json layout key: dp_replicate, dp_shard, tp, pp, ep, "
+             "micro_batch_size, grad_accum, activation_checkpointing, shard_mode, pp_schedule, ep_dispatch) is one "
+             "of the values; repeat for other keys (--only tp=1 --only shard_mode=zero1,zero2: what a stack without TP runs). "
              "pp_schedule applies where pp > 1, ep_dispatch where ep > 1")
 
 

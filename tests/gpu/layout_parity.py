@@ -14,8 +14,9 @@ non-zero when a layout departs from one process or fails. A layout every rank re
 one runs. A rank failing alone mid-step prints its traceback at once (the others may then abort on a collective
 mismatch, or wait in a collective that cannot finish); a stalled rank leaves the others waiting too: after
 --layout-timeout seconds rank 0 reports the layout as hung, writes the verdicts so far and the job exits 3
-(torchrun stops the other ranks), rather than waiting out the collective library's own 10-30 minute timeout. --device cpu runs the same on gloo (the CI checks the script that way). Not a pytest module: the CPU's parity tests are
-tests/distributed.
+(torchrun stops the other ranks), rather than waiting out the collective library's own 10-30 minute timeout.
+--device cpu runs the same on gloo (the CI checks the script that way). Not a pytest module: the CPU's parity
+tests are tests/distributed.
 """
 
 from __future__ import annotations
