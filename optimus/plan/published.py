@@ -183,7 +183,7 @@ def _is_published_aurora_layout(config: Config) -> bool:
 def aurora_layout() -> list[Comparison]:
     """The planner's best layout of 220B-A10B on 3,072 tiles vs the published EP 12 x PP 8 (pass: the best, or the
     best EP 12 x PP 8 layout within 5% of its step time), and where the exact published layout ranks."""
-    from optimus.plan.search import parse_only, plan
+    from optimus.plan.search import parse_only, plan, within
 
     cluster = load_cluster("aurora")
     fitting = [c for c in plan(mula_220b(3072), cluster, 3072) if c.fits]
@@ -193,7 +193,9 @@ def aurora_layout() -> list[Comparison]:
     exact = sum(c.step_s < published_time.step_s for c in fitting) + 1
     lay = best.layout()
     # and among the layouts the Aurora team's code runs: the search held there, as `optimus plan --only` holds it
-    theirs = [c for c in plan(mula_220b(3072), cluster, 3072, only=parse_only(AURORA_CODE_ONLY)) if c.fits]
+    only = parse_only(AURORA_CODE_ONLY)
+    theirs = [c for c in fitting if within(only, c.config.parallel.model_dump(), c.config.train.model_dump(),
+                                           c.config.train.global_batch_size)]
     their_rank, their_first = next((i, c) for i, c in enumerate(theirs, 1) if _is_published_aurora_layout(c.config))
     their_best = theirs[0].layout()
     return [Comparison(

@@ -107,8 +107,8 @@ def parse_only(specs: list[str]) -> dict[str, frozenset[str]]:
     return only
 
 
-def _within(only: dict[str, frozenset[str]], parallel: dict, train: dict, global_batch: int) -> bool:
-    """Whether a variant keeps to the restrictions. A schedule restriction holds where there is a pipeline (pp >
+def within(only: dict[str, frozenset[str]], parallel: dict, train: dict, global_batch: int) -> bool:
+    """Whether a variant (or a planned config's parallel and train sections, dumped) keeps to the restrictions. A schedule restriction holds where there is a pipeline (pp >
     1) and a dispatch restriction where there is expert parallelism (ep > 1): elsewhere neither has a value."""
     dp = parallel["dp_replicate"] * parallel["dp_shard"]
     values = {**parallel, **train, "grad_accum": global_batch // (dp * train["micro_batch_size"])}
@@ -168,7 +168,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     budget = cluster.memory_bytes * HEADROOM
     out: list[Candidate] = []
     for parallel, train in _variants(config, devices, cluster):
-        if only and not _within(only, parallel, train, config.train.global_batch_size):
+        if only and not within(only, parallel, train, config.train.global_batch_size):
             continue
         candidate = config.model_copy(update={"parallel": config.parallel.model_copy(update=parallel),
                                               "train": config.train.model_copy(update=train)})

@@ -124,9 +124,9 @@ def _report(verdicts: list[dict], device: str, world: int, json_path: str | None
     return 0 if passed == len(verdicts) else 1
 
 
-def _watchdog(name: str, rank: int, seconds: float, on_hang) -> threading.Timer:
-    """A timer that ends this process when layout `name` has not finished in `seconds` (rank 0 first: the other
-    ranks wait ten seconds longer, so rank 0 is the one that reports)."""
+def _watchdog(rank: int, seconds: float, on_hang) -> threading.Timer:
+    """A timer that calls on_hang and ends this process when a layout has not finished in `seconds` (rank 0 first:
+    the other ranks wait ten seconds longer, so rank 0 is the one that reports)."""
     def hung():
         on_hang()
         os._exit(3)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
                     _report(verdicts, device, world, args.json)
 
-            watchdog = _watchdog(name, rank, args.layout_timeout, hung)
+            watchdog = _watchdog(rank, args.layout_timeout, hung)
             verdict = check(name, world, rank, device, args.steps)
             watchdog.cancel()
             if rank == 0:

@@ -174,6 +174,12 @@ def test_a_restriction_that_cannot_be_read_is_named(spec, needle):
     with pytest.raises(ConfigError) as err:
         parse_only([spec])
     assert needle in str(err.value)
+
+
+def test_a_restriction_given_twice_is_refused():
+    from optimus.config import ConfigError
+    from optimus.plan.search import parse_only
+
     with pytest.raises(ConfigError, match="given twice"):
         parse_only(["tp=1", "tp=2"])
 
