@@ -10,8 +10,9 @@ fraction of a peak:
                     fraction of peak FLOP/s on the head's 6 T d V FLOPs
     memory_bound    norms, activation functions, residual adds, RoPE, routing permutes: fraction of peak memory
                     bandwidth (hbm_gb_s)
-    optimizer       the step's gradient clipping and fused AdamW update (step_time.OPTIMIZER_BYTES_PER_ELEMENT):
-                    fraction of peak memory bandwidth; as memory_bound unless measured. It may exceed 1 where the
+    optimizer       the step's gradient clipping and fused AdamW update (step_time.OPTIMIZER_BYTES_PER_ELEMENT),
+                    and the per-micro-batch passes over the weights (step_time.weight_pass_bytes: autocast's
+                    casts, gradient accumulation): fraction of peak memory bandwidth; as memory_bound unless measured. It may exceed 1 where the
                     "peak" is a measured copy (`here`): the update works in place, so it pays none of a copy's
                     reads-for-ownership of the lines it writes (2.1-2.4 x one thread's copy on a 2-core EPYC)
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
@@ -22,7 +23,8 @@ fraction of a peak:
     eager_memory_traffic  bytes the memory-bound operators move when run eagerly (a kernel per operator, the norms'
                     fp32 upcasts materialised) over the fused count memory_bound is read against
                     (step_time.memory_bound_bytes); 1 where memory_bound was itself timed on eager operators
-                    (`here`'s calibration) or the kernels are fused (train.compile, which the fused count prices)
+                    (`here`'s calibration) or the kernels are fused (train.compile, which the fused count prices);
+                    it does not multiply the expert path's own fused kernels (memory_bound_bytes(fused_only=True))
     dtensor_overhead_us  what tensor parallelism adds per DTensor operator (DTensor's Python dispatch and the
                     placement copies around the kernels; optimus/plan/dtensor_cost.py): 0 on a GPU fed
                     asynchronously, ~100-200 us on a CPU core

@@ -31,9 +31,14 @@
                  path x core_share)
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes as fused kernels move them, times eager_memory_traffic unless train.compile
-                 fuses them), over hbm_gb_s x memory_bound; the loss's softmax over the vocabulary is
+                 fuses them; the expert path's own kernels move the fused count either way), over hbm_gb_s x
+                 memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
                  vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
+    weight passes per micro-batch, where a rank keeps whole gradients (one process, tp or pp alone, ddp, zero1,
+                 FSDP deferring its reduce-scatter under pp):
+                 autocast's bf16 copies of fp32 weights and of their gradients back, and the accumulation of
+                 each micro-batch's gradients after the first (weight_pass_bytes), at the optimizer class's rate
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; calibrated on a
                  CPU; on the h100/h200 presets what an H200 left exposed of its host's launches, on the other GPU
                  presets, which model fused published stacks, zero; a compiled block counts a tenth of its
@@ -92,6 +97,11 @@ COMPILED_OPERATOR_SHARE = 0.1
 # beyond what the loss_head class, timed on the fused op, includes (60-67 ms a step of dense TP 2 on the 2-core EPYC)
 VOCAB_PARALLEL_EXTRA_BYTES = 20
 OPTIMIZER_OPS = 60  # the fused AdamW update and the foreach gradient clipping: a few dozen operators per step
+# where a rank's weights stay fp32 while its blocks compute in bf16 (weight_pass_bytes), autocast reads each matrix
+# (4 B) and writes its bf16 copy (2 B) in every forward, and the backward's bf16 weight gradient is read (2 B) and
+# written back in fp32 (4 B); accumulating a gradient over micro-batches (grad += new) reads two and writes one
+AUTOCAST_CAST_BYTES = 6
+ACCUMULATE_PASSES = 3
 
 
 @dataclass
@@ -200,23 +210,67 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
     return {c: by_class[c] / 3.0 for c in chosen}
 
 
-def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool) -> float:
+def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool,
+                       fused_only: bool = False) -> float:
     """HBM bytes one micro-batch's memory-bound ops move on one rank (forward, backward = 2x, a recomputed forward).
 
     Per token and block, in activation elements (h = d_model, kv = KV width, f = FFN width, k = top_k, fe = expert
     width, E = experts): two norms read and write h (4h), QK-norm and RoPE read and write q and k (4 (h + kv)), two
     residual adds read two and write one (6h), SwiGLU reads gate and up and writes their product (3f, or k x 3fe
     for MoE plus the router's E logits read and written twice (4E) and the permute/unpermute of k rows (4kh)).
-    Split over tp (sequence parallel).
+    Split over tp (sequence parallel). fused_only: just the bytes of the expert path's own fused kernels (its
+    SwiGLU, permute and unpermute: ops/), which move this count eager or compiled; the rest are torch operators
+    that eager mode runs one kernel each (Efficiency.eager_memory_traffic).
     """
     m, train = config.model, config.train
     width = 2 if train.dtype == "bf16" else 4
     h, kv = m.d_model, m.kv_heads * m.head_dim
-    mlp = (3 * m.top_k * m.expert_ffn_hidden + 4 * m.n_experts + 4 * m.top_k * h) if m.is_moe else 3 * m.ffn_hidden
-    per_token_layer = 4 * h + 4 * (h + kv) + 6 * h + mlp
+    fused = (3 * m.top_k * m.expert_ffn_hidden + 4 * m.top_k * h) if m.is_moe else 0
+    operators = 4 * h + 4 * (h + kv) + 6 * h + (4 * m.n_experts if m.is_moe else 3 * m.ffn_hidden)
+    per_token_layer = fused if fused_only else fused + operators
     passes = 3 + (1 if recompute else 0)  # forward, backward (reads saved + writes gradients), recompute
     tokens = train.micro_batch_size * train.seq_len
     return tokens * layers * per_token_layer * width * passes / dims.tp
+
+
+def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, layers: int, head: bool,
+                      recomputed: dict[str, float], micro_batches: int) -> float:
+    """HBM bytes one micro-batch moves over a stage's weights and gradients outside the matmuls, where a rank keeps
+    whole gradients over the micro-batches (one process, tp or pp alone, ddp, zero1; FSDP where it defers its
+    reduce-scatter: under pp, as torch's schedules do, or defer_grad_sync=all, accumulating in the reduce dtype;
+    otherwise FSDP and zero2 reduce to a shard every micro-batch, priced with their buffers).
+
+    Where the weights stay fp32 under bf16 compute (as dry_run.autocast_weight_copy_bytes: no data parallelism, or
+    ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every matrix in the
+    forward, again where recomputed, and its gradient back to fp32 in the backward (AUTOCAST_CAST_BYTES each). Every
+    micro-batch after the first adds its gradients to those held (ACCUMULATE_PASSES of the parameters' width).
+    Measured: the compiled Mula-7B-A1B block on one H100 spent 48 ms of a 0.28 s step in these casts and the fp32
+    adds (triton to_copy kernels and CUDAFunctor_add over 1.9 B parameters, benchmarks/step_profile.py), which the
+    compiled step's fused count left out (15% too fast).
+    """
+    p, bf16 = config.parallel, config.train.dtype != "fp32"
+    fp32_weights = not dims.has_data_parallel or p.shard_mode == "ddp"  # under bf16 compute: autocast casts them
+    if fp32_weights:
+        gradient_width = 4
+    elif p.shard_mode == "zero1":  # its parameters in the compute dtype, their gradients summed in place
+        gradient_width = 2 if bf16 else 4
+    elif p.shard_mode == "fsdp" and (dims.pp > 1 or p.defer_grad_sync == "all"):
+        gradient_width = p.grad_reduce_bytes  # FSDP2 accumulates unsharded gradients in its reduce dtype
+    else:
+        return 0.0
+    t = dims.tp
+    attention = layers * shape.block_attention / t
+    mlp = layers * (shape.block_tp_split - shape.block_attention) / t
+    experts = layers * shape.block_experts / (dims.ep * t)
+    root = (shape.head + (shape.embedding if dims.pp == 1 else 0)) / t if head else shape.embedding / t
+    parameters = attention + mlp + experts + layers * shape.block_replicated + root
+    accumulate = ACCUMULATE_PASSES * gradient_width * parameters * (micro_batches - 1) / micro_batches
+    if not (bf16 and fp32_weights):
+        return accumulate
+    matrices = attention + mlp + experts + (shape.head / t if head else 0.0)
+    again = ((attention if recomputed.get("attention_proj") else 0.0) + (mlp if recomputed.get("mlp") else 0.0) +
+             (experts if recomputed.get("experts") else 0.0))
+    return accumulate + AUTOCAST_CAST_BYTES * (2 * matrices + again)
 
 
 def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root: bool) -> float:
@@ -289,13 +343,15 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     recompute = config.train.activation_checkpointing != "none"
     hbm_eff = hbm * efficiency.memory_bound
     # eager operators move more than the fused count (each its own kernel, fp32 upcasts written out); compiled
-    # blocks fuse them
+    # blocks fuse them; the expert path's own kernels are fused either way
     traffic = 1.0 if config.train.compile else efficiency.eager_memory_traffic
-    blocks_memory_mb = traffic * memory_bound_bytes(config, dims, layers, recompute) / hbm_eff
+    fused_bytes = memory_bound_bytes(config, dims, layers, recompute, fused_only=True)
+    operator_bytes = memory_bound_bytes(config, dims, layers, recompute) - fused_bytes
+    blocks_memory_mb = (traffic * operator_bytes + fused_bytes) / hbm_eff
 
-    def stage_mb(head: bool) -> tuple[float, float, float, float]:
+    def stage_mb(head: bool) -> tuple[float, float, float, float, float]:
         """A stage's seconds per micro-batch as (matmuls and attention, memory-bound work, operator launches,
-        DTensor dispatch): the last stage with the LM head, or another with its blocks only (the embedding is a
+        DTensor dispatch, passes over its weights at the optimizer class's rate: weight_pass_bytes): the last stage with the LM head, or another with its blocks only (the embedding is a
         lookup), which pays its blocks' per-operator costs in full. (Scaling the last stage by the FLOPs left
         without the head dropped them with the head's FLOPs: under tp on CPU, 87% of the tiny dense model's
         first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)"""
@@ -308,10 +364,12 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         operators = efficiency.op_overhead_us * 1e-6 * operators_per_micro_batch(config, layers, recompute, root=head)
         dispatch = (efficiency.dtensor_overhead_us * 1e-6 * dtensor_operators(config, layers, recompute, root=head)
                     if dims.tp > 1 else 0.0)
-        return matmuls + expert_s + flop_s["attention"], memory, operators, dispatch
+        passes = weight_pass_bytes(config, dims, shape, layers, head, recomputed, micro_batches) / \
+            (hbm * efficiency.optimizer)
+        return matmuls + expert_s + flop_s["attention"], memory, operators, dispatch, passes
 
     last_stage = stage_mb(head=True)
-    _, memory_mb, overhead_mb, dispatch_mb = last_stage
+    _, memory_mb, overhead_mb, dispatch_mb, passes_mb = last_stage
     compute_mb = sum(last_stage)
     # the other stages' cost sets the pipe's fill and drain and their use of shared cores; without a pipeline
     # there is none (and the search prices thousands of layouts)
@@ -464,8 +522,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
                                                // config.model.n_experts) if config.model.is_moe else 0)
     model_flops = flops_per_token(ParameterCount(shape.total, active, shape.embedding), config.model, train.seq_len)
     mfu = model_flops * tokens / (step * dims.world_size * peak)
-    parts = {"compute": (compute_mb - memory_mb - overhead_mb - dispatch_mb) * micro_batches,
-             "memory_bound": memory_mb * micro_batches, "op_overhead": overhead_mb * micro_batches,
+    parts = {"compute": (compute_mb - memory_mb - overhead_mb - dispatch_mb - passes_mb) * micro_batches,
+             "memory_bound": memory_mb * micro_batches, "weight_passes": passes_mb * micro_batches,
+             "op_overhead": overhead_mb * micro_batches,
              "tp_dispatch": dispatch_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
              "zero2_exposed": zero2_mb * micro_batches,

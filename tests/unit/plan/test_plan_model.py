@@ -175,7 +175,7 @@ def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
     # compute bound at 32k tokens per micro-batch: exactly the FLOPs at half the datasheet peak
     assert time.parts["compute"] == pytest.approx(tokens * flops / (0.5 * cluster.peak_flops("bf16")), rel=1e-3)
     assert time.step_s == pytest.approx(time.parts["compute"] + time.parts["memory_bound"] + time.parts["op_overhead"]
-                                        + time.parts["optimizer"])
+                                        + time.parts["weight_passes"] + time.parts["optimizer"])
     assert time.mfu == pytest.approx(0.5 * time.parts["compute"] / time.step_s, rel=1e-3)
 
 
@@ -222,6 +222,68 @@ def test_compiled_blocks_fuse_the_memory_bound_traffic_and_launch_a_tenth_of_the
         3 * (4 * DENSE_BLOCK_OPS * COMPILED_OPERATOR_SHARE + ROOT_OPS))
     assert compiled.parts["op_overhead"] < eager.parts["op_overhead"] / 2
     assert compiled.parts["compute"] == pytest.approx(eager.parts["compute"])
+
+
+def test_moe_expert_kernels_move_the_fused_count_even_eager():
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import Efficiency, memory_bound_bytes, step_time
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=8"])
+    layout = validate_layout(config, 1)
+    assert layout.config.model.n_layers == 4
+    everything = memory_bound_bytes(layout.config, layout.dims, 4, recompute=False)
+    fused = memory_bound_bytes(layout.config, layout.dims, 4, recompute=False, fused_only=True)
+    assert 0 < fused < everything
+    m = layout.config.model  # the experts' SwiGLU (3 k fe) and the permute and unpermute (4 k h) per token and layer
+    assert fused == 8 * layout.config.train.seq_len * 4 * (3 * m.top_k * m.expert_ffn_hidden + 4 * m.top_k * m.d_model) \
+        * 2 * 3
+    eager = step_time(layout.config, layout.dims, ModelShape.of(layout.config), _toy(),
+                      Efficiency(0.5, 0.5, 0.5, 0.5, eager_memory_traffic=1.7), 1)
+    assert eager.parts["memory_bound"] == pytest.approx((1.7 * (everything - fused) + fused) /
+                                                        (0.5 * _toy().hbm_gb_s * 1e9))
+    dense = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.micro_batch_size=8"])
+    assert memory_bound_bytes(dense, validate_layout(dense, 1).dims, 4, False, fused_only=True) == 0
+
+
+@pytest.mark.parametrize("case, overrides, ranks, casts, width", [
+    # fp32 weights under bf16 autocast: casts in the forward and of the gradients, fp32 accumulation
+    ("one process", ["--train.dtype=bf16"], 1, True, 4),
+    ("ddp", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=ddp"], 2, True, 4),
+    # the zero modes keep bf16 parameters: gradients accumulate in bf16, nothing to cast
+    ("zero1", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 2),
+    ("zero1 fp32", ["--train.dtype=fp32", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 4),
+    ("fp32", ["--train.dtype=fp32"], 1, False, 4),
+    # FSDP deferring its reduce-scatter accumulates the unsharded gradients in its reduce dtype
+    ("fsdp deferred", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"], 2, False, 4),
+    ("fsdp deferred, bf16 reduction", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all",
+                                       "--parallel.grad_reduce_dtype=bf16"], 2, False, 2),
+    # otherwise FSDP and zero2 reduce to a shard every micro-batch (priced with their buffers)
+    ("fsdp", ["--train.dtype=bf16", "--parallel.dp_shard=2"], 2, False, 0),
+    ("zero2", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero2"], 2, False, 0),
+])
+def test_weight_passes_cast_and_accumulate_where_gradients_stay_whole(case, overrides, ranks, casts, width):
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import Efficiency, step_time, weight_pass_bytes
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", [*overrides, "--train.micro_batch_size=2",
+                                                            "--train.global_batch_size=16"])
+    layout = validate_layout(config, ranks)
+    shape, micro_batches = ModelShape.of(layout.config), layout.batch.micro_batches
+    assert micro_batches == 8 // ranks and shape.n_layers == 4
+    passes = weight_pass_bytes(layout.config, layout.dims, shape, 4, True, {}, micro_batches)
+    parameters = 4 * (shape.block_tp_split + shape.block_replicated + shape.block_experts) + shape.embedding + shape.head
+    matrices = 4 * (shape.block_tp_split + shape.block_experts) + shape.head
+    accumulate = 3 * width * parameters * (micro_batches - 1) / micro_batches
+    assert passes == pytest.approx(accumulate + (12 * matrices if casts else 0))
+    # full checkpointing casts every block's matrices once more in the recomputed forward
+    recomputed = {"attention_proj": 1.0, "mlp": 1.0, "experts": 1.0}
+    again = weight_pass_bytes(layout.config, layout.dims, shape, 4, True, recomputed, micro_batches) - passes
+    assert again == pytest.approx(6 * 4 * (shape.block_tp_split + shape.block_experts) if casts else 0)
+    efficiency = Efficiency(0.5, 0.5, 0.5, 0.5, optimizer=0.25)
+    time = step_time(layout.config, layout.dims, shape, _toy(), efficiency, micro_batches)
+    assert time.parts["weight_passes"] == pytest.approx(passes * micro_batches / (0.25 * _toy().hbm_gb_s * 1e9))
 
 
 def test_eager_memory_traffic_below_one_is_refused():
