@@ -12,9 +12,10 @@ fraction of a peak:
                     bandwidth (hbm_gb_s)
     optimizer       the step's gradient clipping and fused AdamW update (step_time.OPTIMIZER_BYTES_PER_ELEMENT),
                     and the per-micro-batch passes over the weights (step_time.weight_pass_bytes: autocast's
-                    casts, gradient accumulation): fraction of peak memory bandwidth; as memory_bound unless measured. It may exceed 1 where the
-                    "peak" is a measured copy (`here`): the update works in place, so it pays none of a copy's
-                    reads-for-ownership of the lines it writes (2.1-2.4 x one thread's copy on a 2-core EPYC)
+                    casts, gradient accumulation): fraction of peak memory bandwidth; as memory_bound unless
+                    measured. It may exceed 1 where the "peak" is a measured copy (`here`): the update works in
+                    place, so it pays none of a copy's reads-for-ownership of the lines it writes (2.1-2.4 x one
+                    thread's copy on a 2-core EPYC)
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
                     work: tens of microseconds on a CPU running tiny ops; on a GPU the host queues kernels ahead
                     of the device, but not through runs of small ones: an H200's eager Mula steps left it idle

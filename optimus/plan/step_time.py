@@ -36,9 +36,9 @@
                  part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
                  vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
     weight passes per micro-batch, where a rank keeps whole gradients (one process, tp or pp alone, ddp, zero1,
-                 FSDP deferring its reduce-scatter under pp):
-                 autocast's bf16 copies of fp32 weights and of their gradients back, and the accumulation of
-                 each micro-batch's gradients after the first (weight_pass_bytes), at the optimizer class's rate
+                 FSDP deferring its reduce-scatter under pp): autocast's bf16 copies of fp32 weights and of their
+                 gradients back, and the accumulation of each micro-batch's gradients after the first
+                 (weight_pass_bytes), at the optimizer class's rate
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; calibrated on a
                  CPU; on the h100/h200 presets what an H200 left exposed of its host's launches, on the other GPU
                  presets, which model fused published stacks, zero; a compiled block counts a tenth of its
@@ -351,10 +351,11 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
 
     def stage_mb(head: bool) -> tuple[float, float, float, float, float]:
         """A stage's seconds per micro-batch as (matmuls and attention, memory-bound work, operator launches,
-        DTensor dispatch, passes over its weights at the optimizer class's rate: weight_pass_bytes): the last stage with the LM head, or another with its blocks only (the embedding is a
-        lookup), which pays its blocks' per-operator costs in full. (Scaling the last stage by the FLOPs left
-        without the head dropped them with the head's FLOPs: under tp on CPU, 87% of the tiny dense model's
-        first-stage DTensor dispatch; that stage read 0.25 core-s a step where its ranks used 0.44, now 0.34.)"""
+        DTensor dispatch, passes over its weights at the optimizer class's rate: weight_pass_bytes): the last stage
+        with the LM head, or another with its blocks only (the embedding is a lookup), which pays its blocks'
+        per-operator costs in full. (Scaling the last stage by the FLOPs left without the head dropped them with the
+        head's FLOPs: under tp on CPU, 87% of the tiny dense model's first-stage DTensor dispatch; that stage read
+        0.25 core-s a step where its ranks used 0.44, now 0.34.)"""
         matmuls = max(flop_s["attention_proj"] + flop_s["mlp"] + (flop_s["head"] if head else 0.0),
                       dense_passes * width * (dense_weights if head else block_weights) / hbm)
         memory = blocks_memory_mb

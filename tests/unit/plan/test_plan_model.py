@@ -236,8 +236,8 @@ def test_moe_expert_kernels_move_the_fused_count_even_eager():
     fused = memory_bound_bytes(layout.config, layout.dims, 4, recompute=False, fused_only=True)
     assert 0 < fused < everything
     m = layout.config.model  # the experts' SwiGLU (3 k fe) and the permute and unpermute (4 k h) per token and layer
-    assert fused == 8 * layout.config.train.seq_len * 4 * (3 * m.top_k * m.expert_ffn_hidden + 4 * m.top_k * m.d_model) \
-        * 2 * 3
+    per_token_layer = 3 * m.top_k * m.expert_ffn_hidden + 4 * m.top_k * m.d_model
+    assert fused == 8 * layout.config.train.seq_len * 4 * per_token_layer * 2 * 3  # bf16, fwd + bwd (2 passes)
     eager = step_time(layout.config, layout.dims, ModelShape.of(layout.config), _toy(),
                       Efficiency(0.5, 0.5, 0.5, 0.5, eager_memory_traffic=1.7), 1)
     assert eager.parts["memory_bound"] == pytest.approx((1.7 * (everything - fused) + fused) /
@@ -273,7 +273,8 @@ def test_weight_passes_cast_and_accumulate_where_gradients_stay_whole(case, over
     shape, micro_batches = ModelShape.of(layout.config), layout.batch.micro_batches
     assert micro_batches == 8 // ranks and shape.n_layers == 4
     passes = weight_pass_bytes(layout.config, layout.dims, shape, 4, True, {}, micro_batches)
-    parameters = 4 * (shape.block_tp_split + shape.block_replicated + shape.block_experts) + shape.embedding + shape.head
+    parameters = 4 * (shape.block_tp_split + shape.block_replicated + shape.block_experts) + shape.embedding + \
+        shape.head
     matrices = 4 * (shape.block_tp_split + shape.block_experts) + shape.head
     accumulate = 3 * width * parameters * (micro_batches - 1) / micro_batches
     assert passes == pytest.approx(accumulate + (12 * matrices if casts else 0))
