@@ -144,6 +144,16 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
     return here_cluster(entry, devices)
 
 
+def _warn_if_oversubscribed(ranks: int) -> None:
+    """More ranks than cores run, but each trial then times the cores' sharing as much as the layout."""
+    from optimus.plan.here import cores
+
+    available = cores()
+    if ranks > available:
+        print(f"warning: --ranks {ranks} on {available} cores: the ranks take turns on the cores, so each trial "
+              "measures that sharing as much as its layout (`optimus plan --cluster here` prices it)", file=sys.stderr)
+
+
 def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
     from optimus.plan.report import write_best_config
@@ -162,6 +172,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
     out_dir = output_location("--out", args.out, folder=True)
     config = load_config(args.config, overrides)
+    _warn_if_oversubscribed(args.ranks)
     cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,

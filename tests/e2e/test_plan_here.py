@@ -102,3 +102,15 @@ def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle):
     result = run_cli("tune", str(config_file), *args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith(needle)
+
+
+def test_tune_with_more_ranks_than_cores_says_the_trials_time_share_them(here_cache, config_file):
+    import os
+
+    here_cache(memory_gib=0.01)  # nothing fits: the search ends at once, after the warning
+    cores = len(os.sched_getaffinity(0))
+    result = run_cli("tune", str(config_file), "--trials", "1", "--ranks", str(2 * cores))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"warning: --ranks {2 * cores} on {cores} cores: the ranks take turns on the cores")
+    assert lines[-1].startswith(f"optimus tune: error: no layout of {2 * cores} ranks")
