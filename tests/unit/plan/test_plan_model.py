@@ -237,7 +237,7 @@ def test_moe_expert_kernels_move_the_fused_count_even_eager():
     assert 0 < fused < everything
     m = layout.config.model  # the experts' SwiGLU (3 k fe) and the permute and unpermute (4 k h) per token and layer
     per_token_layer = 3 * m.top_k * m.expert_ffn_hidden + 4 * m.top_k * m.d_model
-    assert fused == 8 * layout.config.train.seq_len * 4 * per_token_layer * 2 * 3  # bf16, fwd + bwd (2 passes)
+    assert fused == 8 * layout.config.train.seq_len * 4 * per_token_layer * 2 * 3  # 2 B (bf16) x 3 passes: fwd, bwd x 2
     eager = step_time(layout.config, layout.dims, ModelShape.of(layout.config), _toy(),
                       Efficiency(0.5, 0.5, 0.5, 0.5, eager_memory_traffic=1.7), 1)
     assert eager.parts["memory_bound"] == pytest.approx((1.7 * (everything - fused) + fused) /
