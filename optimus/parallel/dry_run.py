@@ -215,6 +215,14 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     return kept_bytes, once
 
 
+def weights_stay_fp32(config: Config, dims: ParallelDims) -> bool:
+    """Whether a rank's parameters are fp32 whatever it computes in: without data parallelism (one process, tp or pp
+    alone) and under ddp; FSDP gathers bf16 weights (MixedPrecisionPolicy) and the zero modes keep bf16 parameters.
+    Under bf16 compute autocast then casts them in every forward (autocast_weight_copy_bytes, the planner's
+    step_time.weight_pass_bytes)."""
+    return config.parallel.shard_mode == "ddp" or not dims.has_data_parallel
+
+
 def autocast_weight_copy_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
                                loss_on_cpu: bool = False) -> float:
     """bf16 copies of fp32 weights that autocast makes in the forward and autograd keeps for the backward.
@@ -229,8 +237,7 @@ def autocast_weight_copy_bytes(config: Config, dims: ParallelDims, layers: int, 
     Mula-7B-A1B's block on one H200 peaked 4.4 GiB above the model without them (2.2 and 3.4 GiB of copies).
     """
     m, t = config.model, dims.tp
-    fp32_weights = config.parallel.shard_mode == "ddp" or not dims.has_data_parallel
-    if config.train.dtype != "bf16" or config.train.compile or not fp32_weights:
+    if config.train.dtype != "bf16" or config.train.compile or not weights_stay_fp32(config, dims):
         return 0.0
     h, kv = m.d_model, m.kv_heads * m.head_dim
     attention = (h * (h + 2 * kv) + h * h) / t

@@ -71,6 +71,7 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
+from optimus.parallel.dry_run import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
@@ -249,7 +250,7 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     compiled step's fused count left out (15% too fast).
     """
     p, bf16 = config.parallel, config.train.dtype != "fp32"
-    fp32_weights = not dims.has_data_parallel or p.shard_mode == "ddp"  # under bf16 compute: autocast casts them
+    fp32_weights = weights_stay_fp32(config, dims)  # under bf16 compute: autocast casts them
     if fp32_weights:
         gradient_width = 4
     elif p.shard_mode == "zero1":  # its parameters in the compute dtype, their gradients summed in place
