@@ -78,6 +78,13 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                    "--parallel.ep_dispatch=allgather", "--parallel.shard_mode=zero1"]),
     "moe-tp2-pp2-interleaved": (MOE, 4, ["--parallel.tp=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
                                          "--parallel.pp_virtual_stages=2", "--train.micro_batch_size=2"]),
+    # kinds tests/distributed also trains: op-level selective recompute (test_data_parallel), the GPipe schedule
+    # (test_pipeline), HSDP deferring its gradient sync to the last micro-batch (test_gradient_sync)
+    "moe-fsdp2-ep2-selective-ops": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
+                                             "--train.activation_checkpointing=selective_ops"]),
+    "dense-pp2-gpipe": (DENSE, 2, ["--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--train.micro_batch_size=2"]),
+    "dense-hsdp2x2-defer": (DENSE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                                       "--parallel.defer_grad_sync=all", "--train.micro_batch_size=1"]),
     # gradients reduced in bf16 (parallel.grad_reduce_dtype): half the bytes of every gradient collective
     "dense-zero1-2-bf16-reduce": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero1",
                                              "--parallel.grad_reduce_dtype=bf16"]),

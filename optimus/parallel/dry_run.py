@@ -116,18 +116,30 @@ def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_l
     """Activation bytes of a rank holding `in_flight` micro-batches: each keeps its saved tensors, but only one is
     in its backward at a time, so the recompute working set and the loss head's buffers exist once."""
     kept, once = activation_split(config, dims, layers, has_loss_head, loss_on_cpu)
-    return in_flight * kept + once
+    head = head_kept_bytes(config, dims, loss_on_cpu) if has_loss_head else 0.0
+    # the LM head runs in the last (virtual) stage only: one micro-batch at a time there, as forward and backward
+    # alternate, except under GPipe, whose forwards all run before the first backward
+    head_in_flight = in_flight if config.parallel.pp_schedule == "gpipe" else 1
+    return in_flight * (kept - head) + head_in_flight * head + once
+
+
+def head_kept_bytes(config: Config, dims: ParallelDims, loss_on_cpu: bool = False) -> float:
+    """Bytes the LM head's stage keeps per micro-batch for its loss (part of activation_split's kept): the head's
+    input (w h per token: saved, or the fused loss's input gradient) and loss_head_bytes' kept part."""
+    w = 2 if config.train.dtype == "bf16" else 4
+    tokens = _batch(config, dims).micro_batch_size * config.train.seq_len
+    return tokens * config.model.d_model * w + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
 
 
 def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu: bool) -> tuple[float, float]:
     """(bytes kept per micro-batch, bytes held once) of the loss on the LM head's output, beyond the head's input,
     as the trainer computes it on that device (w = compute width, V vocabulary, h d_model, t = tp, n tokens):
       tp > 1, any device (parallel/vocab_parallel.py, chunks of r = min(512, n) rows): the fp32 [r, V/t] softmax
-        (4; fp32 logits are computed into it) and, under bf16, the bf16 logits and the softmax's bf16 copy (2 + 2);
-        the fp32 gradient of the rank's head rows (4 V h / t) and, under bf16, one bf16 partial product of it
-        (2 V h / t).
-      CPU (ops/cross_entropy.py's chunked op): one [r, V] buffer (w), the fp32 weight gradient (4 V h) and,
-        under bf16, its bf16 and fp32 partial products ((2 + 4) V h).
+        (4; fp32 logits are computed into it) and, under bf16, the bf16 logits and the softmax's bf16 copy (2 + 2),
+        and one bf16 partial product of the weight gradient (2 V h / t), held once; the fp32 gradient of the rank's
+        head rows (4 V h / t), formed in the forward and kept until the backward scales it.
+      CPU (ops/cross_entropy.py's chunked op): one [r, V] buffer (w) and, under bf16, the weight gradient's bf16
+        and fp32 partial products ((2 + 4) V h), held once; the fp32 weight gradient (4 V h), kept as above.
       accelerators (the plain F.cross_entropy over fp32 logits): the fp32 log-softmax is kept (4 n V) and its
         backward holds two more fp32 [n, V] gradients at once (8 n V); measured with MemTracker on CPU tensors.
     """
@@ -136,9 +148,9 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
     w = 2 if config.train.dtype == "bf16" else 4
     rows = min(DEFAULT_CHUNK_ROWS, tokens)
     if t > 1:
-        return 0.0, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (4 + (2 if w == 2 else 0)) * vocab * h / t
+        return 4.0 * vocab * h / t, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (2 if w == 2 else 0) * vocab * h / t
     if loss_on_cpu:
-        return 0.0, rows * vocab * w + (4 + (6 if w == 2 else 0)) * vocab * h
+        return 4.0 * vocab * h, rows * vocab * w + (6 if w == 2 else 0) * vocab * h
     return 4.0 * tokens * vocab, 8.0 * tokens * vocab
 
 
@@ -209,9 +221,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * (attn_full + mlp_full)
     kept_bytes, once = (per_token + block_input) * tokens, working * tokens
     if has_loss_head:
-        loss_kept, loss_once = loss_head_bytes(config, dims, tokens, loss_on_cpu)
-        kept_bytes += tokens * h * w + loss_kept
-        once += loss_once
+        kept_bytes += head_kept_bytes(config, dims, loss_on_cpu)
+        once += loss_head_bytes(config, dims, tokens, loss_on_cpu)[1]
     return kept_bytes, once
 
 

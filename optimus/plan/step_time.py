@@ -206,9 +206,17 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
         recompute = set(config.train.recompute)
         chosen = (("attention_proj", "attention") if "attention" in recompute else ()) + \
                  (("mlp", "experts") if recompute & {"moe", "mlp"} else ())
-    else:  # none; ops recomputes only norms and activation functions (no matmuls)
+    else:  # none; selective_ops recomputes no matmul, attention or expert GEMM (their outputs are kept)
         chosen = ()
     return {c: by_class[c] / 3.0 for c in chosen}
+
+
+def replays_forward_ops(config: Config) -> bool:
+    """Whether the recompute runs every forward operator again but the kept ones (selective_ops: torch's op-level
+    checkpointing replays the block and takes only the matmuls', attention's and the expert GEMMs' outputs from its
+    cache, parallelize.py): autocast's weight casts and the tp and ep collectives run again, which a recomputed
+    sub-module does only for its own."""
+    return config.train.activation_checkpointing == "selective_ops"
 
 
 def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool,
@@ -236,27 +244,35 @@ def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recomput
 
 def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, layers: int, head: bool,
                       recomputed: dict[str, float], micro_batches: int) -> float:
-    """HBM bytes one micro-batch moves over a stage's weights and gradients outside the matmuls, where a rank keeps
+    """HBM bytes one micro-batch moves over a stage's weights and gradients outside the matmuls. Where a rank keeps
     whole gradients over the micro-batches (one process, tp or pp alone, ddp, zero1; FSDP where it defers its
-    reduce-scatter: under pp, as torch's schedules do, or defer_grad_sync=all, accumulating in the reduce dtype;
-    otherwise FSDP and zero2 reduce to a shard every micro-batch, priced with their buffers).
+    reduce-scatter: under pp, as torch's schedules do, or defer_grad_sync=all, accumulating in the reduce dtype),
+    every micro-batch after the first adds its gradients to those held (ACCUMULATE_PASSES of the parameters' width).
+    Where FSDP (not deferring) or zero2 reduce to a shard every micro-batch, each later micro-batch instead sums its
+    reduced shard into the fp32 shard gradients (FSDP2's sharded .grad, optim/sharded.py's grad_shard): the same
+    passes over the elements the rank owns.
 
     Where the weights stay fp32 under bf16 compute (as dry_run.autocast_weight_copy_bytes: no data parallelism, or
     ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every matrix in the
-    forward, again where recomputed, and its gradient back to fp32 in the backward (AUTOCAST_CAST_BYTES each). Every
-    micro-batch after the first adds its gradients to those held (ACCUMULATE_PASSES of the parameters' width).
+    forward, again where recomputed, and its gradient back to fp32 in the backward (AUTOCAST_CAST_BYTES each).
     Measured: the compiled Mula-7B-A1B block on one H100 spent 48 ms of a 0.28 s step in these casts and the fp32
     adds (triton to_copy kernels and CUDAFunctor_add over 1.9 B parameters, benchmarks/step_profile.py), which the
     compiled step's fused count left out (15% too fast).
     """
     p, bf16 = config.parallel, config.train.dtype != "fp32"
     fp32_weights = weights_stay_fp32(config, dims)  # under bf16 compute: autocast casts them
+    owned_over = (1, 1)  # what the (dense, expert) gradients summed are split over: whole, unless reduced to shards
     if fp32_weights:
         gradient_width = 4
     elif p.shard_mode == "zero1":  # its parameters in the compute dtype, their gradients summed in place
         gradient_width = 2 if bf16 else 4
     elif p.shard_mode == "fsdp" and (dims.pp > 1 or p.defer_grad_sync == "all"):
         gradient_width = p.grad_reduce_bytes  # FSDP2 accumulates unsharded gradients in its reduce dtype
+    elif p.shard_mode in ("fsdp", "zero2") and dims.has_data_parallel:
+        gradient_width = 4  # fp32 shards (FSDP2 casts a bf16-reduced shard up before summing it), owned: FSDP's over
+        # dp_shard (its experts' over dp_shard / ep), zero2's over its optimizer groups
+        owned_over = ((dims.dp_shard, dims.dp_shard_mod_ep) if p.shard_mode == "fsdp" else
+                      (dims.dp if p.ep_aware else dims.expert_dp, dims.expert_dp))
     else:
         return 0.0
     t = dims.tp
@@ -265,12 +281,15 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     experts = layers * shape.block_experts / (dims.ep * t)
     root = (shape.head + (shape.embedding if dims.pp == 1 else 0)) / t if head else shape.embedding / t
     parameters = attention + mlp + experts + layers * shape.block_replicated + root
+    parameters = (parameters - experts) / owned_over[0] + experts / owned_over[1]
     accumulate = ACCUMULATE_PASSES * gradient_width * parameters * (micro_batches - 1) / micro_batches
     if not (bf16 and fp32_weights):
         return accumulate
     matrices = attention + mlp + experts + (shape.head / t if head else 0.0)
     again = ((attention if recomputed.get("attention_proj") else 0.0) + (mlp if recomputed.get("mlp") else 0.0) +
              (experts if recomputed.get("experts") else 0.0))
+    if replays_forward_ops(config):
+        again = attention + mlp + experts
     return accumulate + AUTOCAST_CAST_BYTES * (2 * matrices + again)
 
 
@@ -378,8 +397,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     headless_mb = sum(stage_mb(head=False)) if dims.pp > 1 else compute_mb
 
     act_bytes = tokens_mb * h * width
-    attn_again = 1 if recomputed.get("attention") else 0
-    mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts")) else 0
+    attn_again = 1 if recomputed.get("attention") or replays_forward_ops(config) else 0
+    mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts") or replays_forward_ops(config)) else 0
     tp_mb = 0.0
     if dims.tp > 1:
         tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, attn_again, mlp_again)

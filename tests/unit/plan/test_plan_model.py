@@ -246,23 +246,30 @@ def test_moe_expert_kernels_move_the_fused_count_even_eager():
     assert memory_bound_bytes(dense, validate_layout(dense, 1).dims, 4, False, fused_only=True) == 0
 
 
-@pytest.mark.parametrize("case, overrides, ranks, casts, width", [
+@pytest.mark.parametrize("case, overrides, ranks, casts, width, owned_over", [
     # fp32 weights under bf16 autocast: casts in the forward and of the gradients, fp32 accumulation
-    ("one process", ["--train.dtype=bf16"], 1, True, 4),
-    ("ddp", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=ddp"], 2, True, 4),
+    ("one process", ["--train.dtype=bf16"], 1, True, 4, (1, 1)),
+    ("ddp", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=ddp"], 2, True, 4, (1, 1)),
     # the zero modes keep bf16 parameters: gradients accumulate in bf16, nothing to cast
-    ("zero1", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 2),
-    ("zero1 fp32", ["--train.dtype=fp32", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 4),
-    ("fp32", ["--train.dtype=fp32"], 1, False, 4),
+    ("zero1", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 2, (1, 1)),
+    ("zero1 fp32", ["--train.dtype=fp32", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"], 2, False, 4, (1, 1)),
+    ("fp32", ["--train.dtype=fp32"], 1, False, 4, (1, 1)),
     # FSDP deferring its reduce-scatter accumulates the unsharded gradients in its reduce dtype
-    ("fsdp deferred", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"], 2, False, 4),
+    ("fsdp deferred", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"], 2, False, 4,
+     (1, 1)),
     ("fsdp deferred, bf16 reduction", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all",
-                                       "--parallel.grad_reduce_dtype=bf16"], 2, False, 2),
-    # otherwise FSDP and zero2 reduce to a shard every micro-batch (priced with their buffers)
-    ("fsdp", ["--train.dtype=bf16", "--parallel.dp_shard=2"], 2, False, 0),
-    ("zero2", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero2"], 2, False, 0),
+                                       "--parallel.grad_reduce_dtype=bf16"], 2, False, 2, (1, 1)),
+    # otherwise FSDP and zero2 reduce to a shard every micro-batch and sum it into fp32 shards of what a rank owns
+    ("fsdp", ["--train.dtype=bf16", "--parallel.dp_shard=2"], 2, False, 4, (2, 2)),
+    ("fsdp, bf16 reduction", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.grad_reduce_dtype=bf16"], 2,
+     False, 4, (2, 2)),
+    ("zero2", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero2"], 2, False, 4, (2, 2)),
+    # with ep: FSDP's experts are sharded over dp_shard / ep, zero2's expert state over the expert dp group
+    ("fsdp ep", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.ep=2"], 2, False, 4, (2, 1)),
+    ("zero2 ep", ["--train.dtype=bf16", "--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.shard_mode=zero2"], 4,
+     False, 4, (4, 2)),
 ])
-def test_weight_passes_cast_and_accumulate_where_gradients_stay_whole(case, overrides, ranks, casts, width):
+def test_weight_passes_cast_and_accumulate_gradients(case, overrides, ranks, casts, width, owned_over):
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import Efficiency, step_time, weight_pass_bytes
@@ -273,8 +280,9 @@ def test_weight_passes_cast_and_accumulate_where_gradients_stay_whole(case, over
     shape, micro_batches = ModelShape.of(layout.config), layout.batch.micro_batches
     assert micro_batches == 8 // ranks and shape.n_layers == 4
     passes = weight_pass_bytes(layout.config, layout.dims, shape, 4, True, {}, micro_batches)
-    parameters = 4 * (shape.block_tp_split + shape.block_replicated + shape.block_experts) + shape.embedding + \
-        shape.head
+    experts = 4 * shape.block_experts / layout.dims.ep
+    parameters = (4 * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head) / owned_over[0] + \
+        experts / owned_over[1]
     matrices = 4 * (shape.block_tp_split + shape.block_experts) + shape.head
     accumulate = 3 * width * parameters * (micro_batches - 1) / micro_batches
     assert passes == pytest.approx(accumulate + (12 * matrices if casts else 0))
@@ -524,3 +532,31 @@ def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_bat
     # without pp: forward and backward each micro-batch, the last block and the root once
     block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=1, virtual=1)
     assert (block * layers, root) == (2 * layers - 1, 1.0)
+
+
+def test_op_level_checkpointing_replays_the_collectives_and_casts_but_no_matmul():
+    """selective_ops keeps the matmuls', attention's and expert GEMMs' outputs and replays every other forward op in
+    the backward: no recomputed FLOPs, but the tp and ep collectives and autocast's weight casts run again."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import Efficiency, step_time
+
+    def parts(mode: str, overrides: list[str], ranks: int) -> dict:
+        config = load_config(CONFIGS / "mula-tiny-moe.yaml", [*overrides, f"--train.activation_checkpointing={mode}",
+                                                                "--train.micro_batch_size=2"])
+        layout = validate_layout(config, ranks)
+        return step_time(layout.config, layout.dims, ModelShape.of(layout.config), _toy(),
+                         Efficiency(0.5, 0.5, 0.5, 0.5), layout.batch.micro_batches).parts
+
+    ep = ["--parallel.dp_shard=2", "--parallel.ep=2"]
+    plain, ops_level, full = (parts(mode, ep, 2) for mode in ("none", "selective_ops", "full"))
+    assert ops_level["ep"] == pytest.approx(full["ep"]) == pytest.approx(plain["ep"] * 6 / 4)  # dispatch + combine
+    assert ops_level["compute"] == pytest.approx(plain["compute"]) and ops_level["compute"] < full["compute"]  # no matmul
+    assert ops_level["memory_bound"] > plain["memory_bound"]  # norms and activations again
+    tp = ["--parallel.tp=2"]
+    assert parts("selective_ops", tp, 2)["tp"] == pytest.approx(parts("full", tp, 2)["tp"])
+    assert parts("selective_ops", tp, 2)["tp"] > parts("none", tp, 2)["tp"]
+    # one process under bf16 (fp32 weights): autocast casts every matrix again in the replay, as under full
+    bf16 = ["--train.dtype=bf16"]
+    casts = {mode: parts(mode, bf16, 1)["weight_passes"] for mode in ("none", "selective_ops", "full")}
+    assert casts["selective_ops"] == pytest.approx(casts["full"]) and casts["selective_ops"] > casts["none"]
