@@ -119,7 +119,7 @@ def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_l
     head = head_kept_bytes(config, dims, loss_on_cpu) if has_loss_head else 0.0
     # the LM head runs in the last (virtual) stage only: one micro-batch at a time there, as forward and backward
     # alternate, except under GPipe, whose forwards all run before the first backward
-    head_in_flight = in_flight if config.parallel.pp_schedule == "gpipe" else 1
+    head_in_flight = in_flight if forwards_first(config, dims) else 1
     return in_flight * (kept - head) + head_in_flight * head + once
 
 
@@ -178,8 +178,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
     unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
     "moe" / "mlp" the feed-forward terms after its norm into w h; plus one recomputed sub-module's
-    full activations at a time. Ops (op-level policy) keeps matmul and attention outputs and
-    recomputes norms and activations:
+    full activations at a time. Ops (op-level policy) keeps the outputs of matmuls, attention and the
+    fused expert op, and recomputes norms and activations:
         attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h).
     Plus the embedding output (w h / t) and, on the rank with the LM head, its input (w h per token: saved, or
     the CPU loss op's input gradient) and the loss's buffers (loss_head_bytes: they depend on the device).
@@ -224,6 +224,12 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         kept_bytes += head_kept_bytes(config, dims, loss_on_cpu)
         once += loss_head_bytes(config, dims, tokens, loss_on_cpu)[1]
     return kept_bytes, once
+
+
+def forwards_first(config: Config, dims: ParallelDims) -> bool:
+    """Whether every micro-batch's forward runs before the first backward (GPipe): each stage then holds all its
+    micro-batches' activations, the LM head's loss state included, and no gradient beside them."""
+    return dims.pp > 1 and config.parallel.pp_schedule == "gpipe"
 
 
 def weights_stay_fp32(config: Config, dims: ParallelDims) -> bool:
@@ -377,7 +383,8 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
                                                    whole_gradient_bytes(mode, local, width),
                                                    memory.bytes["activations (as configured)"], deferred,
                                                    fsdp_root_reduce_bytes(root, dims, reduce=reduce) if fsdp else 0.0,
-                                                   memory.bytes["FSDP transient"] if fsdp else 0.0)
+                                                   memory.bytes["FSDP transient"] if fsdp else 0.0,
+                                                   forwards_first(config, dims))
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
@@ -402,12 +409,13 @@ def whole_gradient_bytes(mode: str, local: float, width: int) -> float:
 
 def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, activations: float,
                                          deferred_reduce: float = 0.0, root_reduce: float = 0.0,
-                                         transient: float = 0.0) -> float:
+                                         transient: float = 0.0, forwards_first: bool = False) -> float:
     """Bytes to take off a sum that holds both a step's gradients and its activations. The trainer frees the
     gradients before each step (zero_grad(set_to_none)) and the backward creates them while it frees the
     activations, so with one micro-batch a step the peak holds the larger of the two, not both (one process on
     the tiny dense model: 712 MiB allocated at the peak, 821 predicted counting both). With several micro-batches
-    the later ones' activations meet the gradients accumulated so far: nothing comes off.
+    the later ones' activations meet the gradients accumulated so far: nothing comes off, unless the schedule runs
+    every forward before the first backward (`forwards_first`: GPipe), whose peak then meets no gradient either.
     deferred_reduce: FSDP under pp (fsdp_deferred_reduce_bytes). The stage reduces once, after its last backward,
     so the sharded gradients exist only then, when the activations are gone and the reduce-scatters hold flat
     copies of the unsharded gradients: the peak holds the larger of the activations and those copies, never the
@@ -420,7 +428,7 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
     reduce-scatter once the CPU loss kept one [512, V] buffer)."""
     if deferred_reduce:
         return gradients + activations - max(activations, deferred_reduce)
-    held = max(gradients, activations) if micro_batches == 1 else gradients + activations
+    held = max(gradients, activations) if micro_batches == 1 or forwards_first else gradients + activations
     if root_reduce:
         held = max(transient + held, gradients + root_reduce) - transient
     return gradients + activations - held

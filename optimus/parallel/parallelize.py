@@ -247,8 +247,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     selective: inside every block, only the sub-modules named in `recompute` ("attention", "moe", "mlp"
         (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
         activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
-    selective_ops: op-level selective checkpointing of each block: matmul and attention outputs are kept, the
-        cheap elementwise ops (norms, activations) recomputed. Its replay needs every FSDP group in a
+    selective_ops: op-level selective checkpointing of each block: the outputs of matmuls, attention and the fused
+        expert ops (their grouped GEMMs) are kept, the cheap ops (norms, activations, and the collectives between
+        them) replayed. Its replay needs every FSDP group in a
         block to unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
     """
     if mode == "selective":

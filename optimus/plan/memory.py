@@ -41,6 +41,7 @@ from optimus.parallel.dry_run import (
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
+    forwards_first,
     gradients_not_at_the_activation_peak,
     micro_batches_in_flight,
     rank_activation_bytes,
@@ -216,7 +217,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"], deferred, root_reduce,
-        held["FSDP transient"] if fsdp else 0.0)
+        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims))
     return held
 
 

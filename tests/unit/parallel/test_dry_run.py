@@ -124,6 +124,11 @@ def test_the_loss_head_keeps_one_micro_batch_but_under_gpipe(loss_on_cpu):
         head = head_kept_bytes(config, dims, loss_on_cpu)
         held = rank_activation_bytes(config, dims, 2, True, in_flight=4, loss_on_cpu=loss_on_cpu)
         assert held == pytest.approx(4 * kept + once if schedule == "gpipe" else 4 * (kept - head) + head + once)
+    # and GPipe's activation peak, after every forward, meets no gradient, as one micro-batch's does
+    from optimus.parallel.dry_run import gradients_not_at_the_activation_peak
+
+    assert gradients_not_at_the_activation_peak(4, 60.0, 500.0, forwards_first=True) == 60.0
+    assert gradients_not_at_the_activation_peak(4, 60.0, 500.0) == 0.0
     m, tokens = config.model, 2 * 128
     weight_gradient = 4 * m.vocab_size * m.d_model if loss_on_cpu else 0
     assert head == tokens * m.d_model * 4 + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
