@@ -180,8 +180,8 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
 
 
 # Ops whose outputs op-level ("selective_ops") checkpointing keeps (the expensive ones to recompute): the matmuls,
-# attention, and the experts' grouped GEMMs (ops/experts.py's fused ops; recomputed, they cost a third of the
-# experts' compute again: MoE FSDP 2 + EP 2 on the 2-core EPYC measured 24% above the planner, which prices none).
+# attention, and the experts' grouped GEMMs (ops/experts.py's fused ops: custom ops, not aten's mm; replayed, they
+# cost a third of the experts' compute again: the tiny MoE's step 1.05-1.18x slower on the 2-core EPYC).
 @functools.cache
 def _kept_ops() -> frozenset:
     import optimus.ops.experts  # noqa: F401 (registers the optimus:: ops)
