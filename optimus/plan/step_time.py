@@ -35,10 +35,10 @@
                  memory_bound; the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
                  vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
-    weight passes per micro-batch, where a rank keeps whole gradients (one process, tp or pp alone, ddp, zero1,
-                 FSDP deferring its reduce-scatter under pp): autocast's bf16 copies of fp32 weights and of their
-                 gradients back, and the accumulation of each micro-batch's gradients after the first
-                 (weight_pass_bytes), at the optimizer class's rate
+    weight passes per micro-batch: autocast's bf16 copies of fp32 weights and of their gradients back, and the
+                 accumulation of each micro-batch's gradients after the first, whole where a rank keeps them so
+                 (one process, tp or pp alone, ddp, zero1, FSDP deferring its reduce-scatter), into fp32 shards
+                 where FSDP or zero2 reduce every micro-batch (weight_pass_bytes), at the optimizer class's rate
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; calibrated on a
                  CPU; on the h100/h200 presets what an H200 left exposed of its host's launches, on the other GPU
                  presets, which model fused published stacks, zero; a compiled block counts a tenth of its
@@ -280,16 +280,16 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     mlp = layers * (shape.block_tp_split - shape.block_attention) / t
     experts = layers * shape.block_experts / (dims.ep * t)
     root = (shape.head + (shape.embedding if dims.pp == 1 else 0)) / t if head else shape.embedding / t
-    parameters = attention + mlp + experts + layers * shape.block_replicated + root
-    parameters = (parameters - experts) / owned_over[0] + experts / owned_over[1]
+    parameters = (attention + mlp + layers * shape.block_replicated + root) / owned_over[0] + experts / owned_over[1]
     accumulate = ACCUMULATE_PASSES * gradient_width * parameters * (micro_batches - 1) / micro_batches
     if not (bf16 and fp32_weights):
         return accumulate
     matrices = attention + mlp + experts + (shape.head / t if head else 0.0)
-    again = ((attention if recomputed.get("attention_proj") else 0.0) + (mlp if recomputed.get("mlp") else 0.0) +
-             (experts if recomputed.get("experts") else 0.0))
-    if replays_forward_ops(config):
+    if replays_forward_ops(config):  # every cast replayed
         again = attention + mlp + experts
+    else:
+        again = ((attention if recomputed.get("attention_proj") else 0.0) + (mlp if recomputed.get("mlp") else 0.0) +
+                 (experts if recomputed.get("experts") else 0.0))
     return accumulate + AUTOCAST_CAST_BYTES * (2 * matrices + again)
 
 
@@ -397,8 +397,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     headless_mb = sum(stage_mb(head=False)) if dims.pp > 1 else compute_mb
 
     act_bytes = tokens_mb * h * width
-    attn_again = 1 if recomputed.get("attention") or replays_forward_ops(config) else 0
-    mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts") or replays_forward_ops(config)) else 0
+    replay = replays_forward_ops(config)
+    attn_again = 1 if recomputed.get("attention") or replay else 0
+    mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts") or replay) else 0
     tp_mb = 0.0
     if dims.tp > 1:
         tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, attn_again, mlp_again)

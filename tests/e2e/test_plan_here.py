@@ -110,10 +110,10 @@ def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle):
 
 
 def test_tune_with_more_ranks_than_cores_says_the_trials_time_share_them(here_cache, config_file):
-    import os
+    from optimus.plan.here import cores as available_cores
 
     here_cache(memory_gib=0.01)  # nothing fits: the search ends at once, after the warning
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     result = run_cli("tune", str(config_file), "--trials", "1", "--ranks", str(2 * cores))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
