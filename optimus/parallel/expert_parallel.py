@@ -24,68 +24,15 @@ gradient divide factor to dp; that needs ReduceOp.PREMUL_SUM, which gloo lacks.)
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from optimus import ops
 from optimus.models.moe import GroupedExperts, MoE
-from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
+from optimus.parallel.collective_ops import all_gather_rows, all_to_all_rows, reduce_scatter_rows
 
 EP_DISPATCH_STYLES = ("all_to_all", "allgather")
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """Uneven all_to_all_single of rows; its backward is the same exchange with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
-
-
-class _AllGatherRows(torch.autograd.Function):
-    """[P*M, D] = every rank's [M, D] (rows padded to a common M); backward reduce-scatters (sums)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = rows.new_empty((dist.get_world_size(group) * rows.shape[0],) + tuple(rows.shape[1:]))
-        all_gather_single(out, rows.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group),) + tuple(grad.shape[1:]))
-        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """[M, D] = sum over ranks of their [P*M, D] buffers' slice for this rank; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = rows.new_empty((rows.shape[0] // dist.get_world_size(group),) + tuple(rows.shape[1:]))
-        reduce_scatter_single(out, rows.contiguous(), op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0],) + tuple(grad.shape[1:]))
-        all_gather_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -166,24 +113,22 @@ class ExpertParallelExperts(nn.Module):
     def _forward_all_to_all(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
         # recv_counts[q, e]: rows rank q sends to my local expert e
-        recv_counts = torch.empty(P * El, dtype=counts.dtype, device=counts.device)
-        dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+        recv_counts = all_to_all_rows(counts, [El] * P, [El] * P, group)
         # the one host read of this dispatch (a device sync on GPUs): the splits size the exchange
         host = torch.cat([counts, recv_counts]).tolist()
         in_splits, out_splits = _row_sums(host[: P * El], El), _row_sums(host[P * El :], El)
         recv_counts = recv_counts.view(P, El)
-        received = _AllToAllRows.apply(rows, out_splits, in_splits, group)  # (source rank, expert) order
+        received = all_to_all_rows(rows, out_splits, in_splits, group)  # (source rank, expert) order
         # reorder to (expert, source rank) for the grouped GEMM, and back afterwards
         order = gather_index(recv_counts.t(), segment_starts(recv_counts).t(), total=sum(out_splits))
         computed = self._compute(received.index_select(0, order), recv_counts.sum(0))
         restored = torch.empty_like(computed).index_copy(0, order, computed)
-        return _AllToAllRows.apply(restored, in_splits, out_splits, group)
+        return all_to_all_rows(restored, in_splits, out_splits, group)
 
     def _forward_allgather(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
         rank = self.ep_mesh.get_local_rank()
-        all_counts = counts.new_empty(P * counts.numel())
-        all_gather_single(all_counts, counts.contiguous(), group=group)
+        all_counts = all_gather_rows(counts, group)
         # the one host read of this dispatch (a device sync on GPUs): it sizes the gathered buffer
         all_counts = all_counts.view(P, -1)
         host = all_counts.tolist()  # [P][E]
@@ -191,7 +136,7 @@ class ExpertParallelExperts(nn.Module):
         # pad every rank's rows to the longest (at least 1 row: no empty collectives)
         width = max(max(sum(row) for row in host), 1)
         padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]) if rows.shape[0] < width else rows
-        gathered = _AllGatherRows.apply(padded, group)  # [P * width, D]
+        gathered = all_gather_rows(padded, group)  # [P * width, D]
         # rows of my experts from every rank, ordered (expert, source rank)
         mine = all_counts[:, rank * El : (rank + 1) * El]
         row_starts = torch.cumsum(all_counts, 1) - all_counts  # within each rank's own rows
@@ -200,7 +145,7 @@ class ExpertParallelExperts(nn.Module):
         computed = self._compute(gathered.index_select(0, index), mine.sum(0))
         # each row is computed by exactly one rank, so the reduce-scatter's sum is a placement
         placed = torch.zeros_like(gathered).index_copy(0, index, computed)
-        return _ReduceScatterRows.apply(placed, group)[: rows.shape[0]]
+        return reduce_scatter_rows(placed, group)[: rows.shape[0]]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_to_all") -> nn.Module:

@@ -50,25 +50,20 @@ from torch.distributed.tensor import DTensor, Shard
 
 from optimus import ops
 from optimus.models.moe import GroupedExperts, MoE
-from optimus.parallel.expert_parallel import (
-    EP_DISPATCH_STYLES,
-    ExpertParallelExperts,
-    _AllGatherRows,
-    _ReduceScatterRows,
-    _ScaleGrad,
-)
+from optimus.parallel.collective_ops import all_gather_rows, reduce_scatter_rows
+from optimus.parallel.expert_parallel import EP_DISPATCH_STYLES, ExpertParallelExperts, _ScaleGrad
 from optimus.parallel.group_autograd import sum_grad_over_group, sum_over_group
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S/tp, ...] sequence shard -> [B, S, ...]; backward reduce-scatters (sums) the gradient."""
-    gathered = _AllGatherRows.apply(x.movedim(1, 0), group)
+    gathered = all_gather_rows(x.movedim(1, 0), group)
     return gathered.movedim(0, 1)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[B, S, ...] partial sums -> this rank's [B, S/tp, ...] shard of their sum; backward all-gathers."""
-    return _ReduceScatterRows.apply(x.movedim(1, 0), group).movedim(0, 1)
+    return reduce_scatter_rows(x.movedim(1, 0), group).movedim(0, 1)
 
 
 def _is_meta(tensor: torch.Tensor) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from optimus.parallel.collective_ops import all_reduce_sum
+
 
 class _SumGradOverGroup(torch.autograd.Function):
     @staticmethod
@@ -25,23 +27,12 @@ class _SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
-class _SumOverGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 def sum_grad_over_group(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; backward all-reduces (sums) the gradient over `group`."""
     return _SumGradOverGroup.apply(x, group)
 
 
 def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce (sum) forward over `group`; identity backward."""
-    return _SumOverGroup.apply(x, group)
+    """All-reduce (sum) forward over `group`; identity backward (an op op-level checkpointing can keep:
+    collective_ops.py)."""
+    return all_reduce_sum(x, group)

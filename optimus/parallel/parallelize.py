@@ -181,23 +181,33 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
 
 # Ops whose outputs op-level ("selective_ops") checkpointing keeps (the expensive ones to recompute): the matmuls,
 # attention, and the experts' grouped GEMMs (ops/experts.py's fused ops: custom ops, not aten's mm; replayed, they
-# cost a third of the experts' compute again: the tiny MoE's step 1.05-1.18x slower on the 2-core EPYC).
+# cost a third of the experts' compute again: the tiny MoE's step 1.05-1.18x slower on the 2-core EPYC); and the
+# collectives whose outputs are a rank's own activations, so that the replay communicates as little as it can (as
+# torchtitan keeps its all-to-all and reduce-scatter outputs): the EP dispatch and combine, the sequence-parallel
+# reduce-scatters (DTensor's, and the experts' under tp) and the partial sums. The all-gathers are replayed: their
+# output is tp (ep) x the rows this rank holds, more than the activations their replay recomputes; the routing's
+# integer counts are the exception (a few numbers, and a host read each exchange).
 @functools.cache
 def _kept_ops() -> frozenset:
     import optimus.ops.experts  # noqa: F401 (registers the optimus:: ops)
+    import optimus.parallel.collective_ops  # noqa: F401
 
-    aten, optimus_ops = torch.ops.aten, torch.ops.optimus
+    aten, optimus_ops, functional = torch.ops.aten, torch.ops.optimus, torch.ops._c10d_functional
     return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default,
                       aten._scaled_dot_product_flash_attention_for_cpu.default,
                       aten._scaled_dot_product_efficient_attention.default,
                       aten._scaled_dot_product_flash_attention.default,
-                      optimus_ops.moe_experts.default, optimus_ops.expert_mlp.default})
+                      optimus_ops.moe_experts.default, optimus_ops.expert_mlp.default,
+                      optimus_ops.all_to_all_rows.default, optimus_ops.reduce_scatter_rows.default,
+                      optimus_ops.all_reduce_sum.default,
+                      functional.reduce_scatter_tensor.default, functional.all_reduce.default})
 
 
 def _ops_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _kept_ops() or (op == torch.ops.optimus.all_gather_rows.default and not args[0].is_floating_point())
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @functools.cache
@@ -247,10 +257,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, recompute: list[
     selective: inside every block, only the sub-modules named in `recompute` ("attention", "moe", "mlp"
         (the dense SwiGLU), "norms") keep just their inputs and are recomputed; the rest keeps its
         activations. Plain checkpointing like full, so it composes with FSDP, TP, EP and PP.
-    selective_ops: op-level selective checkpointing of each block: the outputs of matmuls, attention and the fused
-        expert ops (their grouped GEMMs) are kept, the cheap ops (norms, activations, and the collectives between
-        them) replayed. Its replay needs every FSDP group in a
-        block to unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
+    selective_ops: op-level selective checkpointing of each block: the outputs of matmuls, attention, the fused
+        expert ops (their grouped GEMMs) and the collectives but the all-gathers are kept (_kept_ops), the cheap
+        ops (norms, activations, the all-gathers) replayed. Its replay needs every FSDP group in a block to
+        unshard alike in forward and recompute: see apply_fsdp's ignore_experts.
     """
     if mode == "selective":
         for block in model.layers.values():

@@ -8,9 +8,10 @@
                  passes per micro-batch, 4 when recomputed), which is what makes experts that see few
                  tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
-                 activations before/after attention and MLP, forward and backward, again when recomputed;
-                 QK-norm's all-reduces; the embedding's, LM head's and loss's collectives),
-                 ep dispatch and combine (all-to-all, or all-gather + reduce-scatter)
+                 activations before/after attention and MLP, forward and backward; QK-norm's all-reduces; the
+                 embedding's, LM head's and loss's collectives), ep dispatch and combine (all-to-all, or
+                 all-gather + reduce-scatter), and of each what the recompute runs again (replayed_collectives,
+                 counted per checkpointing mode)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
                  gradient collective below), of every rank's padded shard (memory.fsdp_elements); pp sends of
@@ -213,10 +214,44 @@ def _recomputed_flops(config: Config, by_class: dict[str, float]) -> dict[str, f
 
 def replays_forward_ops(config: Config) -> bool:
     """Whether the recompute runs every forward operator again but the kept ones (selective_ops: torch's op-level
-    checkpointing replays the block and takes only the matmuls', attention's and the expert GEMMs' outputs from its
-    cache, parallelize.py): autocast's weight casts and the tp and ep collectives run again, which a recomputed
-    sub-module does only for its own."""
+    checkpointing replays the block and takes only the matmuls', attention's, the expert GEMMs' and the non-gather
+    collectives' outputs from its cache, parallelize.py): autocast's weight casts and the all-gathers run again,
+    which a recomputed sub-module does only for its own."""
     return config.train.activation_checkpointing == "selective_ops"
+
+
+@dataclass(frozen=True)
+class ReplayedCollectives:
+    """The collectives one block's recompute runs again (counted by dispatching the backward on gloo:
+    tests/distributed/test_checkpointing_collectives.py and tests/unit/plan).
+
+    tp_gathers, tp_scatters: sequence parallelism's all-gathers and reduce-scatters of activations (forward hooks
+        around attention and the MLP, which run outside a recomputed sub-module; a recompute stops at the last
+        activation the backward needs, so a MoE block's closing reduce-scatter is not run again)
+    qk_norm: QK-norm's all-reduces (q and k), inside attention
+    ep: the MoE layer's exchanges run again: "all" (routing counts, dispatch and combine), "gather" (the all-gather
+        of the allgather dispatch: op-level checkpointing keeps the rest), or "none"
+    """
+
+    tp_gathers: int = 0
+    tp_scatters: int = 0
+    qk_norm: int = 0
+    ep: str = "none"
+
+
+def replayed_collectives(config: Config) -> ReplayedCollectives:
+    """What the train.activation_checkpointing mode runs again of a block's collectives (ReplayedCollectives)."""
+    mode, moe = config.train.activation_checkpointing, config.model.is_moe
+    if mode == "full":
+        return ReplayedCollectives(tp_gathers=2, tp_scatters=1 if moe else 2, qk_norm=2, ep="all")
+    if mode == "selective_ops":
+        return ReplayedCollectives(tp_gathers=2, qk_norm=2, ep="gather")
+    if mode == "selective":
+        recompute = set(config.train.recompute)
+        # QK-norm runs again inside a recomputed attention, or as its own recomputed norms
+        qk = 2 if "attention" in recompute or "norms" in recompute else 0
+        return ReplayedCollectives(qk_norm=qk, ep="all" if moe and "moe" in recompute else "none")
+    return ReplayedCollectives()
 
 
 def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool,
@@ -303,21 +338,23 @@ def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root
 
 
 def _tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int, act_bytes: float,
-                          attn_again: int, mlp_again: int) -> float:
+                          again: ReplayedCollectives) -> float:
     """One micro-batch's tensor-parallel collectives on the last pipeline stage (parallel/tensor_parallel.py).
 
     Per block: an all-gather before and a reduce-scatter after attention and the MLP (sequence parallel), each
-    mirrored in backward (the all-gather's gradient is a reduce-scatter and vice versa), again when recomputed;
-    QK-norm's full-width RMS all-reduces each token's sum of squares for q and k, forward and backward. The
-    root: the embedding's output reduce-scattered to sequence shards (an all-gather back), the LM head's input
-    all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows] statistics per chunk.
+    mirrored in backward (the all-gather's gradient is a reduce-scatter and vice versa), and what the recompute
+    runs again (replayed_collectives); QK-norm's full-width RMS all-reduces each token's sum of squares for q and
+    k, forward and backward. The root: the embedding's output reduce-scattered to sequence shards (an all-gather
+    back), the LM head's input all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows]
+    statistics per chunk.
     """
     m, train = config.model, config.train
     link = group_link(dims, ("tp",), cluster)
-    gather_scatter = ring_time(link, act_bytes) + ring_time(link, act_bytes, "reduce_scatter")
+    gather, scatter = ring_time(link, act_bytes), ring_time(link, act_bytes, "reduce_scatter")
+    gather_scatter = gather + scatter
     tokens = train.micro_batch_size * train.seq_len
-    blocks = layers * (2 * 2 + 2 * (attn_again + mlp_again)) * gather_scatter
-    qk_norm = layers * (2 * 2 + 2 * attn_again) * all_reduce_time(link, 4 * tokens) if m.qk_norm else 0.0
+    blocks = layers * (2 * 2 * gather_scatter + again.tp_gathers * gather + again.tp_scatters * scatter)
+    qk_norm = layers * (2 * 2 + again.qk_norm) * all_reduce_time(link, 4 * tokens) if m.qk_norm else 0.0
     rows = min(DEFAULT_CHUNK_ROWS, tokens)
     head = gather_scatter + -(-tokens // rows) * ring_time(link, dims.tp * 2 * 4 * rows)
     # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
@@ -397,22 +434,21 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     headless_mb = sum(stage_mb(head=False)) if dims.pp > 1 else compute_mb
 
     act_bytes = tokens_mb * h * width
-    replay = replays_forward_ops(config)
-    attn_again = 1 if recomputed.get("attention") or replay else 0
-    mlp_again = 1 if (recomputed.get("mlp") or recomputed.get("experts") or replay) else 0
+    again = replayed_collectives(config)
     tp_mb = 0.0
     if dims.tp > 1:
-        tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, attn_again, mlp_again)
+        tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, again)
     ep_mb = 0.0
-    if dims.ep > 1:  # per MoE layer: dispatch + combine, forward, backward, and again when recomputed
+    if dims.ep > 1:  # per MoE layer: dispatch + combine, forward and backward, and what the recompute runs again
         ep_link = group_link(dims, ("ep",), cluster)
-        exchanges = 2 * (2 + mlp_again)
         if p.ep_dispatch == "all_to_all":
             one = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
+            gather, scatter = one, one  # dispatch, combine
         else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
             gathered = dims.ep * act_bytes / dims.tp
-            one = (ring_time(ep_link, gathered) + ring_time(ep_link, gathered, "reduce_scatter")) / 2
-        ep_mb = layers * exchanges * one
+            gather, scatter = ring_time(ep_link, gathered), ring_time(ep_link, gathered, "reduce_scatter")
+        replayed = {"all": gather + scatter, "gather": gather if p.ep_dispatch == "allgather" else 0.0}
+        ep_mb = layers * (2 * (gather + scatter) + replayed.get(again.ep, 0.0))
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:
         # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the

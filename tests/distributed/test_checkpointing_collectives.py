@@ -1,0 +1,96 @@
+"""What each activation-checkpointing mode's recompute communicates again, counted, against what the planner prices
+(optimus/plan/step_time.replayed_collectives).
+
+Counted by dispatching the backward (which runs the recompute) under a mode that records every op, minus the same
+layout's plain backward. Op-level checkpointing (`selective_ops`) keeps the collectives' outputs but the
+all-gathers' (parallelize._kept_ops): its recompute runs no all-to-all, reduce-scatter or partial sum again, where
+before it ran each MoE layer's dispatch and combine a third time. Parity of these layouts with one process is
+tested where each layout is (test_data_parallel, test_expert_tensor_parallel, test_tensor_parallel).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
+
+pytestmark = pytest.mark.distributed
+
+MODES = {"none": {}, "full": {}, "selective_ops": {}, "selective attention+norms": dict(recompute=["attention", "norms"]),
+         "selective mlp": dict(recompute=["mlp"]), "selective moe": dict(recompute=["moe"])}
+TP_GATHERS = ("_c10d_functional.all_gather_into_tensor.default", "optimus.all_gather_rows.default")
+TP_SCATTERS = ("_c10d_functional.reduce_scatter_tensor.default", "optimus.reduce_scatter_rows.default")
+
+
+def _backward_ops(rank: int, world: int, moe: bool, parallel: dict, modes: list[str]) -> dict[str, dict[str, int]]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for name in modes:
+        config = _config(moe, parallel, name)
+        dims = ParallelDims.from_config(config.parallel, world)
+        mesh = dims.build_mesh("cpu")
+        model = build_parallel_model(config, dims, mesh, "cpu")
+        batch = global_batches(config, 1)[0]
+        ids, labels = rank_micro_batches(batch, config.train.micro_batch_size, dp_rank=mesh.local_rank("dp"),
+                                         dp_size=mesh.size("dp"))[0]
+        loss = model(ids, labels=labels).loss
+        with CountOps() as backward:
+            loss.backward()
+        counts[name] = dict(backward.calls)
+    return counts
+
+
+def _config(moe: bool, parallel: dict, mode_name: str):
+    mode = mode_name.split()[0]
+    return tiny_config(moe=moe, parallel=parallel, train=dict(activation_checkpointing=mode, **MODES[mode_name]))
+
+
+def _replayed(counts: dict[str, int], plain: dict[str, int], ops: tuple[str, ...]) -> int:
+    return sum(counts.get(op, 0) - plain.get(op, 0) for op in ops)
+
+
+@pytest.mark.parametrize("moe, parallel", [
+    (False, dict(tp=2)),
+    (True, dict(tp=2)),
+    (True, dict(dp_shard=2, ep=2, ep_dispatch="all_to_all")),
+    (True, dict(dp_shard=2, ep=2, ep_dispatch="allgather")),
+], ids=["dense-tp2", "moe-tp2", "ep2-all_to_all", "ep2-allgather"])
+def test_recompute_replays_the_collectives_the_planner_prices(moe, parallel):
+    from optimus.plan.step_time import replayed_collectives
+
+    modes = [name for name in MODES if not (name == "selective mlp" and moe or name == "selective moe" and not moe)]
+    counts = run_distributed(_backward_ops, 2, moe, parallel, modes)[0]
+    plain = counts["none"]
+    for name in modes:
+        config = _config(moe, parallel, name)
+        layers, again, got = config.model.n_layers, replayed_collectives(config), counts[name]
+        if parallel.get("tp", 1) > 1:
+            assert _replayed(got, plain, TP_GATHERS) == layers * again.tp_gathers, name
+            assert _replayed(got, plain, TP_SCATTERS) == layers * again.tp_scatters, name
+            assert _replayed(got, plain, ("c10d.allreduce_.default",)) == layers * again.qk_norm, name
+        elif parallel["ep_dispatch"] == "all_to_all":  # "all": the routing counts, dispatch and combine
+            assert _replayed(got, plain, ("optimus.all_to_all_rows.default",)) == layers * 3 * (again.ep == "all"), name
+        else:  # "all": the counts' and rows' all-gathers and the combine's reduce-scatter; "gather": the rows'
+            gathers = {"all": 2, "gather": 1, "none": 0}[again.ep]
+            assert _replayed(got, plain, ("optimus.all_gather_rows.default",)) == layers * gathers, name
+            scatters = _replayed(got, plain, ("optimus.reduce_scatter_rows.default",))
+            assert scatters == layers * (again.ep == "all"), name
+    # op-level checkpointing runs no exchange again but the all-gathers
+    assert all(_replayed(counts["selective_ops"], plain, (op,)) == 0 for op in
+               ("optimus.all_to_all_rows.default", *TP_SCATTERS, "optimus.all_reduce_sum.default"))
