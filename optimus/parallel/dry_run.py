@@ -180,8 +180,12 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     "moe" / "mlp" the feed-forward terms after its norm into w h; plus one recomputed sub-module's
     full activations at a time. Ops (op-level policy) keeps the outputs of matmuls, attention and the
     fused expert op, and the collectives' but the all-gathers', and recomputes norms and activations:
-        attention g + w (2h + 2kv + h) / t, dense g + 2 w f / t, MoE g + w k (h + 2fe + h), each + w h / t (its
-        reduce-scatter) when t > 1, MoE under ep + w k h / t per kept exchange (2 all_to_all, 1 allgather).
+        attention w (2h + 2kv) / t + w h (q, k, v, attention; the output projection's partial sums, whole),
+        dense w (2f / t + h), MoE w E (router logits) + w h + 2 w k fe + 8k (the fused op: combined output,
+        gate/up rows, their int64 order), or where ep or tp split the experts w k (h + 2fe + x h) / t (the rank's
+        rows out and gate/up, x = 2 all_to_all exchanges or 1 allgather reduce-scatter kept); each + w h / t (its
+        reduce-scatter) when t > 1. Checked against the bytes the policy keeps (tests/distributed/
+        test_checkpointing_collectives.py): within 10% on average over the ranks.
     Plus the embedding output (w h / t) and, on the rank with the LM head, its input (w h per token: saved, or
     the CPU loss op's input gradient) and the loss's buffers (loss_head_bytes: they depend on the device).
     Checked against the tensors autograd really saves (tiny fp32 and bf16 models on CPU, no
@@ -196,22 +200,27 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         return (4 + w) * n
 
     gathered = w * h if t > 1 else 0
-    scattered = w * h / t if t > 1 else 0  # a sequence-parallel reduce-scatter's output (kept under ops)
+    # selective_ops: the outputs of the policy's ops (parallelize._kept_ops); a sequence-parallel reduce-scatter's
+    # output is w h / t, the row-parallel projection's before it whole (partial sums)
+    scattered = w * h / t if t > 1 else 0
     attn_full = norm(h) / t + gathered + (norm(h) + norm(kv) + w * (h + 2 * kv) + 2 * w * h) / t
-    attn_selective = gathered + w * (3 * h + 2 * kv) / t + scattered
+    attn_selective = w * (2 * h + 2 * kv) / t + w * h + scattered
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
         experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
         if t > 1:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
             experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
         mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
-        # ops also keeps the ep exchanges' outputs: the dispatched and the returned rows (all_to_all), or the
-        # combine's reduce-scattered rows (allgather: its all-gather is replayed)
-        exchanged = 0 if dims.ep == 1 else (2 if config.parallel.ep_dispatch == "all_to_all" else 1) * w * k * h / t
-        mlp_selective = gathered + w * k * (2 * h + 2 * fe) + exchanged + scattered
+        if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
+            experts_kept = w * h + 2 * w * k * fe + 8 * k
+        else:  # the rank's rows (expert_mlp): their output and gate/up; and the ep exchanges' outputs, the
+            # dispatched and returned rows (all_to_all) or the combine's reduce-scattered rows (allgather)
+            exchanges = 0 if dims.ep == 1 else 2 if config.parallel.ep_dispatch == "all_to_all" else 1
+            experts_kept = w * k * (h + 2 * fe + exchanges * h) / t
+        mlp_selective = experts_kept + w * m.n_experts + scattered
     else:
         mlp_full = norm(h) / t + gathered + 4 * w * m.ffn_hidden / t
-        mlp_selective = gathered + 2 * w * m.ffn_hidden / t + scattered
+        mlp_selective = w * (2 * m.ffn_hidden / t + h) + scattered
     block_input = w * h / t
     mode = config.train.activation_checkpointing
     working = 0.0  # per token: the block (or sub-module) being recomputed, one at a time on the rank

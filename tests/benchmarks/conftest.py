@@ -21,7 +21,8 @@ def load_benchmark(monkeypatch):
     before = set(sys.modules)
     yield importlib.import_module
     for name in set(sys.modules) - before:
-        if name in ("_common", "train_step", "moe_step", "moe_layer", "scaling", "optimizer", "plan_vs_measured", "host_memory") or name.startswith("benchmarks"):
+        if name in ("_common", "train_step", "moe_step", "moe_layer", "scaling", "optimizer", "plan_vs_measured", "host_memory",
+                    "checkpointing") or name.startswith("benchmarks"):
             sys.modules.pop(name, None)
 
 
