@@ -222,8 +222,8 @@ def replays_forward_ops(config: Config) -> bool:
 
 @dataclass(frozen=True)
 class ReplayedCollectives:
-    """The collectives one block's recompute runs again (counted by dispatching the backward on gloo:
-    tests/distributed/test_checkpointing_collectives.py and tests/unit/plan).
+    """The collectives one block's recompute runs again (counted by dispatching the backward on gloo, where
+    tests/distributed/test_checkpointing_collectives.py checks every mode against these).
 
     tp_gathers, tp_scatters: sequence parallelism's all-gathers and reduce-scatters of activations (forward hooks
         around attention and the MLP, which run outside a recomputed sub-module; a recompute stops at the last
@@ -442,13 +442,13 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     if dims.ep > 1:  # per MoE layer: dispatch + combine, forward and backward, and what the recompute runs again
         ep_link = group_link(dims, ("ep",), cluster)
         if p.ep_dispatch == "all_to_all":
-            one = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
-            gather, scatter = one, one  # dispatch, combine
+            dispatch = combine = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
         else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
             gathered = dims.ep * act_bytes / dims.tp
-            gather, scatter = ring_time(ep_link, gathered), ring_time(ep_link, gathered, "reduce_scatter")
-        replayed = {"all": gather + scatter, "gather": gather if p.ep_dispatch == "allgather" else 0.0}
-        ep_mb = layers * (2 * (gather + scatter) + replayed.get(again.ep, 0.0))
+            dispatch, combine = ring_time(ep_link, gathered), ring_time(ep_link, gathered, "reduce_scatter")
+        # what the recompute runs again: both, or (op-level) the allgather dispatch's all-gather alone
+        replayed = {"all": dispatch + combine, "gather": dispatch if p.ep_dispatch == "allgather" else 0.0}
+        ep_mb = layers * (2 * (dispatch + combine) + replayed.get(again.ep, 0.0))
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:
         # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the
