@@ -6,7 +6,9 @@
     reduce_scatter_rows(rows, group)  this rank's [M, ...] slice of the sum of every rank's [P*M, ...];
                                       backward all-gathers
     all_reduce_sum(x, group)          the sum over the group of partial results every rank needs whole;
-                                      backward: identity (each rank's gradient is already the whole one)
+                                      backward: identity (each rank's gradient is already the whole one), or
+                                      with sum_grad=True, where each rank uses the sum differently (QK-norm's
+                                      sum of squares over its slice of heads), the gradients' sum
 
 Why ops and not autograd Functions: torch's op-level checkpointing (`selective_ops`, parallelize.py) decides per
 dispatched op what to keep. An autograd Function calling torch.distributed is invisible to it, so its replay of
@@ -29,7 +31,7 @@ from optimus.parallel.collectives import all_gather_single, reduce_scatter_singl
 torch.library.define("optimus::all_to_all_rows", "(Tensor rows, int[] out_splits, int[] in_splits, str group) -> Tensor")
 torch.library.define("optimus::all_gather_rows", "(Tensor rows, str group) -> Tensor")
 torch.library.define("optimus::reduce_scatter_rows", "(Tensor rows, str group) -> Tensor")
-torch.library.define("optimus::all_reduce_sum", "(Tensor x, str group) -> Tensor")
+torch.library.define("optimus::all_reduce_sum", "(Tensor x, str group, bool sum_grad=False) -> Tensor")
 
 
 def _rows_like(rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ def _reduce_scatter_rows(rows, group):
 
 
 @torch.library.impl("optimus::all_reduce_sum", "CompositeExplicitAutograd")
-def _all_reduce_sum(x, group):
+def _all_reduce_sum(x, group, sum_grad=False):
     x = x.contiguous().clone()
     dist.all_reduce(x, group=_resolve_process_group(group))
     return x
@@ -82,7 +84,7 @@ def _(rows, group):
 
 
 @torch.library.register_fake("optimus::all_reduce_sum")
-def _(x, group):
+def _(x, group, sum_grad=False):
     return torch.empty_like(x)
 
 
@@ -104,7 +106,8 @@ def _reduce_scatter_backward(ctx, grad):
 
 
 def _all_reduce_backward(ctx, grad):
-    return grad, None
+    group, sum_grad = ctx.args
+    return (torch.ops.optimus.all_reduce_sum(grad, group) if sum_grad else grad), None, None
 
 
 torch.library.register_autograd("optimus::all_to_all_rows", _all_to_all_backward, setup_context=_keep_args)
@@ -128,8 +131,9 @@ def reduce_scatter_rows(rows: torch.Tensor, group) -> torch.Tensor:
     return torch.ops.optimus.reduce_scatter_rows(rows, group.group_name)
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over `group` of every rank's partial `x`; identity backward (the sum's gradient is the same on every
-    rank already)."""
-    return torch.ops.optimus.all_reduce_sum(x, group.group_name)
+def all_reduce_sum(x: torch.Tensor, group, sum_grad: bool = False) -> torch.Tensor:
+    """The sum over `group` of every rank's partial `x`. Backward: identity where every rank uses the sum alike (its
+    gradient is the same on every rank already); with `sum_grad`, where each uses it differently, the sum of the
+    ranks' gradients."""
+    return torch.ops.optimus.all_reduce_sum(x, group.group_name, sum_grad)
 

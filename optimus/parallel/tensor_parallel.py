@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,25 +48,9 @@ from torch.distributed.tensor.parallel import (
 from optimus.models.layers import RMSNorm
 from optimus.models.moe import MoE
 from optimus.ops.cross_entropy import IGNORE_INDEX
+from optimus.parallel.collective_ops import all_reduce_sum
 from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from optimus.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a process group; the gradient of every rank's input is the sum of output grads."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class ShardedRMSNorm(nn.Module):
@@ -88,7 +71,7 @@ class ShardedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        square_sum = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), self.group)
+        square_sum = all_reduce_sum(x32.pow(2).sum(-1, keepdim=True), self.group, sum_grad=True)
         normed = x32 * torch.rsqrt(square_sum / self.full_width + self.eps)
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         return weight * normed.to(x.dtype)

@@ -228,7 +228,7 @@ class ReplayedCollectives:
     tp_gathers, tp_scatters: sequence parallelism's all-gathers and reduce-scatters of activations (forward hooks
         around attention and the MLP, which run outside a recomputed sub-module; a recompute stops at the last
         activation the backward needs, so a MoE block's closing reduce-scatter is not run again)
-    qk_norm: QK-norm's all-reduces (q and k), inside attention
+    qk_norm: QK-norm's all-reduces (q and k), inside attention (op-level checkpointing keeps their output)
     ep: the MoE layer's exchanges run again: "all" (routing counts, dispatch and combine), "gather" (the all-gather
         of the allgather dispatch: op-level checkpointing keeps the rest), or "none"
     """
@@ -245,7 +245,7 @@ def replayed_collectives(config: Config) -> ReplayedCollectives:
     if mode == "full":
         return ReplayedCollectives(tp_gathers=2, tp_scatters=1 if moe else 2, qk_norm=2, ep="all")
     if mode == "selective_ops":
-        return ReplayedCollectives(tp_gathers=2, qk_norm=2, ep="gather")
+        return ReplayedCollectives(tp_gathers=2, ep="gather")
     if mode == "selective":
         recompute = set(config.train.recompute)
         # QK-norm runs again inside a recomputed attention, or as its own recomputed norms
