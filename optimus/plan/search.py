@@ -3,7 +3,7 @@
 Candidates: every tp (dividing the heads, at most one node), pp (dividing the layers' count into stages),
 ep (dividing the experts and dp_shard), dp_shard as all data-parallel ranks or as HSDP groups of a node's
 size, each micro-batch size dividing a rank's share (powers of two up to 16), activation checkpointing
-none / selective (the config's mask) / full, shard_mode fsdp / zero1 / zero2 / ddp (HSDP groups only under fsdp;
+none / selective (the config's mask) / selective_ops / full, shard_mode fsdp / zero1 / zero2 / ddp (HSDP groups only under fsdp;
 ddp only where validation allows it: no tp, pp or ep), pp_schedule 1f1b / gpipe / interleaved_1f1b (2 virtual
 stages) when pp > 1, and ep_dispatch all_to_all / allgather when ep > 1. Every candidate goes through the ONE
 validation function the trainer uses, so the planner never proposes a layout the trainer rejects.
@@ -80,7 +80,7 @@ class Candidate:
 # the --json layout keys a search may be held to, and the values the categorical ones take
 ONLY_CHOICES: dict[str, tuple[str, ...] | None] = {
     "dp_replicate": None, "dp_shard": None, "tp": None, "pp": None, "ep": None, "micro_batch_size": None,
-    "grad_accum": None, "activation_checkpointing": ("none", "selective", "full"),
+    "grad_accum": None, "activation_checkpointing": ("none", "selective", "selective_ops", "full"),
     "shard_mode": ("fsdp", "zero1", "zero2", "ddp"), "pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
     "ep_dispatch": ("all_to_all", "allgather"),
 }
@@ -142,7 +142,7 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                         continue
                     per_rank = train.global_batch_size // dp
                     for mbs in [b for b in (1, 2, 4, 8, 16) if per_rank % b == 0]:
-                        for ac in ("none", "selective", "full"):
+                        for ac in ONLY_CHOICES["activation_checkpointing"]:
                             for mode, dispatch in itertools.product(modes, dispatches):
                                 for sched, virtual in ((("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
                                                        if pp > 1 else (("1f1b", 1),)):
