@@ -17,14 +17,17 @@ collectives do not pass there), and checks that both give the same gradients.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import CollectiveCounter, machine_info, write_json  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+
+from benchmarks._common import CollectiveCounter, machine_info, time_interleaved, write_json  # noqa: E402
+from optimus.parallel.parallelize import _kept_ops  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,17 +42,21 @@ LAYOUTS = {
 }
 
 
-def _replaying_policy(ctx, op, *args, **kwargs):
-    """The reference: keep what the trainer keeps but the collectives (the policy before they were kept)."""
+@functools.cache
+def _collectives() -> frozenset:
+    """The collectives the trainer's policy keeps (parallelize._kept_ops) and the reference replays."""
     import torch
-    from torch.utils.checkpoint import CheckpointPolicy
 
-    from optimus.parallel.parallelize import _kept_ops
+    optimus_ops, functional = torch.ops.optimus, torch.ops._c10d_functional
+    return frozenset({optimus_ops.all_to_all_rows.default, optimus_ops.reduce_scatter_rows.default,
+                      optimus_ops.all_reduce_sum.default, functional.reduce_scatter_tensor.default,
+                      functional.all_reduce.default})
 
-    collectives = {torch.ops.optimus.all_to_all_rows.default, torch.ops.optimus.reduce_scatter_rows.default,
-                   torch.ops.optimus.all_reduce_sum.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                   torch.ops._c10d_functional.all_reduce.default}
-    kept = op in _kept_ops() and op not in collectives
+
+def _replaying_policy(ctx, op, *args, **kwargs):
+    """The reference: keep what the trainer keeps but the collectives (the policy before they were kept). Called for
+    every op, as the trainer's is: its sets are built once."""
+    kept = op in _kept_ops() and op not in _collectives()
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -75,27 +82,28 @@ def _rank(rank: int, world: int, config_path: str, overrides: list[str], rounds:
     ids = torch.randint(0, config.model.vocab_size, (config.train.global_batch_size, config.train.seq_len + 1),
                         generator=generator)
     rows = ids[mesh.local_rank("dp") * per_rank:(mesh.local_rank("dp") + 1) * per_rank]
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model(rows[:, :-1], labels=rows[:, 1:]).loss.backward()
+
+    # alternating round by round (and the order within a round), one warm-up call each
+    times = time_interleaved({name: functools.partial(step, model) for name, model in models.items()}, rounds, 1)
     counter = CollectiveCounter()
     counter.install()
-    times: dict[str, list[float]] = {name: [] for name in models}
     counted: dict[str, dict] = {}
-    for r in range(rounds + 1):  # the first round warms up
-        for name in (list(models) if r % 2 == 0 else list(reversed(models))):
-            model = models[name]
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss = model(rows[:, :-1], labels=rows[:, 1:]).loss
-            counter.bytes.clear(), counter.calls.clear()
-            counter.active = True
-            loss.backward()
-            counter.active = False
-            if r:
-                times[name].append(time.perf_counter() - start)
-            counted[name] = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+    for name, model in models.items():  # one more step each, its backward's collectives counted
+        model.zero_grad(set_to_none=True)
+        loss = model(rows[:, :-1], labels=rows[:, 1:]).loss
+        counter.bytes.clear(), counter.calls.clear()
+        counter.active = True
+        loss.backward()
+        counter.active = False
+        counted[name] = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
     grads = {name: {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                     for n, p in model.named_parameters() if p.grad is not None} for name, model in models.items()}
     max_diff = max(float((grads["kept"][n] - grads["replayed"][n]).abs().max()) for n in grads["kept"])
-    return {"rank": rank, "median_s": {n: statistics.median(t) for n, t in times.items()},
+    return {"rank": rank, "median_s": {n: t["median"] for n, t in times.items()},
             "backward_collectives": counted, "grad_max_abs_diff": max_diff}
 
 

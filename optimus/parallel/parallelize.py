@@ -20,6 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy
 
 from optimus.config import Config
 from optimus.models.moe import MoE
@@ -203,10 +204,16 @@ def _kept_ops() -> frozenset:
                       functional.reduce_scatter_tensor.default, functional.all_reduce.default})
 
 
-def _ops_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+@functools.cache
+def _all_gather_rows():
+    import optimus.parallel.collective_ops  # noqa: F401
 
-    keep = op in _kept_ops() or (op == torch.ops.optimus.all_gather_rows.default and not args[0].is_floating_point())
+    return torch.ops.optimus.all_gather_rows.default
+
+
+def _ops_policy(ctx, op, *args, **kwargs):
+    # called for every op the block dispatches, forward and replay: set lookups only
+    keep = op in _kept_ops() or (op is _all_gather_rows() and not args[0].is_floating_point())
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -10,10 +10,9 @@ tested where each layout is (test_data_parallel, test_expert_tensor_parallel, te
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
+from tests.helpers.dispatch import OpCounter
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
 
@@ -26,32 +25,25 @@ TP_SCATTERS = ("_c10d_functional.reduce_scatter_tensor.default", "optimus.reduce
 ALL_REDUCES = ("optimus.all_reduce_sum.default", "c10d.allreduce_.default")  # QK-norm's (the op's own runs inside it)
 
 
-def _backward_ops(rank: int, world: int, moe: bool, parallel: dict, modes: list[str]) -> dict[str, dict[str, int]]:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+def _model_and_batch(config, world: int):
+    """This rank's parallelized model of `config` and its first micro-batch (ids, labels)."""
     from optimus.parallel.mesh import ParallelDims
     from optimus.parallel.parallelize import build_parallel_model
 
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: Counter = Counter()
+    dims = ParallelDims.from_config(config.parallel, world)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, "cpu")
+    batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
+                               dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))[0]
+    return model, batch
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls[str(func)] += 1
-            return func(*args, **(kwargs or {}))
 
+def _backward_ops(rank: int, world: int, moe: bool, parallel: dict, modes: list[str]) -> dict[str, dict[str, int]]:
     counts = {}
     for name in modes:
-        config = _config(moe, parallel, name)
-        dims = ParallelDims.from_config(config.parallel, world)
-        mesh = dims.build_mesh("cpu")
-        model = build_parallel_model(config, dims, mesh, "cpu")
-        batch = global_batches(config, 1)[0]
-        ids, labels = rank_micro_batches(batch, config.train.micro_batch_size, dp_rank=mesh.local_rank("dp"),
-                                         dp_size=mesh.size("dp"))[0]
+        model, (ids, labels) = _model_and_batch(_config(moe, parallel, name), world)
         loss = model(ids, labels=labels).loss
-        with CountOps() as backward:
+        with OpCounter() as backward:
             loss.backward()
         counts[name] = dict(backward.calls)
     return counts
@@ -105,14 +97,11 @@ def _kept_bytes(rank: int, world: int, moe: bool, parallel: dict) -> tuple[float
     from torch.utils.checkpoint import CheckpointPolicy
 
     from optimus.parallel.dry_run import activation_split
-    from optimus.parallel.mesh import ParallelDims
-    from optimus.parallel.parallelize import _ops_policy, build_parallel_model
+    from optimus.parallel.parallelize import _ops_policy
     from optimus.parallel.validate import validate_layout
 
     config = _config(moe, parallel, "selective_ops")
-    dims = ParallelDims.from_config(config.parallel, world)
-    mesh = dims.build_mesh("cpu")
-    model = build_parallel_model(config, dims, mesh, "cpu")
+    model, (ids, labels) = _model_and_batch(config, world)
     inside, kept = [False], [0]
 
     class KeptOutputs(TorchDispatchMode):  # the bytes of every output the policy keeps, inside the blocks
@@ -127,14 +116,12 @@ def _kept_bytes(rank: int, world: int, moe: bool, parallel: dict) -> tuple[float
     for block in model.layers.values():
         block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
         block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    ids, labels = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
-                                     dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))[0]
     with torch.no_grad(), KeptOutputs():
         model(ids, labels=labels)
     layout = validate_layout(config, world)
     layers, tokens = config.model.n_layers, ids.numel()
     per_micro_batch, _ = activation_split(layout.config, layout.dims, layers, has_loss_head=False)
-    block_input = 4 * config.model.d_model / dims.tp  # fp32: what every block and the embedding keep besides
+    block_input = 4 * config.model.d_model / layout.dims.tp  # fp32: what every block and the embedding keep besides
     return kept[0] / tokens / layers, (per_micro_batch / tokens - block_input) / layers - block_input
 
 

@@ -52,23 +52,14 @@ def test_activation_checkpointing_keeps_gradients_and_checkpoint_keys(moe, mode,
 def test_selective_ops_recomputes_no_matmul_nor_the_experts_grouped_gemms():
     """Op-level checkpointing replays the cheap ops in backward and takes the matmuls' and the fused expert op's
     outputs from its cache: recomputing the experts would cost a third of their compute again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls[str(func)] = self.calls.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
+    from tests.helpers.dispatch import OpCounter
 
     def backward_ops(mode: str) -> dict[str, int]:
         config = tiny_config(moe=True, train=dict(activation_checkpointing=mode))
         model = parallelize_model(build_model(config.model, seed=0), ParallelDims(world_size=1), None, config)
         batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size)[0]
         loss = model(batch[0], labels=batch[1]).loss
-        with CountOps() as backward:  # the recompute runs inside backward; ops taken from the cache never dispatch
+        with OpCounter() as backward:  # the recompute runs inside backward; ops taken from the cache never dispatch
             loss.backward()
         return backward.calls
 
