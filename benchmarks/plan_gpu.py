@@ -107,8 +107,8 @@ def predict(config_path: str, overrides: list[str], cluster_name: str) -> dict:
     from optimus.plan.memory import ModelShape, stage_memory
     from optimus.plan.step_time import step_time
 
-    layout = validate_layout(load_config(config_path, overrides), 1)
     cluster = load_cluster(cluster_name)
+    layout = validate_layout(cluster.resolved(load_config(config_path, overrides)), 1)  # as `optimus plan` prices it
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
     memory = stage_memory(layout.config, layout.dims, shape, 0)

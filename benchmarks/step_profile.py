@@ -15,7 +15,9 @@ and reports per step: each class's kernel seconds, the rate it reached (the clas
 them, over its seconds, over the preset's peak; bytes over HBM bandwidth for memory_bound), the preset's
 efficiency for that class, and the GPU's idle time (the step's wall time the union of kernels leaves
 uncovered: launches and Python the GPU waits for). So a miss of plan_gpu.py's step time reads as: which class
-ran below its preset's efficiency, and how much of the step the GPU sat idle.
+ran below its preset's efficiency, and how much of the step the GPU sat idle. Where the idle time goes on the
+host: the host events (aten operators, CUDA runtime calls, autograd and checkpoint frames) with the most self time
+per step, and how many operators and kernel launches a step ran.
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
+def host_summary(events, steps: int, top: int = 25) -> dict:
+    """Per step: the host events with the most self time (seconds, by name), the aten operators run and the
+    kernels launched."""
+    self_s: dict[str, float] = {}
+    operators = launches = 0
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or event.name.startswith("ProfilerStep"):
+            continue
+        self_s[event.name] = self_s.get(event.name, 0.0) + event.self_cpu_time_total * 1e-6 / steps
+        operators += event.name.startswith("aten::")
+        launches += event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+    return {"top_host_s": dict(sorted(self_s.items(), key=lambda kv: -kv[1])[:top]),
+            "aten_ops_per_step": operators / steps, "launches_per_step": launches / steps}
+
+
 def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: list[str] = ()) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -82,7 +99,8 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
 
     config_path, overrides = case_overrides(name, steps, warmup, more)
     layout = validate_layout(load_config(config_path, overrides), 1)
-    config, cluster = layout.config, load_cluster(cluster_name)
+    cluster = load_cluster(cluster_name)
+    config = cluster.resolved(layout.config)
     shape = ModelShape.of(config)
     predicted = step_time(config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
     tokens = config.train.global_batch_size * config.train.seq_len
@@ -122,11 +140,12 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     rates = {c: class_flops[c] / seconds[c] / peak for c in class_flops if seconds.get(c)}
     if seconds.get("memory_bound"):
         rates["memory_bound"] = hbm_bytes / seconds["memory_bound"] / (cluster.hbm_gb_s * 1e9)
+    host = host_summary(events, steps)
     return {"case": name, "cluster": cluster_name, "wall_s": wall, "gpu_busy_s": busy, "gpu_idle_s": wall - busy,
             "class_s": seconds, "class_rate": rates, "class_flops": class_flops, "memory_bound_bytes": hbm_bytes,
             "preset_efficiency": cluster.efficiency.to_dict(), "predicted_step_s": predicted.step_s,
             "predicted_parts_s": predicted.parts,
-            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]), **host}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{(f'{rate:.3f}' if rate is not None else '-'):>7} {(f'{preset:.2f}' if preset else '-'):>7}")
         for kernel, secs in list(row["top_kernels_s"].items())[:12]:
             print(f"    {secs:8.4f} s  {kernel[:110]}")
+        print(f"  host, per step: {row['aten_ops_per_step']:.0f} aten operators, {row['launches_per_step']:.0f} "
+              "kernel launches; most self time:")
+        for event, secs in list(row["top_host_s"].items())[:12]:
+            print(f"    {secs:8.4f} s  {event[:110]}")
         sys.stdout.flush()
     write_json(args.json, {"machine": machine_info(), "device": device_name, "rows": rows})
     print(f"wrote {args.json}")

@@ -55,6 +55,14 @@ class Cluster:
     fresh_page_s_per_byte: float = 0.0
     fresh_block_bytes: int = 0
 
+    def resolved(self, config):
+        """`config` with train.dtype "auto" resolved as the trainer resolves it on this cluster's devices
+        (auto_dtype: bf16 on accelerators, what the probe chose here). Every prediction prices the resolved dtype:
+        the step-time model once read "auto" as bf16 for FLOPs but as fp32 for its memory-bound bytes."""
+        if config.train.dtype != "auto":
+            return config
+        return config.model_copy(update={"train": config.train.model_copy(update={"dtype": self.auto_dtype})})
+
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""
         if self.measured_peak_flops is not None:

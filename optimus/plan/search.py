@@ -162,8 +162,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     if devices < 1 or devices % cluster.devices_per_node:
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
                           f"{cluster.name} node: ask for whole nodes")
-    if config.train.dtype == "auto":  # as the trainer resolves it on this cluster's devices (bf16 on accelerators)
-        config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": cluster.auto_dtype})})
+    config = cluster.resolved(config)  # train.dtype "auto" as the trainer resolves it on this cluster's devices
     shape = ModelShape.of(config)
     budget = cluster.memory_bytes * HEADROOM
     out: list[Candidate] = []

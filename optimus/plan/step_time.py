@@ -369,6 +369,7 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     efficiency: per op class; None takes the cluster's (its preset's defaults, or the calibration here).
     """
     efficiency = efficiency or cluster.efficiency
+    config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
     train, p = config.train, config.parallel
     dtype = "fp32" if train.dtype == "fp32" else "bf16"
     width = 2 if dtype == "bf16" else 4

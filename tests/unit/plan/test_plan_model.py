@@ -179,6 +179,26 @@ def test_one_device_step_is_compute_plus_optimizer_and_mfu_follows():
     assert time.mfu == pytest.approx(0.5 * time.parts["compute"] / time.step_s, rel=1e-3)
 
 
+@pytest.mark.parametrize("auto_dtype", ["bf16", "fp32"])
+def test_train_dtype_auto_is_priced_as_the_dtype_the_cluster_resolves_it_to(auto_dtype):
+    """One dtype for every term: "auto" once read as bf16 for the FLOPs but 4 bytes wide for the memory-bound
+    bytes, so benchmarks/plan_gpu.py (which passes "auto") predicted other step times than `optimus plan`."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import step_time
+
+    cluster = replace(load_cluster("h100"), auto_dtype=auto_dtype)
+
+    def parts(dtype: str) -> dict:
+        layout = validate_layout(load_config(CONFIGS / "mula-tiny-moe.yaml", [f"--train.dtype={dtype}",
+                                                                               "--train.micro_batch_size=2"]), 1)
+        return step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, None,
+                         layout.batch.micro_batches).parts
+
+    other = "fp32" if auto_dtype == "bf16" else "bf16"
+    assert parts("auto") == parts(auto_dtype) != parts(other)
+
+
 def test_memory_bound_ops_and_operator_overhead_follow_their_efficiencies():
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
