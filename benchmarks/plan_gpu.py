@@ -46,6 +46,8 @@ BASE = ["--train.seq_len=2048", "--train.global_batch_size=16", "--train.log_eve
 CASES: dict[str, tuple[str, list[str]]] = {
     "mula-1b": ("configs/mula-1b.yaml", ["--train.micro_batch_size=4"]),
     "mula-1b-full-ac": ("configs/mula-1b.yaml", ["--train.micro_batch_size=8", "--train.activation_checkpointing=full"]),
+    # half the launches of mula-1b, yet (one H100, 2026-11-26) about its GPU idle: what a per-operator cost misses
+    "mula-1b-mbs8": ("configs/mula-1b.yaml", ["--train.micro_batch_size=8"]),
     "mula-7b-a1b-4l": ("configs/mula-7b-a1b.yaml", ["--model.n_layers=4", "--train.micro_batch_size=4"]),
     "mula-7b-a1b-4l-selective": ("configs/mula-7b-a1b.yaml", ["--model.n_layers=4", "--train.micro_batch_size=8",
                                                               "--train.activation_checkpointing=selective"]),

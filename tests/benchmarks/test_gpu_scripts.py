@@ -9,7 +9,7 @@ import json
 import pytest
 
 from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, predict
-from benchmarks.step_profile import _union, kernel_class
+from benchmarks.step_profile import _union, host_summary, kernel_class
 from tests.gpu.resume_check import resumed_at, rewind
 
 
@@ -30,6 +30,20 @@ def test_kernels_sort_into_the_planners_classes(name, label):
 
 def test_busy_time_is_the_union_of_kernel_intervals():
     assert _union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
+def test_the_host_summary_counts_operators_and_ranks_self_time_per_step():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(2):  # two "steps"
+            torch.ones(64, 64).mm(torch.ones(64, 64)).relu()
+    summary = host_summary(profiler.events(), steps=2, top=3)
+    assert summary["aten_ops_per_step"] >= 3  # ones twice, mm, relu (their inner aten calls too)
+    assert summary["launches_per_step"] == 0  # no GPU
+    assert len(summary["top_host_s"]) == 3 and all(s >= 0 for s in summary["top_host_s"].values())
+    assert list(summary["top_host_s"].values()) == sorted(summary["top_host_s"].values(), reverse=True)
 
 
 def test_the_preset_follows_the_gpus_name():
