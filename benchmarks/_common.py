@@ -229,3 +229,18 @@ def ep_all_to_all_bytes(moe_layers: int, tokens: int, top_k: int, d_model: int, 
     [tokens * top_k, d_model] token copies go out and back in forward, their gradients in backward (4
     exchanges), plus the [n_experts] int64 counts."""
     return moe_layers * (4 * tokens * top_k * d_model * 4 + n_experts * 8)
+
+
+# published step-time predictors' mean absolute errors (REFERENCE.md, "Published accuracy of training-performance
+# predictors"): GPU clusters, not this script's machine, so a yardstick rather than a like-for-like comparison
+PUBLISHED_PREDICTOR_ERRORS = ("vTrain 8.37% on one 8-GPU node (14.73% multi-node), AMPeD at most 12%, "
+                              "arXiv 2509.22832 4.98% (A100) / 9.38% (GH200), Proteus 3.0%")
+
+
+def prediction_accuracy(step_errors: list[float]) -> str:
+    """One line: the mean absolute and the largest relative step-time error, beside the published predictors'."""
+    if not step_errors:
+        return "no step times compared"
+    mean = statistics.fmean(abs(e) for e in step_errors)
+    return (f"step time: mean absolute error {mean:.1%}, largest {max(abs(e) for e in step_errors):.1%} over "
+            f"{len(step_errors)} (published predictors' mean absolute errors: {PUBLISHED_PREDICTOR_ERRORS})")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info, write_json  # noqa: E402
+from benchmarks._common import machine_info, prediction_accuracy, write_json  # noqa: E402
 from optimus.cli.plan import RESET_DEGREES  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<26} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%} "
               f"{row['measured_memory_gib']:>9.2f} {row['predicted_memory_gib']:>9.2f} {row['memory_error']:>+7.1%} "
               f"{mfu:>6}", flush=True)
+    print(prediction_accuracy([r["step_error"] for r in rows if "error" not in r]))
     write_json(args.json, {"machine": machine_info(), "device": device_name, "cluster": cluster, "rows": rows})
     print(f"wrote {args.json}")
     return 1 if any("error" in r for r in rows) else 0

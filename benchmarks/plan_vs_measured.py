@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info  # noqa: E402
+from benchmarks._common import machine_info, prediction_accuracy  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}", flush=True)
     within = sum(abs(r["step_error"]) <= 0.15 for r in rows), sum(abs(r["memory_error"]) <= 0.10 for r in rows)
     print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
+    print(prediction_accuracy([r["step_error"] for r in rows]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,

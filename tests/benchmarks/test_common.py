@@ -58,3 +58,10 @@ def test_dtype_list_rejects_what_it_cannot_run(common, text):
     with pytest.raises(argparse.ArgumentTypeError):
         common.dtype_list(text)
     assert common.dtype_list("bf16,fp32") == "bf16,fp32"
+
+
+def test_prediction_accuracy_is_the_mean_and_largest_absolute_error(common):
+    line = common.prediction_accuracy([0.10, -0.20, 0.0, 0.06])
+    assert line.startswith("step time: mean absolute error 9.0%, largest 20.0% over 4")
+    assert "vTrain 8.37%" in line  # beside the published predictors (REFERENCE.md)
+    assert common.prediction_accuracy([]) == "no step times compared"
