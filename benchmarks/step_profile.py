@@ -16,8 +16,10 @@ them, over its seconds, over the preset's peak; bytes over HBM bandwidth for mem
 efficiency for that class, and the GPU's idle time (the step's wall time the union of kernels leaves
 uncovered: launches and Python the GPU waits for). So a miss of plan_gpu.py's step time reads as: which class
 ran below its preset's efficiency, and how much of the step the GPU sat idle. Where the idle time goes on the
-host: the host events (aten operators, CUDA runtime calls, autograd and checkpoint frames) with the most self time
-per step, and how many operators and kernel launches a step ran.
+host: the GPU's idle time within each phase of the step (train/step.py names forward_backward, clip_gradients
+and optimizer_step for profilers; the rest is data, callbacks and logging), the host events (aten operators, CUDA
+runtime calls, autograd and checkpoint frames) with the most self time per step, and how many operators and
+kernel launches a step ran.
 """
 
 from __future__ import annotations
@@ -74,6 +76,18 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
+def idle_by_phase(phases: list[tuple[str, float, float]], kernels: list[tuple[float, float]], steps: int) -> dict:
+    """Per step and phase (train/step.py's record_function spans: name, start, end in us): how long the host spent
+    in it and how much of that the GPU ran no kernel (kernels as (start, end) intervals, us)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, start, end in phases:
+        busy = _union([(max(a, start), min(b, end)) for a, b in kernels if b > start and a < end])
+        phase = out.setdefault(name, {"host_s": 0.0, "gpu_idle_s": 0.0})
+        phase["host_s"] += (end - start) * 1e-6 / steps
+        phase["gpu_idle_s"] += (end - start - busy) * 1e-6 / steps
+    return out
+
+
 def host_summary(events, steps: int, top: int = 25) -> dict:
     """Per step: the host events with the most self time (seconds, by name), the aten operators run and the
     kernels launched."""
@@ -125,7 +139,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     # the GPU timeline also carries annotations spanning kernels (ProfilerStep*, Optimizer.step#AdamW.step):
     # not kernels, and they would count those kernels twice
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep")
+               and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("ProfilerStep", "optimus."))
                and "#" not in e.name]
     seconds: dict[str, float] = {}  # per op class
     top: dict[str, float] = {}  # per kernel name
@@ -134,18 +148,28 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
         label = kernel_class(kernel.name)
         seconds[label] = seconds.get(label, 0.0) + per_step
         top[kernel.name] = top.get(kernel.name, 0.0) + per_step
-    step_spans = [e for e in events if e.name.startswith("ProfilerStep")]
+    # the host's step spans (each ends at the callback's synchronize): the GPU timeline's copies of the annotation
+    # came back cut short once train/step.py annotated its phases too (one H100, 2026-11-26: half the step)
+    step_spans = [e for e in events
+                  if e.name.startswith("ProfilerStep") and e.device_type == torch.autograd.DeviceType.CPU]
     wall = statistics.median(e.time_range.elapsed_us() for e in step_spans) * 1e-6 if step_spans else float("nan")
     busy = _union([(k.time_range.start, k.time_range.end) for k in kernels]) * 1e-6 / steps
     rates = {c: class_flops[c] / seconds[c] / peak for c in class_flops if seconds.get(c)}
     if seconds.get("memory_bound"):
         rates["memory_bound"] = hbm_bytes / seconds["memory_bound"] / (cluster.hbm_gb_s * 1e9)
     host = host_summary(events, steps)
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("optimus.")]
+    by_phase = idle_by_phase(phases, [(k.time_range.start, k.time_range.end) for k in kernels], steps)
+    # the rest of the step: data, callbacks, logging, the loss's .item()
+    by_phase["between phases"] = {"host_s": wall - sum(p["host_s"] for p in by_phase.values()),
+                                  "gpu_idle_s": wall - busy - sum(p["gpu_idle_s"] for p in by_phase.values())}
     return {"case": name, "cluster": cluster_name, "wall_s": wall, "gpu_busy_s": busy, "gpu_idle_s": wall - busy,
             "class_s": seconds, "class_rate": rates, "class_flops": class_flops, "memory_bound_bytes": hbm_bytes,
             "preset_efficiency": cluster.efficiency.to_dict(), "predicted_step_s": predicted.step_s,
             "predicted_parts_s": predicted.parts,
-            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]), **host}
+            "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]), "idle_by_phase": by_phase,
+            **host}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{(f'{rate:.3f}' if rate is not None else '-'):>7} {(f'{preset:.2f}' if preset else '-'):>7}")
         for kernel, secs in list(row["top_kernels_s"].items())[:12]:
             print(f"    {secs:8.4f} s  {kernel[:110]}")
+        print("  GPU idle by step phase: " + ", ".join(f"{name} {p['gpu_idle_s']:.3f} of {p['host_s']:.3f} s"
+                                                       for name, p in row["idle_by_phase"].items()))
         print(f"  host, per step: {row['aten_ops_per_step']:.0f} aten operators, {row['launches_per_step']:.0f} "
               "kernel launches; most self time:")
         for event, secs in list(row["top_host_s"].items())[:12]:

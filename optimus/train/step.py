@@ -18,6 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from optimus.parallel.data_parallel import set_gradient_sync
 from optimus.parallel.pipeline import get_pipeline
@@ -177,18 +178,22 @@ def train_step(
     for that global loss; it must decide the same on every rank (it sees the same numbers there).
     """
     optimizer.zero_grad(set_to_none=True)
+    # the phases are named for profilers (benchmarks/step_profile.py reads the GPU's idle time per phase)
     # --- pipeline parallel path (optimus.parallel.pipeline): the schedule runs forward + backward ---
     pipeline = get_pipeline(model)
-    if pipeline is not None:
-        sums = pipeline.forward_backward(micro_batches, device, autocast_context(device, dtype))
-    else:
-        sums = forward_backward(model, micro_batches, device, dtype, defer_grad_sync)
-    if hasattr(optimizer, "clip_grad_norm_"):  # zero1/zero2: the norm of the reduced gradient shards
-        grad_norm = optimizer.clip_grad_norm_(grad_clip)
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
-        # each pp rank holds other parameters: the norm sums over the stages
-        grad_norm = clip_gradients(params, grad_clip, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
+    with record_function("optimus.forward_backward"):
+        if pipeline is not None:
+            sums = pipeline.forward_backward(micro_batches, device, autocast_context(device, dtype))
+        else:
+            sums = forward_backward(model, micro_batches, device, dtype, defer_grad_sync)
+    with record_function("optimus.clip_gradients"):
+        if hasattr(optimizer, "clip_grad_norm_"):  # zero1/zero2: the norm of the reduced gradient shards
+            grad_norm = optimizer.clip_grad_norm_(grad_clip)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            # each pp rank holds other parameters: the norm sums over the stages
+            grad_norm = clip_gradients(params, grad_clip,
+                                       pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---
     # the pp path's sums are already equal on every stage; averaged over dp they are the global batch's
     if dp_mesh is not None and dp_mesh.size() > 1:
@@ -199,10 +204,11 @@ def train_step(
         skip_reason = "non-finite"
     elif skip_step is not None and skip_step(loss):
         skip_reason = "loss spike"
-    if skip_reason is None:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
+    with record_function("optimus.optimizer_step"):
+        if skip_reason is None:
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss=loss,
         ce_loss=sums["ce_loss"].item(),

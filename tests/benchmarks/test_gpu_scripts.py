@@ -9,7 +9,7 @@ import json
 import pytest
 
 from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, predict
-from benchmarks.step_profile import _union, host_summary, kernel_class
+from benchmarks.step_profile import _union, host_summary, idle_by_phase, kernel_class
 from tests.gpu.resume_check import resumed_at, rewind
 
 
@@ -30,6 +30,14 @@ def test_kernels_sort_into_the_planners_classes(name, label):
 
 def test_busy_time_is_the_union_of_kernel_intervals():
     assert _union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+
+
+def test_gpu_idle_is_split_by_the_steps_phases():
+    # one step: forward_backward 0-100 us with kernels over 10-60 and 80-120, optimizer_step 100-130 with none beyond
+    phases = [("optimus.forward_backward", 0, 100), ("optimus.optimizer_step", 100, 130)]
+    split = idle_by_phase(phases, [(10, 60), (80, 120)], steps=1)
+    assert split["optimus.forward_backward"] == pytest.approx({"host_s": 100e-6, "gpu_idle_s": 30e-6})
+    assert split["optimus.optimizer_step"] == pytest.approx({"host_s": 30e-6, "gpu_idle_s": 10e-6})
 
 
 def test_the_host_summary_counts_operators_and_ranks_self_time_per_step():
