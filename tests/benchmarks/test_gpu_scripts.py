@@ -1,6 +1,6 @@
 """What of the GPU-only scripts (benchmarks/plan_gpu.py, benchmarks/step_profile.py, tests/gpu/resume_check.py) runs
-without a GPU: the kernel classes, the preset chosen per GPU name, every case's prediction, and the resume check's
-rewinding of a run directory."""
+without a GPU: the kernel classes, the idle split by step phase, the host summary, the preset chosen per GPU name,
+every case's prediction, and the resume check's rewinding of a run directory."""
 
 from __future__ import annotations
 
