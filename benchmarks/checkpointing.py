@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 from benchmarks._common import CollectiveCounter, machine_info, time_interleaved, write_json  # noqa: E402
-from optimus.parallel.parallelize import _kept_ops  # noqa: E402
+from optimus.parallel.parallelize import _kept_collectives, _kept_ops  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,21 +42,10 @@ LAYOUTS = {
 }
 
 
-@functools.cache
-def _collectives() -> frozenset:
-    """The collectives the trainer's policy keeps (parallelize._kept_ops) and the reference replays."""
-    import torch
-
-    optimus_ops, functional = torch.ops.optimus, torch.ops._c10d_functional
-    return frozenset({optimus_ops.all_to_all_rows.default, optimus_ops.reduce_scatter_rows.default,
-                      optimus_ops.all_reduce_sum.default, functional.reduce_scatter_tensor.default,
-                      functional.all_reduce.default})
-
-
 def _replaying_policy(ctx, op, *args, **kwargs):
     """The reference: keep what the trainer keeps but the collectives (the policy before they were kept). Called for
     every op, as the trainer's is: its sets are built once."""
-    kept = op in _kept_ops() and op not in _collectives()
+    kept = op in _kept_ops() and op not in _kept_collectives()
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -88,8 +88,7 @@ def make_steppers(args, device: torch.device, batches) -> tuple[dict, dict]:
         steppers[name] = _our_stepper(model, optimizer, batches, device, args.dtype)
     steppers = {"optimus": steppers["optimus"], "reference": steppers["reference"]}  # the table's order
     if hf_model is not None:
-        model = hf_model
-        optimizer = same_adamw(optimizer, model)  # the same AdamW settings and implementation as ours
+        model, optimizer = hf_model, same_adamw(optimizer, hf_model)  # ours' AdamW settings and implementation
         facts["hf"] = {"experts_implementation": getattr(model.config, "_experts_implementation", None),
                        "attn_implementation": getattr(model.config, "_attn_implementation", None)}
         cursor = [0]

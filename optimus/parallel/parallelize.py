@@ -189,19 +189,25 @@ def fsdp_mesh(dims: ParallelDims, mesh: ParallelMesh):
 # output is tp (ep) x the rows this rank holds, more than the activations their replay recomputes; the routing's
 # integer counts are the exception (a few numbers, and a host read each exchange).
 @functools.cache
-def _kept_ops() -> frozenset:
-    import optimus.ops.experts  # noqa: F401 (registers the optimus:: ops)
-    import optimus.parallel.collective_ops  # noqa: F401
+def _kept_collectives() -> frozenset:
+    import optimus.parallel.collective_ops  # noqa: F401 (registers the optimus:: collectives)
 
-    aten, optimus_ops, functional = torch.ops.aten, torch.ops.optimus, torch.ops._c10d_functional
+    optimus_ops, functional = torch.ops.optimus, torch.ops._c10d_functional
+    return frozenset({optimus_ops.all_to_all_rows.default, optimus_ops.reduce_scatter_rows.default,
+                      optimus_ops.all_reduce_sum.default,
+                      functional.reduce_scatter_tensor.default, functional.all_reduce.default})
+
+
+@functools.cache
+def _kept_ops() -> frozenset:
+    import optimus.ops.experts  # noqa: F401 (registers the optimus:: expert ops)
+
+    aten, optimus_ops = torch.ops.aten, torch.ops.optimus
     return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default,
                       aten._scaled_dot_product_flash_attention_for_cpu.default,
                       aten._scaled_dot_product_efficient_attention.default,
                       aten._scaled_dot_product_flash_attention.default,
-                      optimus_ops.moe_experts.default, optimus_ops.expert_mlp.default,
-                      optimus_ops.all_to_all_rows.default, optimus_ops.reduce_scatter_rows.default,
-                      optimus_ops.all_reduce_sum.default,
-                      functional.reduce_scatter_tensor.default, functional.all_reduce.default})
+                      optimus_ops.moe_experts.default, optimus_ops.expert_mlp.default}) | _kept_collectives()
 
 
 @functools.cache

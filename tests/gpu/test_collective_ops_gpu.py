@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.dispatch import OpCounter
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) GPU"),
@@ -68,24 +70,15 @@ def test_ops_policy_keeps_the_exchange_on_cuda(nccl_group):
         return op(x @ weight).relu() @ weight
 
     x = torch.randn(32, 16, device="cuda")
-    calls = []
-    original = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_to_all_single = counting
-    try:
+    exchange = "optimus.all_to_all_rows.default"
+    with OpCounter() as forward:
         out = checkpoint(block, x, use_reentrant=False,
                          context_fn=functools.partial(create_selective_checkpoint_contexts, _ops_policy))
-        forward_calls = len(calls)
+    with OpCounter() as backward:
         out.sum().backward()
-    finally:
-        dist.all_to_all_single = original
     kept_grad = weight.grad.clone()
     weight.grad = None
     block(x).sum().backward()
-    assert forward_calls == 1
-    assert len(calls) == 2, "the backward ran the exchange's backward once and replayed none"
+    assert forward.calls[exchange] == 1
+    assert backward.calls[exchange] == 1, "the backward ran the exchange's backward once and replayed none"
     torch.testing.assert_close(kept_grad, weight.grad)
