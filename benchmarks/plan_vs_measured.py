@@ -96,8 +96,28 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                           "--parallel.grad_reduce_dtype=bf16"]),
     "moe-fsdp2-ep2-bf16-reduce": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
                                            "--parallel.grad_reduce_dtype=bf16"]),
+    # a lone rank on every core's thread, as `optimus train` alone runs (make train): torch's intra-op threads
+    "dense-1-all-cores": (DENSE, 1, []),
+    "moe-1-all-cores": (MOE, 1, []),
+    # bf16 compute, where the CPU has it natively (skipped elsewhere: emulated bf16 is not what auto would run)
+    "dense-1-bf16": (DENSE, 1, ["--train.dtype=bf16"]),
+    "moe-1-bf16": (MOE, 1, ["--train.dtype=bf16"]),
+    "moe-fsdp2-ep2-bf16": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2", "--train.dtype=bf16"]),
+    "moe-1-all-cores-bf16": (MOE, 1, ["--train.dtype=bf16"]),
 }
+ALL_CORES = {"dense-1-all-cores", "moe-1-all-cores", "moe-1-all-cores-bf16"}  # the rest: one thread a rank
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
+
+
+def rank_threads(name: str) -> int:
+    """Intra-op threads each rank of layout `name` runs (the planner is told the same: here.here_cluster)."""
+    from optimus.plan.here import cores
+
+    return cores() if name in ALL_CORES else 1
+
+
+def needs_native_bf16(name: str) -> bool:
+    return "--train.dtype=bf16" in LAYOUTS[name][2]
 
 
 def host_extras(config) -> float:
@@ -147,9 +167,11 @@ def allocator_peak(events) -> int:
     return peak
 
 
-def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], profile_memory: bool = False) -> dict:
-    """(one forked rank) train as `optimus train` does; return the peak growth of the resident set, and with
-    `profile_memory` the allocator's peak (see the module's docstring)."""
+def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], profile_memory: bool = False,
+                threads: int = 1) -> dict:
+    """(one forked rank, `threads` intra-op threads) train as `optimus train` does; return the peak growth of the
+    resident set, and with `profile_memory` the allocator's peak (see the module's docstring)."""
+    torch.set_num_threads(threads)  # the parent stays on one: a fork after it ran several could hang (CPU-NOTES)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already: init_distributed returns
     from optimus.train.trainer import Trainer
@@ -180,9 +202,22 @@ def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[fl
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool) -> dict:
-    """The planner's step time (and its parts) and per-rank memory for this layout on `here`; with `calibrate`,
-    the op classes are timed at this layout's shapes first (as `optimus plan --calibrate` does)."""
+def in_fresh_process(fn, *args):
+    """fn(*args) in a fresh interpreter (spawned, not forked; fn importable from an optimus module): the parent
+    forks every rank, and a rank of several threads hangs in its first parallel op if its parent ever ran
+    several (CPU-NOTES), so what runs several threads here (the all-cores probes, a calibration on every core)
+    runs there."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool,
+            threads: int = 1) -> dict:
+    """The planner's step time (and its parts) and per-rank memory for this layout on `here`, each rank on
+    `threads` threads; with `calibrate`, the op classes are timed at this layout's shapes and threads first (as
+    `optimus plan --calibrate` does)."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes
     from optimus.plan.here import here_cluster, machine
@@ -195,8 +230,11 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
         from optimus.plan.calibrate import measure_share
 
         entry = {**entry, "machine": {**entry["machine"], "share": measure_share()}}
-        entry.update(calibrate_op_classes(layout.config, entry))
-    cluster = here_cluster(entry, ranks)
+        if threads == 1:
+            entry.update(calibrate_op_classes(layout.config, entry))
+        else:
+            entry.update(in_fresh_process(calibrate_op_classes, layout.config, entry, threads))
+    cluster = here_cluster(entry, ranks, threads)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
     # the largest rank of the first and last pipeline stage, its loss head as the CPU runs it
@@ -209,13 +247,14 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
 
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
-                profile_memory: bool = False) -> tuple[list[float], list[dict], float]:
+                profile_memory: bool = False, threads: int = 1) -> tuple[list[float], list[dict], float]:
     """One short training run: its measured step times, each rank's memory, its wall time."""
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
         run_overrides = [*overrides, f"--run.dir={tmp}/run"]
         config = load_config(config_path, run_overrides)
         start = time.perf_counter()
-        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, profile_memory, timeout=900.0)
+        ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, profile_memory, threads,
+                                    timeout=900.0)
         wall = time.perf_counter() - start
         measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
     return measured, ranks_out, wall
@@ -227,14 +266,16 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     config_path, ranks, extra = LAYOUTS[name]
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
-    runs = [_train_once(config_path, ranks, overrides, warmup) for _ in range(max(1, repeats))]
+    threads = rank_threads(name)
+    runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(max(1, repeats))]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
     measured, _, wall = runs[fastest]
-    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate)
+    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate, threads)
     step = statistics.median(measured)
     # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
     # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
-    profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True)[1] for _ in range(memory_runs)]
+    profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)[1]
+                for _ in range(memory_runs)]
     timed_peaks = [max(r["growth"] for r in run[1]) for run in runs]
     key = "allocator_peak" if profiled else "growth"
     candidates = profiled or [run[1] for run in runs]
@@ -242,7 +283,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
     memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
-    return {"layout": name, "ranks": ranks, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
+    return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
             "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
             "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
@@ -280,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown layout {unknown[0]}: choose from {', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    from optimus.plan.here import machine
+
+    # measured (where it never was) away from this process, which must not run several threads itself
+    native_bf16 = in_fresh_process(machine, cache_file, cpu_cache)["machine"]["auto_dtype"] == "bf16"
+    for name in [n for n in names if needs_native_bf16(n) and not native_bf16]:
+        print(f"{name}: skipped, this CPU computes bf16 by emulation (train.dtype auto runs fp32 here)")
+    names = [n for n in names if native_bf16 or not needs_native_bf16(n)]
     rows = []
     print(f"{'layout':<26} {'ranks':>5} {'measured s':>10} {'predicted s':>11} {'err':>7} {'meas MiB':>9} "
           f"{'pred MiB':>9} {'err':>7}", flush=True)

@@ -116,23 +116,25 @@ def here_cache_files() -> tuple[Path, tuple[Path, str]]:
     return cpu_file.parent / "plan_here.json", (cpu_file, kernel_env)
 
 
-def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
-    """The measured `here` cluster for `devices` ranks; with `calibrate`, measure everything again first."""
+def _here_cluster(config, devices: int, calibrate: bool, config_path: str, environ: dict[str, str] | None = None):
+    """The measured `here` cluster for `devices` ranks, each with the threads the job's environment `environ` (this
+    process's by default) gives it; with `calibrate`, measure everything again first."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes, describe
-    from optimus.plan.here import here_cluster, machine, write_cache
+    from optimus.plan.here import here_cluster, machine, rank_threads, write_cache
 
     cache_file, cpu_cache = here_cache_files()
     if devices < 1:
         raise UsageError(f"--devices must be at least 1 (got {devices})")
+    threads = rank_threads(devices, environ)
     if calibrate:
         print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2 and 4 ranks, op classes "
-              f"at {config_path}'s shapes): about a minute", flush=True)
+              f"at {config_path}'s shapes on {_threads(threads)} a rank): about a minute", flush=True)
     entry = machine(cache_file, cpu_cache, remeasure=calibrate)
     if calibrate:
         # the micro-batch the op classes are timed at: the configured layout's (one rank when none is set)
         resolved = validate_layout(config).config
-        entry.update(calibrate_op_classes(resolved, entry))
+        entry.update(calibrate_op_classes(resolved, entry, threads))
         entry["calibrated_for"] = (f"{Path(config_path).name}: {resolved.train.micro_batch_size} x "
                                    f"{resolved.train.seq_len} tokens")
         write_cache(cache_file, entry)
@@ -141,7 +143,16 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str):
     elif "efficiency" not in entry:
         print("here: op-class efficiencies are CPU defaults, not measured: run `optimus plan CONFIG --cluster here "
               "--devices N --calibrate` once", file=sys.stderr)
-    return here_cluster(entry, devices)
+    elif entry.get("calibrated_threads", 1) != min(threads, entry["machine"]["cores"]):
+        calibrated = entry.get("calibrated_threads", 1)
+        print(f"here: the op classes were calibrated on {_threads(calibrated)} a rank and this job's ranks run "
+              f"{threads} (OMP_NUM_THREADS, or else torch's default for {devices} rank(s)): `optimus plan CONFIG "
+              f"--cluster here --devices {devices} --calibrate` times them so", file=sys.stderr)
+    return here_cluster(entry, devices, threads)
+
+
+def _threads(n: int) -> str:
+    return "1 thread" if n == 1 else f"{n} threads"
 
 
 def _warn_if_oversubscribed(ranks: int) -> None:
@@ -173,8 +184,8 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     out_dir = output_location("--out", args.out, folder=True)
     config = load_config(args.config, overrides)
     _warn_if_oversubscribed(args.ranks)
-    cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # the trials' ranks' threads
+    cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only)
     print(format_trials(records))

@@ -8,7 +8,8 @@ size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares f
 (relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
 S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
 
-Op classes, each timed forward + backward with one thread (what torchrun gives each rank) at the shapes the
+Op classes, each timed forward + backward on a rank's threads (here.rank_threads: one for each of several ranks, as
+torchrun gives them; every core for a lone process) at the shapes the
 planned model uses (micro-batch x sequence tokens; under tp as one tp rank holds them: its share of the
 projections' outputs or inputs, of the heads and of the vocabulary; the vocab-parallel loss's own passes over
 its logits are step_time's), and read against the same formula the step-time model uses:
@@ -19,10 +20,10 @@ its logits are step_time's), and read against the same formula the step-time mod
     loss_head       the fused LM head + cross-entropy (optimus.ops.linear_cross_entropy) on up to 1,024 of the
                     T rows (it works chunk by chunk, so its rate per row does not depend on T): 6 T d V FLOPs
     memory_bound    an RMSNorm, SwiGLU's product and a residual add at (T, d) / (T, f): the bytes
-                    step_time.memory_bound_bytes counts for them / time / one thread's copy bandwidth
+                    step_time.memory_bound_bytes counts for them / time / those threads' copy bandwidth
     optimizer       the trainer's gradient clipping and AdamW step (fused where torch has the kernel: CPU, CUDA)
                     over OPTIMIZER_ELEMENTS fp32 parameters: step_time.OPTIMIZER_BYTES_PER_ELEMENT a parameter /
-                    time / one thread's copy bandwidth (the in-place update beats a copy: above 1 on a CPU)
+                    time / those threads' copy bandwidth (the in-place update beats a copy: above 1 on a CPU)
     op_overhead_us  a chain of tiny autograd ops: time / aten operators dispatched (counted)
     dtensor_overhead_us  the model cut to one block, under tp on a one-rank mesh vs plain, over the DTensor
                     operators it ran (optimus/plan/dtensor_cost.py)
@@ -266,7 +267,8 @@ COMPUTE_REPEATS = 4
 
 
 def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float) -> dict[str, Any]:
-    """Time each op class at `config`'s shapes (one thread); return each class's efficiency and what it timed."""
+    """Time each op class at `config`'s shapes (on this process's threads, against the peak and copy bandwidth
+    they have); return each class's efficiency and what it timed."""
     from optimus.ops import moe_experts_forward
     from optimus.ops.cross_entropy import linear_cross_entropy
 
@@ -356,23 +358,32 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     return {"efficiency": efficiency.to_dict(), "timed": measured}
 
 
-def calibrate_op_classes(config: Config, entry: dict[str, Any]) -> dict[str, Any]:
-    """Measure the op classes for `config` on one thread against this host's machine entry (see here.machine);
-    returns {"efficiency", "timed", "machine" (the entry's, with the peak raised when a fresh probe beats it)}."""
+def calibrate_op_classes(config: Config, entry: dict[str, Any], threads: int = 1) -> dict[str, Any]:
+    """Measure the op classes for `config` on `threads` threads (a rank's, here.rank_threads) against this host's
+    machine entry (see here.machine); returns {"efficiency", "timed", "calibrated_threads", "machine" (the
+    entry's, with the peak raised when a fresh probe beats it)}. The efficiencies are fractions of the rates
+    here.here_cluster gives a rank of that many threads (here.thread_rate, here.thread_bandwidth)."""
+    from optimus.plan.here import thread_bandwidth, thread_rate
     from optimus.train.hardware import best_matmul_rate
     from optimus.train.host_memory import reuse_freed_host_memory
 
     reuse_freed_host_memory()  # time the ops with the allocator a training process has
     m = dict(entry["machine"])
     dtype = m["auto_dtype"] if config.train.dtype == "auto" else config.train.dtype
-    key = "fp32_flops_per_thread" if dtype == "fp32" else "bf16_flops_per_thread"
+    prefix = "fp32" if dtype == "fp32" else "bf16"
+    threads = max(1, min(threads, m["cores"]))
+    # the probe a rank of this many threads is priced from (here.thread_rate); the all-cores one where it has more
+    key = f"{prefix}_flops_per_thread" if threads == 1 or f"{prefix}_flops_all_cores" not in m else \
+        f"{prefix}_flops_all_cores"
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         # the peak again, beside the op classes: one probed while the cores were busier would read them above 1
-        if dtype == "fp32" or m["bf16_flops_per_thread"] >= m["fp32_flops_per_thread"]:
+        if (dtype == "fp32" or m["bf16_flops_per_thread"] >= m["fp32_flops_per_thread"]) and \
+                threads in (1, m["cores"]):
             m[key] = max(m[key], best_matmul_rate(torch.float32 if dtype == "fp32" else torch.bfloat16, 1024, 0.3))
-        return {**measure_op_classes(config, dtype, m[key], m["copy_gb_s_one_thread"] * 1e9), "machine": m}
+        measured = measure_op_classes(config, dtype, thread_rate(m, dtype, threads), thread_bandwidth(m, threads))
+        return {**measured, "calibrated_threads": threads, "machine": m}
     finally:
         torch.set_num_threads(before)
 
@@ -384,17 +395,23 @@ def describe(entry: dict[str, Any]) -> list[str]:
              f"  matmul peak per thread: fp32 {m['fp32_flops_per_thread'] / 1e9:.1f} GFLOP/s, "
              f"bf16 {m['bf16_flops_per_thread'] / 1e9:.1f} GFLOP/s (train.dtype auto -> {m['auto_dtype']})",
              f"  copy bandwidth: {m['copy_gb_s_one_thread']:.1f} GB/s one thread, {m['copy_gb_s_all_cores']:.1f} GB/s all cores"]
+    if "fp32_flops_all_cores" in m:
+        lines.insert(2, f"  matmul peak, all {m['cores']} cores: fp32 {m['fp32_flops_all_cores'] / 1e9:.1f} GFLOP/s, "
+                        f"bf16 {m['bf16_flops_all_cores'] / 1e9:.1f} GFLOP/s")
     for world, fit in sorted(m["collectives"]["fits"].items()):
         lines.append(f"  gloo loopback, {world} ranks: alpha {fit['alpha_us']:.0f} us, beta {fit['beta_gb_s']:.2f} GB/s "
                      f"(worst fit error {fit['worst_relative_error']:.0%})")
     if "efficiency" in entry:
         e, timed = entry["efficiency"], entry.get("timed", {})
-        lines.append(f"  op classes at {entry.get('calibrated_for', '?')} (one thread):")
+        threads = entry.get("calibrated_threads", 1)
+        lines.append(f"  op classes at {entry.get('calibrated_for', '?')} "
+                     f"({'one thread' if threads == 1 else f'{threads} threads'}):")
         for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer"):
             took = timed.get(name, {}).get("seconds")
             if name not in e:  # a calibration from before the optimizer step was timed
                 continue
-            of = "of one thread's copy bandwidth" if name in ("memory_bound", "optimizer") else "of peak"
+            copy = "one thread's" if threads == 1 else f"{threads} threads'"
+            of = f"of {copy} copy bandwidth" if name in ("memory_bound", "optimizer") else "of peak"
             lines.append(f"    {name:<13} {e[name]:.2f} {of}" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                  " (no experts: as dense_gemm)"))
         lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")

@@ -1,7 +1,8 @@
 """The `here` cluster: this machine, measured rather than read from a datasheet.
 
 What is measured (once, then cached per host in a JSON file whose path the CLI passes in):
-    matmul peak per dtype   optimus/train/hardware.py's probe with ONE thread (what torchrun gives each rank)
+    matmul peak per dtype   optimus/train/hardware.py's probe with one thread (what torchrun gives each of several
+                            ranks) and with all cores (what a lone `optimus train` process runs)
     memory bandwidth        a large tensor copy, one thread and all cores
     memory                  the OS's physical memory (sysconf), shared by the ranks
     fresh pages             writing a new 64 MiB tensor vs writing a reused one, with the allocator a training
@@ -17,7 +18,11 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the smaller of a core's copy
 bandwidth x that share (a rank runs one thread) and the socket's bandwidth / R, 1 / share times the fixed
-operator cost and the fresh pages' cost, and 1 / R of the memory.
+operator cost and the fresh pages' cost, and 1 / R of the memory. A rank runs `rank_threads` intra-op threads:
+one for each of several (torchrun's OMP_NUM_THREADS=1), every core for a lone process (torch's default; `make
+train`'s job), OMP_NUM_THREADS where it is set. A rank of T > 1 threads gets the all-cores matmul rate's
+per-thread share times T and T threads' copy bandwidth (a lone 2-thread rank priced as one thread read the
+default job's step 1.76 s; it ran 1.13 s).
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
 ranks occupy every core, nothing overlaps: gloo moves the bytes on the cores the ranks compute on (FSDP's
 prefetched all-gathers were measured waiting in full, benchmarks/plan_vs_measured.py).
@@ -70,6 +75,32 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def rank_threads(ranks: int, environ: dict[str, str] | None = None) -> int:
+    """Intra-op threads each rank of a `ranks`-process job here runs: OMP_NUM_THREADS where it is set (torch reads
+    it), else every core for a lone process (torch's default) and one for each of several (torchrun sets
+    OMP_NUM_THREADS=1 when it starts more than one)."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return cores() if ranks == 1 else 1
+
+
+def thread_rate(m: dict[str, Any], dtype: str, threads: int) -> float:
+    """A rank's matmul FLOP/s with `threads` threads alone on the machine entry `m`'s cores: one thread's probe, or
+    the all-cores probe's rate per core times the threads (no more than the cores)."""
+    prefix = "fp32" if dtype == "fp32" else "bf16"
+    one = m[f"{prefix}_flops_per_thread"]
+    used = min(threads, m["cores"])
+    if used <= 1 or f"{prefix}_flops_all_cores" not in m:
+        return one * max(1, used)
+    return m[f"{prefix}_flops_all_cores"] / m["cores"] * used
+
+
+def thread_bandwidth(m: dict[str, Any], threads: int) -> float:
+    """Copy bytes/s of one rank's `threads` threads alone: one thread's times the threads, at most the socket's."""
+    return min(m["copy_gb_s_one_thread"] * max(1, threads), m["copy_gb_s_all_cores"]) * 1e9
 
 
 def physical_memory_bytes() -> int:
@@ -148,10 +179,22 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
     auto = choose_precision("auto", torch.device("cpu"), speed).dtype
     return {"cpu": cpu_model(), "cores": cores(), "memory_bytes": physical_memory_bytes(),
             "fp32_flops_per_thread": speed.fp32_flops, "bf16_flops_per_thread": speed.bf16_flops,
+            **all_cores_rates(cpu_cache),
             "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
             "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9, "fresh_page_s_per_byte": fresh_page_cost(),
             "host_memory": HOST_MEMORY,
             "collectives": measure_collectives(), "share": measure_share(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def all_cores_rates(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, float]:
+    """The matmul probe with every core's thread (what a lone training process runs), per dtype."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores())
+    try:
+        speed = cpu_speed(cpu_cache[0], cpu_cache[1])
+    finally:
+        torch.set_num_threads(before)
+    return {"fp32_flops_all_cores": speed.fp32_flops, "bf16_flops_all_cores": speed.bf16_flops}
 
 
 def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), remeasure: bool = False) -> dict[str, Any]:
@@ -166,6 +209,9 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         measured, updated = entry["machine"], False
         if measured.get("host_memory") != HOST_MEMORY:  # fresh pages timed before the trainer reused freed memory
             measured["fresh_page_s_per_byte"], measured["host_memory"], updated = fresh_page_cost(), HOST_MEMORY, True
+        if "fp32_flops_all_cores" not in measured:  # probed with one thread only: a lone rank runs every core
+            measured.update(all_cores_rates(cpu_cache))
+            updated = True
         if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # timed otherwise, or fewer groups: re-time
             print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
                   "about a minute, once)", file=sys.stderr, flush=True)
@@ -192,19 +238,21 @@ def collective_table(collectives: dict[str, Any]) -> dict[str, dict[tuple[int, i
     return table
 
 
-def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
-    """The `here` cluster for a job of `ranks` processes on this host, from a cache entry (see `machine`)."""
+def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster:
+    """The `here` cluster for a job of `ranks` processes of `threads` intra-op threads each on this host, from a
+    cache entry (see `machine`; `rank_threads` says how many a job gets)."""
     if ranks < 1:
         raise ConfigError(f"--devices {ranks}: a job here needs at least one rank")
     m = entry["machine"]
-    share = min(1.0, m["cores"] / ranks)  # of one core, per rank, on an idle machine
+    threads = max(1, min(threads, m["cores"]))  # threads past the cores add no FLOP/s
+    share = min(1.0, m["cores"] / (ranks * threads))  # of each of a rank's threads' cores, on an idle machine
     measured = m.get("share", {})
-    if ranks > 1 and measured:  # as measured: R processes running matmuls at once, other users' load included
+    if ranks > 1 and threads == 1 and measured:  # as measured: R one-thread matmul processes at once, others' load in
         nearest = min((int(g) for g in measured if int(g) > 1), key=lambda g: (abs(g - ranks), -g))
         share = measured[str(nearest)] * min(1.0, nearest / ranks)
-    # a rank's one thread streams no faster than one thread does alone (a lone rank read the all-core bandwidth
+    # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
     # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket
-    bandwidth = min(m["copy_gb_s_one_thread"] * share, m["copy_gb_s_all_cores"] / ranks)
+    bandwidth = min(thread_bandwidth(m, threads) / 1e9 * share, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")
     # a calibration from before DTensor dispatch or the optimizer step was measured keeps the CPU default for it
@@ -219,17 +267,11 @@ def here_cluster(entry: dict[str, Any], ranks: int) -> Cluster:
                    hbm_gb_s=bandwidth, intra_node_gb_s=link_gb_s, intra_node_latency_us=link_us,
                    inter_node_gb_s=link_gb_s * ranks, inter_node_latency_us=link_us,
                    node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
-                   auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks < m["cores"],
+                   auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks * threads < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
                    core_share=min(1.0, m["cores"] / ranks), host_cpu=True,
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,
-                   measured_peak_flops={"fp32": m["fp32_flops_per_thread"] * share,
-                                        "bf16": m["bf16_flops_per_thread"] * share})
-
-
-def load_here(cache_file: Path, ranks: int, cpu_cache: tuple[Path | None, str] = (None, "")) -> tuple[Cluster, bool]:
-    """(the `here` cluster for `ranks` ranks, whether its efficiencies come from --calibrate)."""
-    entry = machine(cache_file, cpu_cache)
-    return here_cluster(entry, ranks), "efficiency" in entry
+                   measured_peak_flops={"fp32": thread_rate(m, "fp32", threads) * share,
+                                        "bf16": thread_rate(m, "bf16", threads) * share})

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from optimus.plan.here import host_key
+from optimus.plan.calibrate import COLLECTIVE_TIMING
+from optimus.plan.here import HOST_MEMORY, host_key
 
 SMALL_MODEL = "--model.n_layers=1,--model.d_model=64,--model.ffn_hidden=128,--model.expert_ffn_hidden=64"
 
@@ -16,8 +17,10 @@ def machine_cache(tmp_path):
     """A machine entry written by hand, so the test does not spend a minute measuring gloo."""
     fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
     machine = {"cpu": "test CPU", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 2e10,
-               "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
-               "copy_gb_s_all_cores": 10.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit, "4": fit}},
+               "bf16_flops_per_thread": 2e8, "fp32_flops_all_cores": 3.6e10, "bf16_flops_all_cores": 3.6e8,
+               "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 10.0, "fresh_page_s_per_byte": 0.0, "host_memory": HOST_MEMORY,
+               "collectives": {"timing": COLLECTIVE_TIMING, "rows": [], "fits": {"2": fit, "4": fit}},
                "measured_at": "by the test"}
     path = tmp_path / "plan_here.json"
     path.write_text(json.dumps({host_key(): {"machine": machine}}))
@@ -54,7 +57,8 @@ def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypat
 def _fake_runs(script, monkeypatch, timed, memory):
     """_train_once replaced: `timed` answers the timed runs, `memory` the profiled ones, in order."""
     timed, memory = iter(timed), iter(memory)
-    monkeypatch.setattr(script, "_train_once", lambda *args, profile_memory=False: next(memory if profile_memory else timed))
+    monkeypatch.setattr(script, "_train_once",
+                        lambda *args, profile_memory=False, threads=1: next(memory if profile_memory else timed))
 
 
 def test_the_fastest_repeat_counts_and_memory_is_the_profiled_allocator_peak(load_benchmark, machine_cache,
@@ -80,6 +84,35 @@ def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmar
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
                             repeats=2, memory_runs=0)
     assert row["measured_memory_bytes"] == 250 and row["memory_measure"] == "resident set"
+
+
+def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_benchmark, machine_cache, monkeypatch):
+    """The all-cores rows (a lone `optimus train`, as make train runs it) train their rank on every core's thread
+    and tell the planner so: the same model and batch, priced at the all-cores rate, predicts a shorter step."""
+    from optimus.plan.here import cores
+
+    script = load_benchmark("plan_vs_measured")
+    threads_seen = []
+
+    def train_once(*args, profile_memory=False, threads=1):
+        threads_seen.append(threads)
+        return [1.0], [{"rank": 0, "growth": 100, "allocator_peak": 100}], 1.0
+
+    monkeypatch.setattr(script, "_train_once", train_once)
+    rows = {name: script.run_layout(name, 1, 1, machine_cache, (None, ""), calibrate=False,
+                                    model=SMALL_MODEL.split(","), memory_runs=1) for name in ("dense-1", "dense-1-all-cores")}
+    assert rows["dense-1"]["threads"] == 1 and rows["dense-1-all-cores"]["threads"] == cores()
+    assert threads_seen == [1, 1, cores(), cores()]  # the timed and the profiled run of each
+    if cores() > 1:  # the fixture's machine: 2e10 FLOP/s on one thread, 3.6e10 on both cores
+        assert rows["dense-1-all-cores"]["predicted_step_s"] < rows["dense-1"]["predicted_step_s"]
+
+
+def test_bf16_rows_are_skipped_where_bf16_is_emulated(load_benchmark, machine_cache, tmp_path, capsys):
+    script = load_benchmark("plan_vs_measured")
+    out = tmp_path / "out.json"
+    assert script.main(["--only", "dense-1-bf16", "--cache", str(machine_cache), "--json", str(out)]) == 0
+    assert "dense-1-bf16: skipped, this CPU computes bf16 by emulation" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"] == []
 
 
 def test_allocator_peak_is_the_highest_live_total_since_the_profiler_started():
@@ -149,4 +182,5 @@ def test_full_table(load_benchmark, machine_cache, tmp_path):
     out = tmp_path / "out.json"
     assert script.main(["--steps", "2", "--warmup", "1", "--repeats", "1", "--cache", str(machine_cache),
                         "--json", str(out)]) == 0
-    _check(json.loads(out.read_text())["rows"], list(script.LAYOUTS))
+    # the fixture's machine computes bf16 by emulation: the bf16 rows are skipped
+    _check(json.loads(out.read_text())["rows"], [n for n in script.LAYOUTS if not script.needs_native_bf16(n)])

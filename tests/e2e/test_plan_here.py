@@ -8,6 +8,7 @@ planner sees is known: small enough that some layouts are pruned.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -24,7 +25,7 @@ def _machine(memory_gib: float) -> dict:
 
     fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
     return {"cpu": "test CPU", "cores": 2, "memory_bytes": int(memory_gib * 1024**3), "fp32_flops_per_thread": 2e10,
-            "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+            "bf16_flops_per_thread": 2e8, "fp32_flops_all_cores": 3.6e10, "bf16_flops_all_cores": 3.6e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
             "copy_gb_s_all_cores": 10.0, "fresh_page_s_per_byte": 0.0, "host_memory": HOST_MEMORY,
             "collectives": {"timing": COLLECTIVE_TIMING, "rows": [], "fits": {"2": fit, "4": fit}},
             "measured_at": "by the test"}
@@ -52,6 +53,34 @@ def test_plan_here_uses_the_measured_machine_and_says_it_is_not_calibrated(here_
     assert entries and all(e["fits"] for e in entries)  # 12 GiB per rank holds the tiny model in any layout
     # the measured peak: 2e10 FLOP/s per thread, one core per rank
     assert all(0 < e["mfu"] <= 1 for e in entries)
+
+
+def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran_on_fewer(here_cache, config_file,
+                                                                                          tmp_path):
+    """--devices 1 under OMP_NUM_THREADS=2 (make train's setting) prices both cores; op classes calibrated on one
+    thread a rank get a line saying how to time them on two."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import cli_env
+
+    here_cache(memory_gib=24)
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "optimus" / "plan_here.json"
+    entries = json.loads(cache.read_text())
+    entries[host_key()].update(efficiency={"dense_gemm": 0.5}, calibrated_threads=1)
+    cache.write_text(json.dumps(entries))
+    steps = {}
+    for threads in ("1", "2"):
+        out = tmp_path / f"plan{threads}.json"
+        result = subprocess.run([sys.executable, "-m", "optimus", "plan", str(config_file), "--cluster", "here",
+                                 "--devices", "1", "--json", str(out)], capture_output=True, text=True, timeout=240,
+                                env=dict(cli_env(), OMP_NUM_THREADS=threads))
+        assert result.returncode == 0, result.stderr
+        steps[threads] = json.loads(out.read_text())[0]["step_time_s"]
+        warned = "the op classes were calibrated on 1 thread a rank and this job's ranks run 2" in result.stderr
+        assert warned == (threads == "2")
+    assert steps["2"] < steps["1"]
 
 
 def test_calibrate_needs_the_here_cluster(config_file):

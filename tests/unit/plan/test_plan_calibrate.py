@@ -10,7 +10,7 @@ from optimus.config import load_config
 from optimus.plan.calibrate import (COLLECTIVE_TIMING, COLLECTIVES, OPTIMIZER_ELEMENTS, fit_alpha_beta,
                                     measure_op_classes)
 from optimus.plan.efficiency import Efficiency
-from optimus.plan.here import CPU_DEFAULT_EFFICIENCY, here_cluster
+from optimus.plan.here import CPU_DEFAULT_EFFICIENCY, here_cluster, rank_threads
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -101,6 +101,57 @@ def test_here_cluster_shares_the_host_between_ranks():
     assert here_cluster(entry, 2).fresh_block_bytes == 32 * 1024 * 1024
     del entry["efficiency"]["optimizer"]  # a calibration from before the optimizer step was timed
     assert here_cluster(entry, 2).efficiency.optimizer == CPU_DEFAULT_EFFICIENCY.optimizer
+
+
+def test_a_rank_runs_omp_num_threads_else_every_core_alone_and_one_among_several():
+    from optimus.plan.here import cores
+
+    assert rank_threads(1, {}) == cores() and rank_threads(2, {}) == 1  # torch's default; torchrun's
+    assert rank_threads(1, {"OMP_NUM_THREADS": "3"}) == 3 and rank_threads(4, {"OMP_NUM_THREADS": "2"}) == 2
+    assert rank_threads(1, {"OMP_NUM_THREADS": "0"}) == cores() and rank_threads(2, {"OMP_NUM_THREADS": "x"}) == 1
+
+
+def test_a_rank_of_several_threads_gets_their_share_of_the_all_cores_rate():
+    """A lone `optimus train` on a 2-core host runs both cores (1.13 s a step of make train's job on a 2-core EPYC,
+    priced 1.76 s as one thread): its peak is the all-cores probe, its bandwidth the threads' copy rate."""
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    machine = {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+               "bf16_flops_per_thread": 6e10, "fp32_flops_all_cores": 5.4e10, "bf16_flops_all_cores": 1.1e11,
+               "auto_dtype": "bf16", "copy_gb_s_one_thread": 8.0, "copy_gb_s_all_cores": 10.0,
+               "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}}, "measured_at": "t"}
+    one, both = here_cluster({"machine": machine}, 1), here_cluster({"machine": machine}, 1, threads=2)
+    assert one.peak_flops("fp32") == 3e10 and both.peak_flops("fp32") == 5.4e10
+    assert both.peak_flops("bf16") == 1.1e11 and one.hbm_gb_s == 8.0 and both.hbm_gb_s == 10.0
+    assert here_cluster({"machine": machine}, 1, threads=8).peak_flops("fp32") == 5.4e10  # no more than the cores
+    # two ranks of two threads on two cores: each thread gets half a core
+    shared = here_cluster({"machine": machine}, 2, threads=2)
+    assert shared.peak_flops("fp32") == pytest.approx(2.7e10) and shared.hbm_gb_s == pytest.approx(5.0)
+    assert not shared.comm_overlaps_compute
+    del machine["fp32_flops_all_cores"]  # a cache from before the all-cores probe: one thread's rate per thread
+    assert here_cluster({"machine": machine}, 1, threads=2).peak_flops("fp32") == 6e10
+
+
+def test_op_classes_are_calibrated_on_the_ranks_threads_against_their_rates(monkeypatch):
+    from optimus.plan import calibrate
+
+    seen = {}
+
+    def fake_measure(config, dtype, peak_flops, copy_bytes_s):
+        import torch
+
+        seen.update(dtype=dtype, peak=peak_flops, copy=copy_bytes_s, threads=torch.get_num_threads())
+        return {"efficiency": {}, "timed": {}}
+
+    monkeypatch.setattr(calibrate, "measure_op_classes", fake_measure)
+    monkeypatch.setattr("optimus.train.hardware.best_matmul_rate", lambda *args: 1.0)  # never above the cache
+    machine = {"cores": 2, "fp32_flops_per_thread": 3e10, "bf16_flops_per_thread": 1e8, "fp32_flops_all_cores": 5.4e10,
+               "bf16_flops_all_cores": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0, "copy_gb_s_all_cores": 10.0}
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32"])
+    out = calibrate.calibrate_op_classes(config, {"machine": machine}, threads=2)
+    assert out["calibrated_threads"] == 2
+    assert seen == {"dtype": "fp32", "peak": 5.4e10, "copy": 10e9, "threads": 2}
+    assert calibrate.calibrate_op_classes(config, {"machine": machine})["calibrated_threads"] == 1
+    assert seen == {"dtype": "fp32", "peak": 3e10, "copy": 8e9, "threads": 1}
 
 
 def test_fresh_page_cost_is_a_non_negative_cost_per_byte():
