@@ -5,9 +5,10 @@
         [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zero1/2, TP, PP (1F1B, interleaved), EP,
-expert-tensor parallelism, activation checkpointing: every layout tests/distributed trains, in kind) it runs the
+expert-tensor parallelism, activation checkpointing: every layout tests/distributed trains, in kind; a lone rank on
+every core, as `optimus train` alone runs; bf16 compute, where the CPU has it natively) it runs the
 Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as torchrun gives
-them), for warm-up + measured steps, reads each step's time from its metrics.jsonl
+them, or every core's for the ALL_CORES rows), for warm-up + measured steps, reads each step's time from its metrics.jsonl
 (global tokens per step / tokens_per_s, logged every step), takes the median step of each of `--repeats` runs and
 the fastest of those medians (on a shared machine a run slowed by other work says nothing about the layout: the
 same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
@@ -283,7 +284,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
     memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
-    return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, "measured_step_s": step, "measured_steps_s": measured,
+    return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, "measured_step_s": step,
+            "measured_steps_s": measured,
             "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
             "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
