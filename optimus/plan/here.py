@@ -269,7 +269,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
                    node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
                    auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks * threads < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
-                   core_share=min(1.0, m["cores"] / ranks), host_cpu=True,
+                   core_share=min(1.0, m["cores"] / (ranks * threads)), host_cpu=True,
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,

@@ -126,7 +126,7 @@ def test_a_rank_of_several_threads_gets_their_share_of_the_all_cores_rate():
     # two ranks of two threads on two cores: each thread gets half a core
     shared = here_cluster({"machine": machine}, 2, threads=2)
     assert shared.peak_flops("fp32") == pytest.approx(2.7e10) and shared.hbm_gb_s == pytest.approx(5.0)
-    assert not shared.comm_overlaps_compute
+    assert not shared.comm_overlaps_compute and shared.core_share == 0.5
     del machine["fp32_flops_all_cores"]  # a cache from before the all-cores probe: one thread's rate per thread
     assert here_cluster({"machine": machine}, 1, threads=2).peak_flops("fp32") == 6e10
 
