@@ -8,10 +8,10 @@ For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zer
 expert-tensor parallelism, activation checkpointing: every layout tests/distributed trains, in kind; a lone rank on
 every core, as `optimus train` alone runs; bf16 compute, where the CPU has it natively) it runs the
 Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as torchrun gives
-them, or every core's for the ALL_CORES rows), for warm-up + measured steps, reads each step's time from its metrics.jsonl
-(global tokens per step / tokens_per_s, logged every step), takes the median step of each of `--repeats` runs and
-the fastest of those medians (on a shared machine a run slowed by other work says nothing about the layout: the
-same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
+them, or every core's for the ALL_CORES rows), for warm-up + measured steps, reads each step's time from its
+metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes the median step of each of
+`--repeats` runs and the fastest of those medians (on a shared machine a run slowed by other work says nothing
+about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
 when there is none), and each rank's memory with the planner's stage_memory of the first and last stage.
 

@@ -100,7 +100,8 @@ def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_bench
 
     monkeypatch.setattr(script, "_train_once", train_once)
     rows = {name: script.run_layout(name, 1, 1, machine_cache, (None, ""), calibrate=False,
-                                    model=SMALL_MODEL.split(","), memory_runs=1) for name in ("dense-1", "dense-1-all-cores")}
+                                    model=SMALL_MODEL.split(","), memory_runs=1)
+            for name in ("dense-1", "dense-1-all-cores")}
     assert rows["dense-1"]["threads"] == 1 and rows["dense-1-all-cores"]["threads"] == cores()
     assert threads_seen == [1, 1, cores(), cores()]  # the timed and the profiled run of each
     if cores() > 1:  # the fixture's machine: 2e10 FLOP/s on one thread, 3.6e10 on both cores

@@ -8,6 +8,9 @@ planner sees is known: small enough that some layouts are pruned.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import yaml
 
 from optimus.plan.here import host_key
 
-from tests.e2e.conftest import run_cli, tiny_config
+from tests.e2e.conftest import cli_env, run_cli, tiny_config
 
 
 def _machine(memory_gib: float) -> dict:
@@ -25,7 +28,8 @@ def _machine(memory_gib: float) -> dict:
 
     fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
     return {"cpu": "test CPU", "cores": 2, "memory_bytes": int(memory_gib * 1024**3), "fp32_flops_per_thread": 2e10,
-            "bf16_flops_per_thread": 2e8, "fp32_flops_all_cores": 3.6e10, "bf16_flops_all_cores": 3.6e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+            "bf16_flops_per_thread": 2e8, "fp32_flops_all_cores": 3.6e10, "bf16_flops_all_cores": 3.6e8,
+            "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
             "copy_gb_s_all_cores": 10.0, "fresh_page_s_per_byte": 0.0, "host_memory": HOST_MEMORY,
             "collectives": {"timing": COLLECTIVE_TIMING, "rows": [], "fits": {"2": fit, "4": fit}},
             "measured_at": "by the test"}
@@ -59,12 +63,6 @@ def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran
                                                                                           tmp_path):
     """--devices 1 under OMP_NUM_THREADS=2 (make train's setting) prices both cores; op classes calibrated on one
     thread a rank get a line saying how to time them on two."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.e2e.conftest import cli_env
-
     here_cache(memory_gib=24)
     cache = Path(os.environ["XDG_CACHE_HOME"]) / "optimus" / "plan_here.json"
     entries = json.loads(cache.read_text())

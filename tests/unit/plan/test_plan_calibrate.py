@@ -145,7 +145,8 @@ def test_op_classes_are_calibrated_on_the_ranks_threads_against_their_rates(monk
     monkeypatch.setattr(calibrate, "measure_op_classes", fake_measure)
     monkeypatch.setattr("optimus.train.hardware.best_matmul_rate", lambda *args: 1.0)  # never above the cache
     machine = {"cores": 2, "fp32_flops_per_thread": 3e10, "bf16_flops_per_thread": 1e8, "fp32_flops_all_cores": 5.4e10,
-               "bf16_flops_all_cores": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0, "copy_gb_s_all_cores": 10.0}
+               "bf16_flops_all_cores": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 10.0}
     config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32"])
     out = calibrate.calibrate_op_classes(config, {"machine": machine}, threads=2)
     assert out["calibrated_threads"] == 2
