@@ -110,7 +110,7 @@ ALL_CORES = {"dense-1-all-cores", "moe-1-all-cores", "moe-1-all-cores-bf16"}  # 
 SMOKE = ("dense-1", "moe-fsdp2-ep2")
 
 
-def rank_threads(name: str) -> int:
+def layout_threads(name: str) -> int:
     """Intra-op threads each rank of layout `name` runs (the planner is told the same: here.here_cluster)."""
     from optimus.plan.here import cores
 
@@ -267,7 +267,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     config_path, ranks, extra = LAYOUTS[name]
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
-    threads = rank_threads(name)
+    threads = layout_threads(name)
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(max(1, repeats))]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
     measured, _, wall = runs[fastest]

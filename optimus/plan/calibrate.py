@@ -363,24 +363,21 @@ def calibrate_op_classes(config: Config, entry: dict[str, Any], threads: int = 1
     machine entry (see here.machine); returns {"efficiency", "timed", "calibrated_threads", "machine" (the
     entry's, with the peak raised when a fresh probe beats it)}. The efficiencies are fractions of the rates
     here.here_cluster gives a rank of that many threads (here.thread_rate, here.thread_bandwidth)."""
-    from optimus.plan.here import thread_bandwidth, thread_rate
+    from optimus.plan.here import rate_probe, thread_bandwidth, thread_rate
     from optimus.train.hardware import best_matmul_rate
     from optimus.train.host_memory import reuse_freed_host_memory
 
     reuse_freed_host_memory()  # time the ops with the allocator a training process has
     m = dict(entry["machine"])
     dtype = m["auto_dtype"] if config.train.dtype == "auto" else config.train.dtype
-    prefix = "fp32" if dtype == "fp32" else "bf16"
     threads = max(1, min(threads, m["cores"]))
-    # the probe a rank of this many threads is priced from (here.thread_rate); the all-cores one where it has more
-    key = f"{prefix}_flops_per_thread" if threads == 1 or f"{prefix}_flops_all_cores" not in m else \
-        f"{prefix}_flops_all_cores"
+    key, probed_on = rate_probe(m, dtype, threads)  # the probe a rank of this many threads is priced from
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # the peak again, beside the op classes: one probed while the cores were busier would read them above 1
-        if (dtype == "fp32" or m["bf16_flops_per_thread"] >= m["fp32_flops_per_thread"]) and \
-                threads in (1, m["cores"]):
+        # the peak again, beside the op classes (one probed while the cores were busier would read them above 1),
+        # where this many threads is what that probe ran on
+        if (dtype == "fp32" or m["bf16_flops_per_thread"] >= m["fp32_flops_per_thread"]) and threads == probed_on:
             m[key] = max(m[key], best_matmul_rate(torch.float32 if dtype == "fp32" else torch.bfloat16, 1024, 0.3))
         measured = measure_op_classes(config, dtype, thread_rate(m, dtype, threads), thread_bandwidth(m, threads))
         return {**measured, "calibrated_threads": threads, "machine": m}

@@ -87,15 +87,20 @@ def rank_threads(ranks: int, environ: dict[str, str] | None = None) -> int:
     return cores() if ranks == 1 else 1
 
 
-def thread_rate(m: dict[str, Any], dtype: str, threads: int) -> float:
-    """A rank's matmul FLOP/s with `threads` threads alone on the machine entry `m`'s cores: one thread's probe, or
-    the all-cores probe's rate per core times the threads (no more than the cores)."""
+def rate_probe(m: dict[str, Any], dtype: str, threads: int) -> tuple[str, int]:
+    """(the key of the machine entry `m`'s matmul probe that prices a rank of `threads` threads, the threads that
+    probe ran on): one thread's, or the all-cores one where the rank has more and the entry holds it."""
     prefix = "fp32" if dtype == "fp32" else "bf16"
-    one = m[f"{prefix}_flops_per_thread"]
-    used = min(threads, m["cores"])
-    if used <= 1 or f"{prefix}_flops_all_cores" not in m:
-        return one * max(1, used)
-    return m[f"{prefix}_flops_all_cores"] / m["cores"] * used
+    if min(threads, m["cores"]) <= 1 or f"{prefix}_flops_all_cores" not in m:
+        return f"{prefix}_flops_per_thread", 1
+    return f"{prefix}_flops_all_cores", m["cores"]
+
+
+def thread_rate(m: dict[str, Any], dtype: str, threads: int) -> float:
+    """A rank's matmul FLOP/s with `threads` threads alone on the machine entry `m`'s cores: its probe's rate per
+    thread times the threads (no more than the cores)."""
+    key, probed_on = rate_probe(m, dtype, threads)
+    return m[key] / probed_on * max(1, min(threads, m["cores"]))
 
 
 def thread_bandwidth(m: dict[str, Any], threads: int) -> float:
