@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -137,6 +135,29 @@ def test_allocator_peak_is_the_highest_live_total_since_the_profiler_started():
     assert before.sum() > 0
 
 
+def test_allocator_peak_drops_blocks_another_thread_freed():
+    """The CPU allocator records a free only on a profiled thread: blocks released by another thread (as gloo's
+    workers release all-to-all buffers) stay in the running total; the peak is rebuilt from the blocks instead."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.plan_vs_measured import allocator_peak
+
+    block = 64_000  # 16,000 fp32: from the heap, whose freed chunks the next allocation of that size reuses
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(40):
+            held = [torch.ones(block // 4)]
+            releaser = threading.Thread(target=held.clear)  # the last reference dies on the other thread
+            releaser.start()
+            releaser.join()
+    events = prof.profiler.kineto_results.experimental_event_tree()
+    running_total = max(e.extra_fields.total_allocated for e in _allocation_events(events))
+    assert running_total >= 20 * block  # the frees were not seen: the total only climbed
+    assert allocator_peak(events) <= 6 * block  # the heap cycles through a few addresses: it does not climb
+
+
 def _allocation_events(events):
     from torch._C._profiler import _EventType
 
@@ -147,43 +168,6 @@ def _allocation_events(events):
         if node.tag == _EventType.Allocation:
             found.append(node)
     return found
-
-
-# run in a fresh interpreter, glibc's malloc as it comes: a test before it in the same worker may have set the
-# trainer's thresholds (train/host_memory.py), under which the heap cycled through 7 addresses instead of 4
-_THREAD_FREES = """
-import json, sys, threading
-import torch
-from torch.profiler import ProfilerActivity, profile
-from benchmarks.plan_vs_measured import allocator_peak
-from tests.benchmarks.test_plan_vs_measured import _allocation_events
-
-block = int(sys.argv[1])
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-    for _ in range(40):
-        held = [torch.ones(block // 4)]
-        releaser = threading.Thread(target=held.clear)  # the last reference dies on the other thread
-        releaser.start()
-        releaser.join()
-events = prof.profiler.kineto_results.experimental_event_tree()
-print(json.dumps([max(e.extra_fields.total_allocated for e in _allocation_events(events)), allocator_peak(events)]))
-"""
-
-
-def test_allocator_peak_drops_blocks_another_thread_freed():
-    """The CPU allocator records a free only on a profiled thread: blocks released by another thread (as gloo's
-    workers release all-to-all buffers) stay in the running total; the peak is rebuilt from the blocks instead."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    block = 64_000  # 16,000 fp32: from the heap, whose freed chunks the next allocation of that size reuses
-    done = subprocess.run([sys.executable, "-c", _THREAD_FREES, str(block)], capture_output=True, text=True,
-                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    running_total, peak = json.loads(done.stdout.strip().splitlines()[-1])
-    assert running_total >= 20 * block  # the frees were not seen: the total only climbed
-    assert peak <= 6 * block  # the heap cycles through a few addresses: it does not climb
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
