@@ -155,7 +155,9 @@ def test_allocator_peak_drops_blocks_another_thread_freed():
     events = prof.profiler.kineto_results.experimental_event_tree()
     running_total = max(e.extra_fields.total_allocated for e in _allocation_events(events))
     assert running_total >= 20 * block  # the frees were not seen: the total only climbed
-    assert allocator_peak(events) <= 6 * block  # the heap cycles through a few addresses: it does not climb
+    # The heap cycles through a few addresses (3-5 alone; 7 seen under make test's load, when a releaser thread
+    # finishes late): a bound of 10 still separates that from the 40 blocks a total that never frees reaches.
+    assert allocator_peak(events) <= 10 * block
 
 
 def _allocation_events(events):
