@@ -3,6 +3,7 @@ against the chain of reference ops: outputs and gradients of x, router weights, 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.ops import cpu_experts, expert_mlp, expert_mlp_reference, moe_experts_forward, moe_experts_reference
 from optimus.ops.experts import _FusedExperts
@@ -140,3 +141,49 @@ def test_rejects_mismatched_shapes():
     inputs = moe_inputs(8, 8, 4, 4, 2)
     with pytest.raises(ValueError, match="expert shapes disagree"):
         moe_experts_forward(inputs["x"], inputs["expert_ids"], inputs["weights"], inputs["w_gate_up"], inputs["w_gate_up"])
+
+
+class _MatmulShapes(TorchDispatchMode):
+    """The operand shapes of every matrix product dispatched inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm_.default):
+            self.shapes.add(tuple(d for a in args if isinstance(a, torch.Tensor) for d in a.shape))
+        return func(*args, **(kwargs or {}))
+
+
+def _cpu_chain(inputs):
+    routing = Routing.from_expert_ids(inputs["expert_ids"], inputs["w_gate_up"].shape[0])
+    out = cpu_experts.CpuExpertMLP.apply(inputs["x"], inputs["w_gate_up"], inputs["w_down"], inputs["weights"],
+                                         routing)
+    out.float().pow(2).sum().backward()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduced_precision_gemms_run_rounded_rows(dtype, chunking):
+    """bf16 products run over rows rounded to 16 (oneDNN builds a kernel per shape; the counts change every step),
+    forward and backward; fp32 ones (MKL) over the exact rows. D, F and 2F are multiples of 16 here, so every
+    dimension of a bf16 product is one."""
+    with _MatmulShapes() as seen:
+        for seed in range(3):
+            _cpu_chain(moe_inputs(37, 32, 48, 4, 2, routing="skewed", dtype=dtype, seed=seed))
+    assert len(seen.shapes) > 4
+    odd = {shape for shape in seen.shapes if any(d % 16 for d in shape)}
+    assert (not odd) if dtype == torch.bfloat16 else odd
+
+
+def test_rounded_rows_change_no_result(chunking, monkeypatch):
+    """The rounded bf16 products give what the exact ones give: outputs and every gradient."""
+    results = []
+    for kernel_per_shape in (cpu_experts._KERNEL_PER_SHAPE, ()):
+        monkeypatch.setattr(cpu_experts, "_KERNEL_PER_SHAPE", kernel_per_shape)
+        inputs = moe_inputs(37, 32, 48, 4, 2, routing="skewed", dtype=torch.bfloat16, seed=1)
+        out = _cpu_chain(inputs)
+        results.append([out] + [inputs[name].grad for name in GRADS])
+    for rounded, exact in zip(*results):
+        torch.testing.assert_close(rounded, exact, rtol=0, atol=0)
