@@ -68,3 +68,16 @@ def test_no_rows_gives_zero_loss_and_zero_gradients():
     loss = linear_cross_entropy(h, w, torch.empty(0, dtype=torch.long))
     loss.backward()
     assert loss.item() == 0.0 and w.grad.abs().sum().item() == 0.0 and h.grad.shape == (0, 4)
+
+
+def test_bf16_weight_gradient_in_vocabulary_slices_equals_one_slice(monkeypatch):
+    """Under bf16 the weight gradient is summed slice by slice of the vocabulary (GRAD_W_SLICE_ROWS), over
+    several chunks of rows: 300 = 4 x 64 + 44 rows give what one slice gives."""
+    from optimus.ops import cross_entropy
+
+    h, w, labels = _case()
+    whole = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk_rows=32), h, w, labels, autocast=True)
+    monkeypatch.setattr(cross_entropy, "GRAD_W_SLICE_ROWS", 64)
+    sliced = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk_rows=32), h, w, labels, autocast=True)
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
