@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from optimus.config import Config
-from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
+from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS, GRAD_W_SLICE_ROWS
 from optimus.parallel.mesh import ParallelDims
 from optimus.parallel.validate import BatchLayout, resolve_batch, validate_layout
 
@@ -139,7 +139,8 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
         and one bf16 partial product of the weight gradient (2 V h / t), held once; the fp32 gradient of the rank's
         head rows (4 V h / t), formed in the forward and kept until the backward scales it.
       CPU (ops/cross_entropy.py's chunked op): one [r, V] buffer (w) and, under bf16, the weight gradient's bf16
-        and fp32 partial products ((2 + 4) V h), held once; the fp32 weight gradient (4 V h), kept as above.
+        and fp32 partial products, a slice of s = min(GRAD_W_SLICE_ROWS, V) vocabulary rows each ((2 + 4) s h),
+        held once; the fp32 weight gradient (4 V h), kept as above.
       accelerators (the plain F.cross_entropy over fp32 logits): the fp32 log-softmax is kept (4 n V) and its
         backward holds two more fp32 [n, V] gradients at once (8 n V); measured with MemTracker on CPU tensors.
     """
@@ -150,7 +151,7 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
     if t > 1:
         return 4.0 * vocab * h / t, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (2 if w == 2 else 0) * vocab * h / t
     if loss_on_cpu:
-        return 4.0 * vocab * h, rows * vocab * w + (6 if w == 2 else 0) * vocab * h
+        return 4.0 * vocab * h, rows * vocab * w + (6 if w == 2 else 0) * min(GRAD_W_SLICE_ROWS, vocab) * h
     return 4.0 * tokens * vocab, 8.0 * tokens * vocab
 
 
