@@ -17,9 +17,9 @@ fast expert layer from a slow one was measured here (torch 2.13, AMD EPYC, 2 thr
 - oneDNN, which runs the reduced-precision (bf16, fp16) matmuls on CPU, builds and caches a
   JIT kernel per GEMM shape, and an expert's row count changes every step: the bf16 tiny MoE
   built 130-370 new kernels a step (65-100 ms of its 1.1 s), and the growing cache fragmented
-  the heap (pages faulted afresh every step; make train's resident set went 1.6 -> 3.2 GiB).
-  So in those dtypes each GEMM runs over its rows rounded up (gemm_rows: 16, or 1/32 of the
-  count when larger), about 3% more expert FLOPs, and the shapes recur. The extra rows: for a
+  the heap (large buffers' pages faulted in afresh every step). So in those dtypes each GEMM
+  runs over its rows rounded up (gemm_rows: to 16, or to 1/64-1/32 of the count when larger),
+  at most ~3% more expert FLOPs, and the shapes recur: no new kernels after ~10 steps. The extra rows: for a
   row-wise product, the next rows of the same buffers (later pieces overwrite what they wrote;
   buffers end in `row_slack` spare rows); for a weight gradient, which sums over rows, zeros.
   fp32 runs MKL's sgemm, which keeps nothing per shape: no rounding there.
