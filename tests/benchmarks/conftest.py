@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.helpers.precision import cpu_auto_dtype
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -29,8 +30,4 @@ def load_benchmark(monkeypatch):
 @pytest.fixture
 def auto_dtype() -> str:
     """What train.dtype=auto trains in on this CPU: bf16 only where it is native."""
-    from optimus.parallel.launch import cpu_speed_cache
-    from optimus.train.hardware import cpu_speed
-    from optimus.train.precision import choose_precision
-
-    return choose_precision("auto", torch.device("cpu"), cpu_speed(*cpu_speed_cache())).dtype
+    return cpu_auto_dtype()

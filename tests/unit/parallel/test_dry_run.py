@@ -12,6 +12,7 @@ from optimus.parallel.dry_run import (activation_bytes, activation_split, dry_ru
                                      rank_activation_bytes)
 from optimus.parallel.mesh import ParallelDims
 from tests.helpers import in_forked_process
+from tests.helpers.precision import cpu_auto_dtype
 
 TRAIN = dict(seq_len=4096, micro_batch_size=1, global_batch_size=1536, dtype="bf16", activation_checkpointing="full")
 
@@ -165,7 +166,7 @@ def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
     import subprocess
     import sys
 
-    if dtype == "bf16" and not _cpu_computes_bf16():
+    if dtype == "bf16" and cpu_auto_dtype() != "bf16":
         pytest.skip("bf16 matmuls crawl on a CPU without native bf16 (AVX2)")
     n, h, vocab = 1024, 64, 32768
     out = subprocess.run([sys.executable, "-c", _CPU_LOSS_PEAK, str(n), str(h), str(vocab), dtype],
@@ -177,16 +178,6 @@ def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
     width = 2 if dtype == "bf16" else 4
     input_grads = (n * h + vocab * h) * 4
     assert measured == pytest.approx(kept + once + n * h * width + input_grads, rel=0.1)
-
-
-def _cpu_computes_bf16() -> bool:
-    import torch
-
-    from optimus.parallel.launch import cpu_speed_cache
-    from optimus.train.hardware import cpu_speed
-    from optimus.train.precision import choose_precision
-
-    return choose_precision("auto", torch.device("cpu"), cpu_speed(*cpu_speed_cache())).dtype == "bf16"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
