@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -50,6 +49,8 @@ def routed_inputs(tokens: int, seed: int, dtype: torch.dtype, weights: tuple[tor
 def layer_call(inputs: dict) -> None:
     out = moe_experts_forward(**inputs)
     out.backward(torch.ones_like(out))
+    for tensor in inputs.values():  # as a step's zero_grad: no call adds into the last one's gradients
+        tensor.grad = None
 
 
 def time_variants(tokens: int, dtype: torch.dtype, calls: int, rounds: int, fresh: bool, clock) -> dict[str, list]:
