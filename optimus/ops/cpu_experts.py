@@ -85,6 +85,11 @@ def plan_chunks(groups: Groups, n_rows: int, step: int):
         yield first, stop, pieces
 
 
+def _rounded(pieces, dtype: torch.dtype):
+    """A chunk's pieces as (expert, lo, hi, end, is_expert_start): `end` where its rounded GEMM rows stop."""
+    return [(expert, lo, hi, lo + gemm_rows(hi - lo, dtype), start) for expert, lo, hi, start in pieces]
+
+
 def _gather_rows(source: torch.Tensor, index: torch.Tensor, slack: int) -> torch.Tensor:
     """source's rows at `index`, then `slack` zero rows."""
     if not slack:
@@ -148,11 +153,10 @@ class CpuExpertMLP(torch.autograd.Function):
         gate_up = source.new_empty(n_rows, 2 * width)
         edge = source.new_empty(gemm_rows(step, dtype), 2 * width) if slack else None
         for first, stop, pieces in plan_chunks(routing.groups, n_rows, step):
-            n = stop - first
+            n, pieces = stop - first, _rounded(pieces, dtype)
             rows = _gather_rows(source, token_of_row[first:stop], slack)
             h = gate_up[first:]  # rounded rows run into the next chunk's, which overwrites them
-            for expert, lo, hi, _ in pieces:
-                end = lo + gemm_rows(hi - lo, dtype)
+            for expert, lo, hi, end, _ in pieces:
                 if end <= h.shape[0]:
                     torch.mm(rows[lo:end], w_gate_up[expert], out=h[lo:end])
                 else:
@@ -161,8 +165,7 @@ class CpuExpertMLP(torch.autograd.Function):
             torch.ops.aten.silu.out(h[:n, :width], out=act[:n])
             act[:n].mul_(h[:n, width:])
             act[n:].zero_()
-            for expert, lo, hi, _ in pieces:
-                end = lo + gemm_rows(hi - lo, dtype)
+            for expert, lo, hi, end, _ in pieces:
                 torch.mm(act[lo:end], w_down[expert], out=out_rows[first + lo : first + end])
         ctx.save_for_backward(source, w_gate_up, w_down, weights, gate_up)
         ctx.routing, ctx.step = routing, step
@@ -189,7 +192,7 @@ class CpuExpertMLP(torch.autograd.Function):
 
         chunks = plan_chunks(routing.groups, n_rows, step)
         for first, stop, pieces in chunks:
-            n = stop - first
+            n, pieces = stop - first, _rounded(pieces, dtype)
             h = gate_up[first:]  # past the chunk: the next chunk's rows, read (never written) by rounded products
             index = token_of_row[first:stop]
             rows, grad_y = _gather_rows(source, index, slack), _gather_rows(grad_out, index, slack)
@@ -199,8 +202,7 @@ class CpuExpertMLP(torch.autograd.Function):
             torch.mul(silu, up, out=act[:n])
             act[n:].zero_()
             grad_act = torch.empty_like(act)
-            for expert, lo, hi, _ in pieces:
-                end = lo + gemm_rows(hi - lo, dtype)
+            for expert, lo, hi, end, _ in pieces:
                 torch.mm(grad_y[lo:end], w_down[expert].t(), out=grad_act[lo:end])
             if weights is not None:
                 # the weight scaled the output: d/dw = <grad of the output, unscaled output>,
@@ -208,16 +210,14 @@ class CpuExpertMLP(torch.autograd.Function):
                 torch.linalg.vecdot(grad_act[:n], act[:n], out=grad_row_weights[first:stop])
                 act[:n].mul_(row_weights[first:stop])
                 grad_act[:n].mul_(row_weights[first:stop])
-            for expert, lo, hi, expert_start in pieces:
-                end = lo + gemm_rows(hi - lo, dtype)
+            for expert, lo, hi, end, expert_start in pieces:
                 _mm_into(grad_w_down[expert], act[lo:end].t(), _zero_padded(grad_y[lo:hi], end - lo, padded),
                          expert_start)
             # gate and up are fully read into silu and act: their halves of h take the gradient
             grad_up_product = torch.mul(grad_act[:n], up, out=act[:n])
             torch.mul(grad_act[:n], silu, out=up)
             torch.ops.aten.silu_backward.grad_input(grad_up_product, gate, grad_input=gate)
-            for expert, lo, hi, expert_start in pieces:
-                end = lo + gemm_rows(hi - lo, dtype)
+            for expert, lo, hi, end, expert_start in pieces:
                 h_rows = h[lo:end] if end <= h.shape[0] else _zero_padded(h[lo:hi], end - lo, edge)
                 _mm_into(grad_w_gate_up[expert], _zero_padded(rows[lo:hi], end - lo, padded).t(), h_rows,
                          expert_start)

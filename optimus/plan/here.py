@@ -250,7 +250,8 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
         raise ConfigError(f"--devices {ranks}: a job here needs at least one rank")
     m = entry["machine"]
     threads = max(1, min(threads, m["cores"]))  # threads past the cores add no FLOP/s
-    share = min(1.0, m["cores"] / (ranks * threads))  # of each of a rank's threads' cores, on an idle machine
+    idle_share = min(1.0, m["cores"] / (ranks * threads))  # of each of a rank's threads' cores, on an idle machine
+    share = idle_share
     measured = m.get("share", {})
     if ranks > 1 and threads == 1 and measured:  # as measured: R one-thread matmul processes at once, others' load in
         nearest = min((int(g) for g in measured if int(g) > 1), key=lambda g: (abs(g - ranks), -g))
@@ -274,7 +275,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
                    node_power_kw=CPU_NODE_POWER_KW, pue=1.0, grid_kgco2_per_kwh=0.385, efficiency=efficiency,
                    auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks * threads < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
-                   core_share=min(1.0, m["cores"] / (ranks * threads)), host_cpu=True,
+                   core_share=idle_share, host_cpu=True,
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,
