@@ -198,7 +198,11 @@ def train_step(
     # the pp path's sums are already equal on every stage; averaged over dp they are the global batch's
     if dp_mesh is not None and dp_mesh.size() > 1:
         sums = average_over_dp(sums, dp_mesh)
-    loss = sums["loss"].item()
+    # every loss term in one device-to-host copy, before the update: read after it, each would make the host wait
+    # for the optimizer step instead of going on to the next step's batch while the device runs it
+    terms = [key for key in ("loss", "ce_loss", "aux_loss", "z_loss") if key in sums]
+    values = dict(zip(terms, torch.stack([sums[key].float() for key in terms]).tolist()))
+    loss = values["loss"]
     skip_reason: SkipReason | None = None
     if not (math.isfinite(grad_norm) and math.isfinite(loss)):
         skip_reason = "non-finite"
@@ -211,9 +215,9 @@ def train_step(
             optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss=loss,
-        ce_loss=sums["ce_loss"].item(),
-        aux_loss=sums["aux_loss"].item() if "aux_loss" in sums else None,
-        z_loss=sums["z_loss"].item() if "z_loss" in sums else None,
+        ce_loss=values["ce_loss"],
+        aux_loss=values.get("aux_loss"),
+        z_loss=values.get("z_loss"),
         grad_norm=grad_norm,
         tokens=sum(inputs.numel() for inputs, _ in micro_batches),
         skipped=skip_reason is not None,
