@@ -74,7 +74,8 @@ class MemoryMetrics(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, mine)
-        record["memory_peak_gib"] = [round(value.item() / GIB, 4) for value in everyone]
+        # one device-to-host copy for every rank's value (on a GPU each .item() is a wait of its own)
+        record["memory_peak_gib"] = [round(value / GIB, 4) for value in torch.cat(everyone).tolist()]
         if not self._logged_source:
             self._logged_source = True
             record["memory_source"] = source
@@ -87,5 +88,6 @@ class ExpertLoadMetrics(Callback):
     def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
         if result.expert_counts is None:
             return
-        record.update(expert_load_summary(result.expert_counts))
-        record["expert_counts"] = expert_counts_record(result.expert_counts)
+        counts = result.expert_counts.detach().cpu()  # one copy off the device for both fields
+        record.update(expert_load_summary(counts))
+        record["expert_counts"] = expert_counts_record(counts)
