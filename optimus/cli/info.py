@@ -20,14 +20,17 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--seq-len must be at least 1 (got {args.seq_len})")
     rows = dict(PRESETS)  # no target: every preset
     highlight = None
-    if args.target:
-        if args.target in PRESETS:
-            rows = {args.target: PRESETS[args.target]}  # only the one asked (each row builds a meta model)
-        elif Path(args.target).is_file():
-            highlight = "config"
-            rows = {"config": load_config(args.target, overrides).model}
-        else:
-            raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
+    if args.target and args.target not in PRESETS and not Path(args.target).is_file():
+        raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
+    if args.target and Path(args.target).is_file():
+        highlight = "config"
+        rows = {"config": load_config(args.target, overrides).model}
+    elif overrides:  # --model.* overrides (as `optimus train` and `plan` take them) make one model: show that one
+        preset = [f"--model.preset={args.target}"] if args.target else []
+        highlight = "config"
+        rows = {"config": load_config(None, preset + overrides).model}
+    elif args.target:
+        rows = {args.target: PRESETS[args.target]}  # only the one asked (each row builds a meta model)
     table = Table(title=f"Optimus models (FLOPs per token at sequence length {args.seq_len}, training)")
     for column in ("preset", "kind", "layers", "d_model", "experts", "total params", "active params", "FLOPs/token"):
         table.add_column(column, justify="left" if column in ("preset", "kind") else "right", no_wrap=True)

@@ -64,6 +64,17 @@ def test_info_of_one_preset_shows_only_that_preset(capsys):
     assert len(rows) == 1 and "mula-220b-a10b" in rows[0] and "220." in rows[0]
 
 
+def test_info_takes_model_overrides_as_train_and_plan_do(capsys):
+    assert main(["info", "mula-tiny-moe", "--model.n_layers=8"]) == 0  # a preset, changed
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "config" in line]
+    assert "│      8 │" in row and "MoE top-4" in row
+    assert main(["info", "--model.preset=mula-1b"]) == 0  # the preset named by override, not every preset
+    out = capsys.readouterr().out
+    assert "config" in out and "1.28B" in out and "mula-220b" not in out
+    assert main(["info", "--model.preset=nosuch"]) == 2  # no longer ignored
+    assert "unknown model.preset 'nosuch'" in capsys.readouterr().err
+
+
 def test_generate_echoes_the_prompt_then_the_continuation(trained_run, capsys):
     assert main(["generate", str(trained_run), "--prompt", "The Constitution", "--max-new-tokens", "3"]) == 0
     prompt, continuation = capsys.readouterr().out.splitlines()
