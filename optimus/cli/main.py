@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "rank them")
     plan.add_argument("config", help="YAML config (any model: a preset via --model.preset=NAME, or a config file)")
     plan.add_argument("--cluster", required=True,
-                      help="cluster preset: aurora, frontier, lumi, h100, h200, a100, or here (this machine, measured)")
+                      help="cluster preset: aurora, frontier, lumi, h100, h200, a100, or here (this machine, "
+                           "measured); or the path of your cluster's YAML file (a preset's keys; `base: h100` "
+                           "starts from one)")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --cluster here: time matmuls, memory-bound ops, operator overhead and gloo "
                            "collectives at this config's shapes, store the fit for later runs, print it")

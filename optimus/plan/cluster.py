@@ -2,12 +2,19 @@
 
 Peak FLOP/s are not repeated here: a preset names its device and the peak comes from
 optimus/train/hardware.py DEVICE_PEAKS_TFLOPS, the table MFU is read against during training.
+
+A user's own machine is a file of the same keys (`optimus plan --cluster my-cluster.yaml`): `base: h100` starts from
+a preset and changes only what the file gives, and `peak_tflops: {bf16: .., fp32: ..}` prices a device the table
+lacks. Every value is checked as it is read, so a typo or a unit slip is one line naming the key, not a plan built
+on a negative bandwidth.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import math
 
 import yaml
 
@@ -36,7 +43,8 @@ class Cluster:
     grid_kgco2_per_kwh: float
     efficiency: Efficiency = field(default_factory=Efficiency)  # per op class: the preset's `efficiency:` block
     auto_dtype: str = "bf16"  # what train.dtype "auto" resolves to: bf16 on accelerators, measured here
-    measured_peak_flops: dict[str, float] | None = None  # {"fp32": .., "bf16": ..}: `here`, probed, not a datasheet
+    # {"fp32": .., "bf16": ..} FLOP/s in place of the device table's: `here`'s probes, or a cluster file's peak_tflops
+    measured_peak_flops: dict[str, float] | None = None
     nics_per_node: int = 1  # network interfaces per node; inter_node_gb_s is their sum
     # whether collectives run beside compute: on accelerators copy engines and NICs move the bytes while the
     # device computes; on a CPU host whose cores all run ranks, gloo's transport needs those same cores
@@ -71,7 +79,8 @@ class Cluster:
             if fragment == self.device:
                 return (fp32 if dtype == "fp32" else bf16) * 1e12
         raise ConfigError(f"cluster '{self.name}' names device '{self.device}', which has no entry in "
-                          f"optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: add its datasheet peaks there")
+                          f"optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: give its datasheet peaks as "
+                          f"peak_tflops: {{bf16: .., fp32: ..}} in the cluster file")
 
     @property
     def memory_bytes(self) -> float:
@@ -85,14 +94,103 @@ def cluster_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
+# what a cluster file gives: every key of a preset, checked as it is read
+_POSITIVE = ("memory_gb", "hbm_gb_s", "intra_node_gb_s", "inter_node_gb_s", "node_power_kw")
+_AT_LEAST_ZERO = ("intra_node_latency_us", "inter_node_latency_us", "grid_kgco2_per_kwh")
+_WHOLE = ("devices_per_node", "nics_per_node")
+_REQUIRED = ("name", "device", "devices_per_node", *_POSITIVE, *_AT_LEAST_ZERO, "pue")
+_FILE_KEYS = (*_REQUIRED, "nics_per_node", "efficiency", "peak_tflops", "base")
+
+
+def is_cluster_file(name: str) -> bool:
+    """Whether `--cluster` names a file (a path or a .yaml name) rather than a preset."""
+    return name.endswith((".yaml", ".yml")) or "/" in name or Path(name).is_file()
+
+
 def load_cluster(name: str) -> Cluster:
-    """The preset called `name`; ConfigError (one line) when there is none."""
-    path = PRESETS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"unknown cluster '{name}': choose one of {', '.join(cluster_names() + ['here'])}")
-    raw = yaml.safe_load(path.read_text())
+    """The preset called `name`, or the cluster file at that path; ConfigError (one line) when there is none or it is
+    malformed."""
+    if is_cluster_file(name):
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"cluster file '{name}' not found: pass a preset ({', '.join(cluster_names())}) or the "
+                              f"path of a YAML file with a preset's keys (optimus/plan/clusters/)")
+    else:
+        path = PRESETS_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"unknown cluster '{name}': choose one of {', '.join(cluster_names() + ['here'])}, "
+                              f"or pass the path of your own cluster's YAML file")
+    raw = _read_mapping(path)
+    if "base" in raw:
+        base = raw.pop("base")
+        if not isinstance(base, str) or base not in cluster_names():
+            raise ConfigError(f"cluster file {path}: base {base!r} is not a preset: choose one of "
+                              f"{', '.join(cluster_names())}")
+        inherited = _read_mapping(PRESETS_DIR / f"{base}.yaml")
+        efficiency = {**(inherited.get("efficiency") or {}), **(raw.pop("efficiency", None) or {})}
+        raw = {**inherited, **raw, "efficiency": efficiency}
+    return _cluster_from(raw, path)
+
+
+def _read_mapping(path: Path) -> dict:
     try:
-        raw["efficiency"] = Efficiency.from_dict(raw.get("efficiency"), f"cluster preset {path}")
-        return Cluster(**raw)
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ConfigError(f"cluster file {path} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}: fix "
+                          f"the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"cluster file {path} must hold a mapping of a preset's keys (name, device, ...)")
+    return raw
+
+
+def _cluster_from(raw: dict, path: Path) -> Cluster:
+    """A Cluster from a file's mapping, every key and value checked."""
+    where = f"cluster file {path}" if path.parent != PRESETS_DIR else f"cluster preset {path}"
+    unknown = sorted(set(raw) - set(_FILE_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}': a cluster takes {', '.join(_FILE_KEYS)}")
+    missing = [key for key in _REQUIRED if key not in raw]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}: add {'it' if len(missing) == 1 else 'them'} "
+                          f"(optimus/plan/clusters/h100.yaml says what each is), or start from a preset with `base: NAME`")
+    values = dict(raw)
+    for key in ("name", "device"):
+        if not isinstance(values[key], str) or not values[key]:
+            raise ConfigError(f"{where}: {key} must be a name (got {values[key]!r})")
+    for key in (*_POSITIVE, *_AT_LEAST_ZERO, "pue", *_WHOLE):
+        if key not in values:
+            continue
+        value = values[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key in _WHOLE:
+            ok, what = number and value == int(value) and value >= 1, "a whole number, at least 1"
+        elif key == "pue":
+            ok, what = number and value >= 1, "at least 1 (facility energy over IT energy)"
+        elif key in _POSITIVE:
+            ok, what = number and value > 0, "a positive number"
+        else:
+            ok, what = number and value >= 0, "a number, 0 or more"
+        if not ok:
+            raise ConfigError(f"{where}: {key} must be {what} (got {value!r})")
+        values[key] = int(value) if key in _WHOLE else float(value)
+    peaks = values.pop("peak_tflops", None)
+    if peaks is not None:
+        values["measured_peak_flops"] = _peaks(peaks, where)
+    try:
+        values["efficiency"] = Efficiency.from_dict(values.get("efficiency"), where)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"cluster preset {path} is malformed ({err}): fix its keys") from None
+        message = str(err) if where in str(err) else f"{where}: efficiency: {err}"
+        raise ConfigError(message) from None
+    cluster = Cluster(**values)
+    cluster.peak_flops("bf16")  # a device neither in the table nor given peak_tflops fails here, by name
+    return cluster
+
+
+def _peaks(raw, where: str) -> dict[str, float]:
+    """peak_tflops {bf16: .., fp32: ..} (datasheet TFLOP/s of one device) as FLOP/s."""
+    good = isinstance(raw, dict) and set(raw) == {"bf16", "fp32"} and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in raw.values())
+    if not good:
+        raise ConfigError(f"{where}: peak_tflops must be {{bf16: TFLOPS, fp32: TFLOPS}}, both positive (got {raw!r})")
+    return {dtype: float(value) * 1e12 for dtype, value in raw.items()}

@@ -236,12 +236,22 @@ BAD_INPUT_CASES = {
                                                  "--write-config", str(t)], "is a directory: name a file"),
     "plan tokens not finite": (lambda t, tr: ["plan", str(tr[0]), "--cluster", "h100", "--devices", "8", "--tokens",
                                               "nan"], "--tokens must be a positive number"),
+    "plan cluster file negative": (lambda t, tr: ["plan", str(tr[0]), "--cluster", str(_cluster_file(t, hbm_gb_s=-1)),
+                                                  "--devices", "8"], "hbm_gb_s must be a positive number (got -1)"),
+    "plan cluster file missing": (lambda t, tr: ["plan", str(tr[0]), "--cluster", str(t / "mine.yaml"), "--devices",
+                                                 "8"], "cluster file '"),
     "info sequence of 0": (lambda t, tr: ["info", "mula-1b", "--seq-len", "0"], "--seq-len must be at least 1"),
     "generate at temperature nan": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--temperature", "nan"],
                                     "--temperature must be a number >= 0"),
     "chaos hang timeout -1": (lambda t, tr: ["chaos", str(tr[0]), "--hang-timeout", "-1", "--out", str(t / "c")],
                               "--hang-timeout must be a positive number of seconds"),
 }
+
+
+def _cluster_file(folder, **changes):
+    path = folder / "mine.yaml"
+    path.write_text(yaml.safe_dump({"base": "h100", "name": "mine", **changes}))
+    return path
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT_CASES))
