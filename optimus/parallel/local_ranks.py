@@ -73,11 +73,18 @@ def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: 
                 continue
             outcome = json.loads(path.read_text())
             if "error" in outcome:
-                # a rank whose peer failed reports a broken collective: name the rank that failed first
-                secondary = "distributed_c10d" in outcome["error"].strip().splitlines()[-3]
-                failures.append((secondary, f"rank {rank} of {world} failed:\n{outcome['error']}"))
+                # a rank whose peer failed reports a broken collective or rendezvous: name the rank that failed
+                failures.append((_failed_in_torch_distributed(outcome["error"]),
+                                 f"rank {rank} of {world} failed:\n{outcome['error']}"))
             else:
                 results.append(outcome["ok"])
         if failures:
             raise LocalRanksError(sorted(failures, key=lambda failure: failure[0])[0][1])
         return results
+
+
+def _failed_in_torch_distributed(traceback_text: str) -> bool:
+    """Whether the innermost frame of a rank's traceback is torch.distributed's: the mark of a rank that met its
+    peer's failure (a collective or the rendezvous's connection closed by the peer) rather than failed itself."""
+    frames = [line for line in traceback_text.splitlines() if line.lstrip().startswith('File "')]
+    return bool(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[-1]

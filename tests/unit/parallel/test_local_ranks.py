@@ -30,3 +30,20 @@ def test_each_rank_result_comes_back_in_rank_order():
 def test_a_failing_rank_is_named_with_its_traceback():
     with pytest.raises(LocalRanksError, match=r"rank 1 of 2 failed:(.|\n)*planted failure"):
         run_on_local_ranks(_fails_on_rank_one, 2, timeout=60.0)
+
+
+def test_a_rank_that_met_its_peers_failure_in_torch_distributed_is_not_named_first():
+    from optimus.parallel.local_ranks import _failed_in_torch_distributed
+
+    torch_frame = '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2169, in _new'
+    # the peer closed the rendezvous under this rank (once seen under make test's load, and named first by the old
+    # check, which read the third line from the end: a caret line's neighbour in Python 3.11's tracebacks)
+    met_it = ("Traceback (most recent call last):\n"
+              '  File "/repo/optimus/parallel/local_ranks.py", line 34, in _child\n    dist.init_process_group(\n'
+              f"{torch_frame}\n    backend_class = ProcessGroupGloo(\n                    ^^^^^^^^^^^^^^^^^\n"
+              "RuntimeError: Gloo connectFullMesh failed with ... Connection closed by peer")
+    failed = ("Traceback (most recent call last):\n"
+              '  File "/repo/optimus/parallel/local_ranks.py", line 35, in _child\n    outcome = fn()\n'
+              '  File "/repo/tests/unit/parallel/test_local_ranks.py", line 20, in _fails_on_rank_one\n'
+              '    raise ValueError("planted failure")\nValueError: planted failure')
+    assert _failed_in_torch_distributed(met_it) and not _failed_in_torch_distributed(failed)
