@@ -49,21 +49,13 @@ def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: 
     """fn(rank, world, *args) on `world` forked gloo ranks; each rank's JSON-serialisable result, in rank order."""
     with tempfile.TemporaryDirectory(prefix="optimus-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        pending = {}
+        pids = {}
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
                 _child(rank, world, init_file, tmp, fn, args)
-            pending[rank] = pid
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
-            for rank, pid in list(pending.items()):
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    del pending[rank]
-            time.sleep(0.02)
-        for pid in pending.values():
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            pids[rank] = pid
+        pending = wait_or_kill(pids, timeout)
         results, failures = [], []
         for rank in range(world):
             path = Path(tmp) / f"rank{rank}.json"
@@ -81,6 +73,22 @@ def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: 
         if failures:
             raise LocalRanksError(sorted(failures, key=lambda failure: failure[0])[0][1])
         return results
+
+
+def wait_or_kill(pids: dict[int, int], timeout: float) -> set[int]:
+    """Wait up to `timeout` seconds for the forked ranks {rank: pid} to exit; kill those still running and return
+    their ranks."""
+    deadline = time.monotonic() + timeout
+    pending = dict(pids)
+    while pending and time.monotonic() < deadline:
+        for rank, pid in list(pending.items()):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                del pending[rank]
+        time.sleep(0.02)
+    for pid in pending.values():
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return set(pending)
 
 
 def _failed_in_torch_distributed(traceback_text: str) -> bool:

@@ -10,9 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import signal
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401  (import in the parent, before forking)
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
+
+from optimus.parallel.local_ranks import wait_or_kill
 
 
 class DistributedTestError(AssertionError):
@@ -67,17 +67,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if pid == 0:
                 _child(rank, world_size, init_file, tmp, fn, args, kwargs)
             pids[rank] = pid
-        deadline = time.monotonic() + timeout
-        pending = dict(pids)
-        while pending and time.monotonic() < deadline:
-            for rank, pid in list(pending.items()):
-                done, _ = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    del pending[rank]
-            time.sleep(0.02)
-        for pid in pending.values():
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        pending = wait_or_kill(pids, timeout)
         results, failures = [], []
         for rank in range(world_size):
             path = Path(tmp) / f"rank{rank}.pkl"
@@ -113,14 +103,7 @@ def run_forked(fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) 
                     pickle.dump(outcome, handle)
             finally:
                 os._exit(0)
-        deadline = time.monotonic() + timeout
-        exited = False
-        while not exited and time.monotonic() < deadline:
-            exited = os.waitpid(pid, os.WNOHANG)[0] != 0
-            time.sleep(0.02)
-        if not exited:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        wait_or_kill({0: pid}, timeout)
         if not os.path.exists(result_path):
             raise DistributedTestError("forked test process hung or died without a result")
         status, payload = pickle.loads(Path(result_path).read_bytes())
