@@ -78,7 +78,9 @@ def best_matmul_rate(dtype: torch.dtype, size: int, seconds: float, device: torc
     device = device or torch.device("cpu")
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # an accelerator runs the matmul after the call returns: time it to its end (cuda and ROCm, xpu, mps alike)
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    sync = getattr(backend, "synchronize", None) or (lambda: None)
     a @ b  # warm-up: first-call dispatch and allocation
     sync()
     best, repeats, deadline = 0.0, 0, time.perf_counter() + seconds
