@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from optimus.checkpoint.flat_range import FlatRangeTensor
 from optimus.optim.flat import Slot, checkpoint_view, cut_buckets, local_tensor
 from optimus.optim.buffers import BucketBuffers, bucket_order, buffer_nbytes
+from optimus.optim.build import fused_adamw_runs_on
 from optimus.optim.config import OptimConfig
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.partial_grads import reduce_partial_gradients
@@ -163,7 +164,7 @@ class ShardedOptimizer:
             groups[0 if decay_of[slot.param] > 0 else 1]["params"].append(slot.master)
         groups = [g for g in groups if g["params"]]
         # masters are plain tensors: the fused kernel (one pass over param, grad and moments) applies
-        fused = all(g["params"][0].device.type in ("cpu", "cuda") for g in groups)
+        fused = all(fused_adamw_runs_on(g["params"][0].device.type) for g in groups)
         self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                        **({"fused": True} if fused else {"foreach": True}))
         # state exists from the start so a checkpoint can be loaded into it before the first step
