@@ -11,10 +11,9 @@ on a negative bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import math
 
 import yaml
 
@@ -103,7 +102,9 @@ _FILE_KEYS = (*_REQUIRED, "nics_per_node", "efficiency", "peak_tflops", "base")
 
 
 def is_cluster_file(name: str) -> bool:
-    """Whether `--cluster` names a file (a path or a .yaml name) rather than a preset."""
+    """Whether `--cluster` names a file (a path or a .yaml name) rather than a preset (a preset's name wins)."""
+    if name in cluster_names() or name == "here":
+        return False
     return name.endswith((".yaml", ".yml")) or "/" in name or Path(name).is_file()
 
 
@@ -127,7 +128,11 @@ def load_cluster(name: str) -> Cluster:
             raise ConfigError(f"cluster file {path}: base {base!r} is not a preset: choose one of "
                               f"{', '.join(cluster_names())}")
         inherited = _read_mapping(PRESETS_DIR / f"{base}.yaml")
-        efficiency = {**(inherited.get("efficiency") or {}), **(raw.pop("efficiency", None) or {})}
+        changed = raw.pop("efficiency", None) or {}
+        if not isinstance(changed, dict):
+            raise ConfigError(f"cluster file {path}: efficiency must be a mapping of op class to fraction of peak "
+                              f"(got {changed!r})")
+        efficiency = {**(inherited.get("efficiency") or {}), **changed}
         raw = {**inherited, **raw, "efficiency": efficiency}
     return _cluster_from(raw, path)
 

@@ -83,12 +83,13 @@ def test_an_unreadable_or_unknown_file_or_base_is_one_line(tmp_path):
     cases = {str(tmp_path / "nope.yaml"): "not found: pass a preset (a100, aurora",
              str(tmp_path / "broken.yaml"): "is not valid YAML at line 2",
              str(tmp_path / "list.yaml"): "must hold a mapping of a preset's keys",
-             _file(tmp_path, {"base": "summit", "name": "x"}, "base.yaml"): "base 'summit' is not a preset"}
+             _file(tmp_path, {"base": "summit", "name": "x"}, "base.yaml"): "base 'summit' is not a preset",
+             _file(tmp_path, {"base": "h100", "efficiency": [0.5]}, "eff.yaml"): "efficiency must be a mapping"}
     for path, message in cases.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             load_cluster(path)
 
 
 def test_a_name_is_a_preset_and_a_path_or_yaml_name_is_a_file():
-    assert not is_cluster_file("h100") and not is_cluster_file("here")
+    assert not is_cluster_file("h100") and not is_cluster_file("here") and not is_cluster_file("summit")
     assert is_cluster_file("mine.yaml") and is_cluster_file("clusters/mine") and is_cluster_file("x.yml")
