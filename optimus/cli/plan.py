@@ -121,7 +121,7 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
     process's by default) gives it; with `calibrate`, measure everything again first."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes, describe
-    from optimus.plan.here import here_cluster, machine, rank_threads, write_cache
+    from optimus.plan.here import here_cluster, machine, rank_threads, threads_phrase, write_cache
 
     cache_file, cpu_cache = here_cache_files()
     if devices < 1:
@@ -129,7 +129,7 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
     threads = rank_threads(devices, environ)
     if calibrate:
         print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2 and 4 ranks, op classes "
-              f"at {config_path}'s shapes on {_threads(threads)} a rank): about a minute", flush=True)
+              f"at {config_path}'s shapes on {threads_phrase(threads)} a rank): about a minute", flush=True)
     entry = machine(cache_file, cpu_cache, remeasure=calibrate)
     if calibrate:
         # the micro-batch the op classes are timed at: the configured layout's (one rank when none is set)
@@ -145,14 +145,12 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
               "--devices N --calibrate` once", file=sys.stderr)
     elif entry.get("calibrated_threads", 1) != min(threads, entry["machine"]["cores"]):
         calibrated = entry.get("calibrated_threads", 1)
-        print(f"here: the op classes were calibrated on {_threads(calibrated)} a rank and this job's ranks run "
+        print(f"here: the op classes were calibrated on {threads_phrase(calibrated)} a rank and this job's ranks run "
               f"{threads} (OMP_NUM_THREADS, or else torch's default for {devices} rank(s)): `optimus plan CONFIG "
               f"--cluster here --devices {devices} --calibrate` times them so", file=sys.stderr)
     return here_cluster(entry, devices, threads)
 
 
-def _threads(n: int) -> str:
-    return "1 thread" if n == 1 else f"{n} threads"
 
 
 def _warn_if_oversubscribed(ranks: int) -> None:

@@ -387,6 +387,8 @@ def calibrate_op_classes(config: Config, entry: dict[str, Any], threads: int = 1
 
 def describe(entry: dict[str, Any]) -> list[str]:
     """What was measured, as lines to print."""
+    from optimus.plan.here import threads_phrase
+
     m = entry["machine"]
     lines = [f"here: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 1024**3:.1f} GiB, measured {m['measured_at']}",
              f"  matmul peak per thread: fp32 {m['fp32_flops_per_thread'] / 1e9:.1f} GFLOP/s, "
@@ -401,14 +403,12 @@ def describe(entry: dict[str, Any]) -> list[str]:
     if "efficiency" in entry:
         e, timed = entry["efficiency"], entry.get("timed", {})
         threads = entry.get("calibrated_threads", 1)
-        lines.append(f"  op classes at {entry.get('calibrated_for', '?')} "
-                     f"({'one thread' if threads == 1 else f'{threads} threads'}):")
+        lines.append(f"  op classes at {entry.get('calibrated_for', '?')} ({threads_phrase(threads)}):")
         for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer"):
             took = timed.get(name, {}).get("seconds")
             if name not in e:  # a calibration from before the optimizer step was timed
                 continue
-            copy = "one thread's" if threads == 1 else f"{threads} threads'"
-            of = f"of {copy} copy bandwidth" if name in ("memory_bound", "optimizer") else "of peak"
+            of = f"of the copy bandwidth on {threads_phrase(threads)}" if name in ("memory_bound", "optimizer") else "of peak"
             lines.append(f"    {name:<13} {e[name]:.2f} {of}" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                  " (no experts: as dense_gemm)"))
         lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")

@@ -87,6 +87,11 @@ def rank_threads(ranks: int, environ: dict[str, str] | None = None) -> int:
     return cores() if ranks == 1 else 1
 
 
+def threads_phrase(n: int) -> str:
+    """"1 thread" or "N threads", as the planner's messages name a rank's threads."""
+    return "1 thread" if n == 1 else f"{n} threads"
+
+
 def rate_probe(m: dict[str, Any], dtype: str, threads: int) -> tuple[str, int]:
     """(the key of the machine entry `m`'s matmul probe that prices a rank of `threads` threads, the threads that
     probe ran on): one thread's, or the all-cores one where the rank has more and the entry holds it."""
