@@ -408,7 +408,8 @@ def describe(entry: dict[str, Any]) -> list[str]:
             took = timed.get(name, {}).get("seconds")
             if name not in e:  # a calibration from before the optimizer step was timed
                 continue
-            of = f"of the copy bandwidth on {threads_phrase(threads)}" if name in ("memory_bound", "optimizer") else "of peak"
+            bandwidth_bound = name in ("memory_bound", "optimizer")
+            of = f"of the copy bandwidth on {threads_phrase(threads)}" if bandwidth_bound else "of peak"
             lines.append(f"    {name:<13} {e[name]:.2f} {of}" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                  " (no experts: as dense_gemm)"))
         lines.append(f"    op_overhead   {e['op_overhead_us']:.1f} us per operator")
