@@ -151,8 +151,6 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
     return here_cluster(entry, devices, threads)
 
 
-
-
 def _warn_if_oversubscribed(ranks: int) -> None:
     """More ranks than cores run, but each trial then times the cores' sharing as much as the layout."""
     from optimus.plan.here import cores

@@ -4,6 +4,7 @@ preset's keys, `base:` to change one, `peak_tflops` for a device the hardware ta
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,8 +13,8 @@ from optimus.config import ConfigError
 from optimus.plan.cluster import is_cluster_file, load_cluster
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.search import plan
-from tests.unit.plan.test_plan_model import CONFIGS
 
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 OWN_DEVICE = {"name": "mi355", "device": "MI355X", "devices_per_node": 8, "memory_gb": 288, "hbm_gb_s": 8000,
               "intra_node_gb_s": 76.8, "intra_node_latency_us": 3, "inter_node_gb_s": 400, "nics_per_node": 8,
               "inter_node_latency_us": 8, "node_power_kw": 14, "pue": 1.2, "grid_kgco2_per_kwh": 0.3,
