@@ -148,9 +148,14 @@ def _save_gradients(ctx, inputs, output):
     _, grad_h, grad_w, n_valid = output
     ctx.input_dtypes = (h.dtype, weight.dtype)
     ctx.save_for_backward(grad_h, grad_w, n_valid)
+    # the gradient buffers are outputs only so that backward can have them: left to its default, autograd would
+    # hand backward a zero-filled [V, D] fp32 tensor (and an [N, D] one) as their "gradients" every step
+    ctx.set_materialize_grads(False)
 
 
 def _scale_gradients(ctx, grad_loss, *unused_grads):
+    if grad_loss is None:  # the loss reached no backward (not materialized above)
+        return None, None, None, None, None
     grad_h, grad_w, n_valid = ctx.saved_tensors
     scale = grad_loss / n_valid
     h_dtype, w_dtype = ctx.input_dtypes

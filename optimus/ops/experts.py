@@ -246,9 +246,14 @@ def _save_for_experts_backward(ctx, inputs, output):
     _, gate_up, order, counts = output
     ctx.save_for_backward(x, weights, w_gate_up, w_down, gate_up, order, counts)
     ctx.impl = impl
+    # gate_up is an output only so that backward can have it: left to its default, autograd would zero-fill a
+    # [T k, 2F] "gradient" for it every layer and step
+    ctx.set_materialize_grads(False)
 
 
 def _experts_backward(ctx, grad_out, *unused_grads):
+    if grad_out is None:  # the layer's output reached no backward (not materialized above)
+        return None, None, None, None, None, None
     x, weights, w_gate_up, w_down, gate_up, order, counts = ctx.saved_tensors
     grad_x, grad_w_gate_up, grad_w_down, grad_weights = torch.ops.optimus.moe_experts_backward(
         grad_out.contiguous(), x, weights, w_gate_up, w_down, gate_up, order, counts, ctx.impl)
@@ -311,9 +316,12 @@ def _save_for_expert_mlp_backward(ctx, inputs, output):
     rows, w_gate_up, w_down, counts, impl = inputs
     ctx.save_for_backward(rows, w_gate_up, w_down, output[1], counts)
     ctx.impl = impl
+    ctx.set_materialize_grads(False)  # as for moe_experts: no zero-filled gradient of gate_up
 
 
 def _expert_mlp_backward(ctx, grad_out, *unused_grads):
+    if grad_out is None:
+        return None, None, None, None, None
     rows, w_gate_up, w_down, gate_up, counts = ctx.saved_tensors
     grad_rows, grad_w_gate_up, grad_w_down = torch.ops.optimus.expert_mlp_backward(
         grad_out.contiguous(), rows, w_gate_up, w_down, gate_up, counts, ctx.impl)

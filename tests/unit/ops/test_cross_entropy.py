@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from optimus.ops.cross_entropy import IGNORE_INDEX, linear_cross_entropy, linear_cross_entropy_reference
+from tests.helpers.dispatch import OpCounter
 
 
 def _case(seed: int = 0, n: int = 97, d: int = 16, vocab: int = 300):
@@ -81,3 +82,13 @@ def test_bf16_weight_gradient_in_vocabulary_slices_equals_one_slice(monkeypatch)
     sliced = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk_rows=32), h, w, labels, autocast=True)
     for a, b in zip(whole, sliced):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_backward_builds_no_zero_gradients_for_its_buffers():
+    """The op hands its gradient buffers to backward as outputs; autograd must not zero-fill a [V, D] (and an
+    [N, D]) "gradient" for them each step: backward only scales the buffers."""
+    h, w, labels = _case()
+    loss = linear_cross_entropy(h.requires_grad_(), w.requires_grad_(), labels)
+    with OpCounter() as counted:
+        loss.backward()
+    assert counted.calls["aten.zeros.default"] == 0 and counted.calls["aten.fill_.Scalar"] == 0, counted.calls

@@ -9,6 +9,7 @@ from optimus.ops import cpu_experts, expert_mlp, expert_mlp_reference, moe_exper
 from optimus.ops.experts import _FusedExperts
 from optimus.ops.grouped_mm import BACKENDS
 from optimus.ops.routing import Routing
+from tests.helpers.dispatch import OpCounter
 from tests.helpers.ops import ROUTINGS, check_against_reference, moe_inputs
 
 GRADS = ("x", "weights", "w_gate_up", "w_down")
@@ -117,6 +118,20 @@ def test_saves_only_input_and_gate_up_output(chunked, monkeypatch):
     assert sorted(t.numel() for t in routing) == [4, 32]
     assert any(t is inputs["x"] for t in saved)
     assert {t.shape[1] for t in activations} == {12} and sum(t.shape[0] for t in activations) == 32
+
+
+@pytest.mark.parametrize("op", ["moe_experts", "expert_mlp"])
+def test_backward_builds_no_zero_gradient_for_gate_up(op):
+    """gate_up is the op's output only so that backward can reuse it; autograd must not zero-fill a [T k, 2F]
+    "gradient" for it each layer and step."""
+    inputs = moe_inputs(16, 8, 6, 4, 2)
+    if op == "moe_experts":
+        out = moe_experts_forward(**inputs)
+    else:
+        out = expert_mlp(inputs["x"][:12], inputs["w_gate_up"], inputs["w_down"], torch.tensor([5, 0, 4, 3]))
+    with OpCounter() as counted:
+        out.sum().backward()
+    assert counted.calls["aten.zeros.default"] == 0, counted.calls
 
 
 def test_backward_twice_fails_loudly():
