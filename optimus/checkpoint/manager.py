@@ -46,6 +46,7 @@ from optimus.checkpoint.writer import CheckpointWriter
 META = "meta.json"
 INDEX = ".metadata"
 DAMAGED_PREFIX = "damaged-"
+UNCOMMITTED = f"no {COMMITTED} marker: not a complete checkpoint (a copy cut short, or its marker deleted)"
 _MESSAGE_BYTES = 480  # a problem's text as exchanged between ranks
 
 
@@ -115,18 +116,23 @@ class CheckpointManager:
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step-{step}"
 
-    def committed_steps(self) -> list[int]:
-        """Steps with a complete checkpoint, oldest first."""
+    def step_folders(self) -> dict[int, bool]:
+        """{step: committed} for every checkpoints/step-N folder: committed ones hold their COMMITTED marker."""
         if not self.dir.is_dir():
-            return []
-        steps = []
+            return {}
+        steps = {}
         for child in self.dir.iterdir():
-            if child.name.startswith("step-") and (child / COMMITTED).is_file():
+            if child.name.startswith("step-") and child.is_dir():
                 try:
-                    steps.append(int(child.name.removeprefix("step-")))
+                    step = int(child.name.removeprefix("step-"))
                 except ValueError:
                     continue
-        return sorted(steps)
+                steps[step] = (child / COMMITTED).is_file()
+        return steps
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        return sorted(step for step, committed in self.step_folders().items() if committed)
 
     def latest(self) -> int | None:
         """The newest committed step (the `latest` pointer if it names a committed step)."""
@@ -308,8 +314,8 @@ class CheckpointManager:
         write_json_durably(tmp / META, json.dumps({"step": step, **meta}, indent=1))
         merge_rank_values(tmp)
         seal(tmp)
-        if final.exists():  # a stale copy of this step from a run that died after committing
-            shutil.rmtree(final)
+        if final.exists():  # not ours to delete: a save never leaves one (resume moves aside any it would pass)
+            os.replace(final, self._aside_path(step))
         os.replace(tmp, final)
         write_json_durably(self.run_dir / "latest", str(step))
         self._prune(keep=step)
@@ -352,8 +358,11 @@ class CheckpointManager:
         not count them as good ones. When none passes, raises CheckpointError and moves nothing.
         """
         bad: list[tuple[int, str]] = []
-        for step in reversed(self.committed_steps()):
-            problem = self.find_problem(step)
+        folders = self.step_folders()
+        for step in sorted(folders, reverse=True):
+            # a step folder without its marker is no checkpoint (our saves rename a complete, sealed folder into
+            # place), yet it holds someone's files: it is set aside like a damaged one, and never overwritten
+            problem = self.find_problem(step) if folders[step] else UNCOMMITTED
             if problem is None:
                 return step, [self._move_aside(old, why) for old, why in bad]
             bad.append((step, problem))
@@ -366,13 +375,18 @@ class CheckpointManager:
             )
         return None, []
 
-    def _move_aside(self, step: int, why: str) -> str:
-        source = self.step_dir(step)
+    def _aside_path(self, step: int) -> Path:
+        """A free checkpoints/damaged-step-N[.k] name for the folder of `step`."""
         target = self.dir / f"{DAMAGED_PREFIX}step-{step}"
         suffix = 1
         while target.exists():
             suffix += 1
             target = self.dir / f"{DAMAGED_PREFIX}step-{step}.{suffix}"
+        return target
+
+    def _move_aside(self, step: int, why: str) -> str:
+        source = self.step_dir(step)
+        target = self._aside_path(step)
         _barrier()  # every rank has picked the same name before rank 0 renames
         if _is_rank0():
             os.replace(source, target)
@@ -388,7 +402,9 @@ class CheckpointManager:
                 size = (path / name).stat().st_size
                 if size != record.size:
                     raise CheckpointError(f"file '{name}' is {size} bytes, {COMMITTED} says {record.size}")
-            return json.loads((path / META).read_text())
+            meta = json.loads((path / META).read_text())
+            check_meta(meta)
+            return meta
         except (CheckpointError, ManifestError) as err:
             problem = str(err)
         except (OSError, ValueError) as err:
@@ -434,6 +450,17 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({_describe(err)}): delete it or use another run.dir"
             ) from None
+
+
+def check_meta(meta: Any) -> None:
+    """meta.json as the trainer reads it: an object whose `model` is an object and `contents` a list of names."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{META} holds a {type(meta).__name__}, not an object")
+    if not isinstance(meta.get("model", {}), dict):
+        raise CheckpointError(f"{META}'s 'model' is not an object")
+    contents = meta.get("contents", [])
+    if not isinstance(contents, list) or not all(isinstance(name, str) for name in contents):
+        raise CheckpointError(f"{META}'s 'contents' is not a list of names")
 
 
 def _take_stand_ins(state: dict[str, Stateful | Any], target: dict[str, Any], path: Path) -> dict[str, tuple]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest
-from optimus.checkpoint.manager import DAMAGED_PREFIX, INDEX, META
+from optimus.checkpoint.manager import DAMAGED_PREFIX, INDEX, META, CheckpointError, check_meta
 from optimus.checkpoint.safe_reader import UnsafeCheckpoint, read_index
 from optimus.checkpoint.values import read_values
 
@@ -48,6 +49,12 @@ def check_checkpoint(folder: Path) -> str | None:
     problem = check_files(folder, records)
     if problem is not None:
         return problem
+    try:
+        check_meta(json.loads((folder / META).read_text()))
+    except CheckpointError as err:
+        return str(err)
+    except (OSError, ValueError) as err:
+        return f"{META} unreadable ({type(err).__name__})"
     try:
         index = read_index(folder)
         saved_values = read_values(folder)

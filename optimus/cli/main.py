@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as err:
         _report_user_error(f"optimus {args.verb}: error: {err}")
         return EXIT_BAD_INPUT
+    except PermissionError as err:  # a path the command was given, or its run directory, this user may not use
+        where = err.filename or err
+        _report_user_error(f"optimus {args.verb}: error: permission denied on {where}: give this user read and write "
+                           "access to it, or choose another path")
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"optimus {args.verb}: interrupted", file=sys.stderr)
         return 130

@@ -24,10 +24,23 @@ def load_run(run_dir: str):
     step = manager.latest()
     if step is None:
         raise UsageError(f"run '{run}' has no committed checkpoint yet: train it first (optimus train ...)")
+    from optimus.train.trainer import check_checkpoint_matches
+
+    # a config.yaml edited after training must not quietly load part of the weights into another shape
+    check_checkpoint_matches(manager.read_meta(step), config, run, fix="restore the run's config.yaml")
     model = build_model(config.model, device="cpu")
     manager.load(step, {"model": ModelState(model)})
     model.eval()
     return config, model
+
+
+def _seq_len(args: argparse.Namespace, config) -> int:
+    """--seq-len where given (0 is refused, not read as "not given"), else the run's own."""
+    if args.seq_len is None:
+        return config.train.seq_len
+    if args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: must be at least 1 (or left out for the run's own)")
+    return args.seq_len
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -41,7 +54,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.tasks:
         return _eval_tasks(args)
     config, model = load_run(args.run)
-    seq_len = args.seq_len or config.train.seq_len
+    seq_len = _seq_len(args, config)
     if args.data:
         data = Path(args.data)
         split = "heldout" if data.is_dir() and (data / "heldout.bin").exists() else "train"
@@ -50,7 +63,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         from optimus.data.build import build_training_data
 
         datasets = build_training_data(config).heldout
-    batches = heldout_batches(datasets, seq_len, args.batch_size, args.batches)
+    batches = heldout_batches(datasets, seq_len, args.batch_size, args.batches, config.model.vocab_size)
     if not batches:
         raise UsageError("no evaluation data: pass --data with a tokenized directory or .bin file")
     result = evaluate(model, batches, torch.device("cpu"), "fp32", load_tokenizer(config.data.tokenizer))
@@ -76,7 +89,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         raise UsageError("--limit must be at least 1 (or left out for every question)")
     config, model = load_run(args.run)
     results = evaluate_tasks(model, load_tokenizer(config.data.tokenizer), names, torch.device("cpu"),
-                             max_len=args.seq_len or config.train.seq_len, limit=args.limit,
+                             max_len=_seq_len(args, config), limit=args.limit,
                              batch_size=args.batch_size)
     print(format_table(results))
     out = Path(args.run) / "eval_tasks.json"

@@ -54,5 +54,6 @@ def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> T
     # the trainer passes a config whose micro-batch validate_layout filled in; other callers (eval) get each
     # rank's share in one micro-batch, the derived default without pipeline parallelism
     micro = config.train.micro_batch_size or max(1, config.train.global_batch_size // dp_size)
-    loader = BatchLoader(mixture, config.train.global_batch_size, micro, dp_rank, dp_size)
+    loader = BatchLoader(mixture, config.train.global_batch_size, micro, dp_rank, dp_size,
+                         vocab_size=config.model.vocab_size)
     return TrainingData(loader=loader, heldout=heldout_sets)

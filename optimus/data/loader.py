@@ -22,6 +22,18 @@ from optimus.data.mixture import Mixture
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (inputs [mb, seq_len], labels [mb, seq_len]), int64
 
 
+def check_token_ids(windows: np.ndarray, vocab_size: int | None, what: str) -> None:
+    """Refuse ids the model has no embedding row for (a damaged token file, or one made with another tokenizer):
+    the embedding would fail mid-step with an IndexError. One pass over this batch's ids on the host."""
+    if vocab_size is None or not windows.size:
+        return
+    largest = int(windows.max())
+    if largest >= vocab_size or int(windows.min()) < 0:
+        bad = largest if largest >= vocab_size else int(windows.min())
+        raise DataError(f"{what} holds token id {bad}, outside model.vocab_size {vocab_size}: a token file is damaged "
+                        "or was made with another tokenizer: re-run `optimus tokenize` on it with the run's tokenizer")
+
+
 def _split_inputs_and_labels(windows: np.ndarray) -> MicroBatch:
     """[n, seq_len + 1] windows -> (inputs w[:, :-1], labels w[:, 1:]) as contiguous LongTensors."""
     tokens = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
@@ -38,8 +50,10 @@ class BatchLoader:
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        vocab_size: int | None = None,
     ):
-        """Check that the global batch divides evenly into ranks and micro-batches."""
+        """Check that the global batch divides evenly into ranks and micro-batches; with `vocab_size`, every batch's
+        token ids are checked against it."""
         if global_batch_size < 1 or micro_batch_size < 1:
             raise DataError(
                 f"batch sizes must be positive (global {global_batch_size}, micro {micro_batch_size}): fix the config"
@@ -63,6 +77,7 @@ class BatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.samples_per_rank = per_rank
+        self.vocab_size = vocab_size
         self.step = 0
 
     @property
@@ -78,6 +93,7 @@ class BatchLoader:
     def batch_at(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of global batch `step` (a pure function of seed and step)."""
         windows = np.stack([self.mixture.sample(i) for i in self.sample_range(step)])
+        check_token_ids(windows, self.vocab_size, f"training batch {step + 1}")
         return [
             _split_inputs_and_labels(windows[start : start + self.micro_batch_size])
             for start in range(0, self.samples_per_rank, self.micro_batch_size)
@@ -109,7 +125,7 @@ class BatchLoader:
 
 
 def heldout_batches(
-    datasets: Sequence[TokenDataset], seq_len: int, batch_size: int, n_batches: int
+    datasets: Sequence[TokenDataset], seq_len: int, batch_size: int, n_batches: int, vocab_size: int | None = None
 ) -> list[MicroBatch]:
     """Fixed evaluation batches: the first windows of each held-out set, taken round-robin.
 
@@ -127,4 +143,5 @@ def heldout_batches(
     round_robin = ((k, i) for i in range(max(counts)) for k in range(len(datasets)) if i < counts[k])
     order = list(islice(round_robin, wanted))
     windows = np.stack([datasets[k].instance(i, seq_len) for k, i in order])
+    check_token_ids(windows, vocab_size, "the held-out data")
     return [_split_inputs_and_labels(windows[start : start + batch_size]) for start in range(0, len(order), batch_size)]

@@ -283,10 +283,14 @@ def prepare_packaged(
     paths = (target / "train.bin", target / "heldout.bin")
     if all(_split_is_complete(target, split, expected) for split in splits):
         return paths
-    cache_dir.mkdir(parents=True, exist_ok=True)
     # A private, hidden build directory (os.mkdir, unlike mkdtemp, honours the umask).
     building = cache_dir / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    building.mkdir()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        building.mkdir()
+    except OSError as err:
+        raise DataError(f"data.cache_dir {cache_dir} cannot hold the tokenized corpus ({err.strerror}: "
+                        f"{err.filename}): set data.cache_dir to a folder this user can write") from None
     try:
         tokenize_documents(
             iter_packaged_documents(name),

@@ -56,14 +56,15 @@ def model_fingerprint(config: Config) -> dict:
     return {k: v for k, v in config.model.model_dump().items() if k not in _MODEL_FIELDS_FREE_TO_CHANGE}
 
 
-def check_checkpoint_matches(meta: dict, config: Config, where: Path) -> None:
+def check_checkpoint_matches(meta: dict, config: Config, where: Path,
+                             fix: str = "use the same model settings or another run.dir") -> None:
     """Refuse a checkpoint written for another model, naming the first field that differs."""
     saved = meta.get("model", {})
     for key, value in model_fingerprint(config).items():
         if key in saved and saved[key] != value:
             raise CheckpointError(
                 f"checkpoint in {where} was written for a different model (model.{key} = {saved[key]!r}, "
-                f"config says {value!r}): use the same model settings or another run.dir"
+                f"config says {value!r}): {fix}"
             )
 
 

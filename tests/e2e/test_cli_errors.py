@@ -183,6 +183,44 @@ def _recipe_config(t: Path, tr, make_arxiv: bool) -> list[str]:
     return _train(t / "mix.yaml", t / "r")
 
 
+def _uncommitted(trained, tmp: Path) -> Path:
+    """The run's only checkpoint without its COMMITTED marker (a copy cut short, or the marker deleted)."""
+    run = _copy(trained, tmp)
+    (run / "checkpoints" / "step-2" / "COMMITTED").unlink()
+    return run
+
+
+def _meta_a_list(trained, tmp: Path) -> Path:
+    """meta.json of valid JSON but not an object, with the manifest rewritten to match."""
+    from tests.unit.checkpoint.tampering import reseal
+
+    run = _copy(trained, tmp)
+    (run / "checkpoints" / "step-2" / "meta.json").write_text("[1, 2]")
+    reseal(run / "checkpoints" / "step-2")
+    return run
+
+
+def _config_edited(trained, tmp: Path) -> Path:
+    """The run's config.yaml now names a model of fewer layers than its checkpoint holds."""
+    run = _copy(trained, tmp)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["n_layers"] = 1
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return run
+
+
+def _bin_beyond_vocab(t: Path, tr) -> list[str]:
+    """A tokenized folder whose train.bin (sidecar intact) holds ids the model has no embedding row for."""
+    source = yaml.safe_load(Path(tr[0]).read_text())["data"]["sources"][0]["path"]
+    shutil.copytree(source, t / "tok")
+    size = (t / "tok" / "train.bin").stat().st_size
+    np.full(size // 2, 60000, np.uint16).tofile(t / "tok" / "train.bin")
+    config = yaml.safe_load(Path(tr[0]).read_text())
+    config["data"] = {"sources": [{"path": str(t / "tok")}]}
+    (t / "bin.yaml").write_text(yaml.safe_dump(config))
+    return _train(t / "bin.yaml", t / "r")
+
+
 BAD_INPUT_CASES = {
     # run directories, checked at start-up before any step
     "run.dir is a file": (lambda t, tr: (t / "f").write_text("x") and _train(tr[0], t / "f"),
@@ -198,6 +236,14 @@ BAD_INPUT_CASES = {
     "garbled index, resume": (lambda t, tr: _train(tr[0], _garbled_index(tr, t)), "step-2 could not be loaded"),
     "COMMITTED garbage": (lambda t, tr: (_copy(tr, t) / "checkpoints/step-2/COMMITTED").write_text("{")
                           and ["generate", str(t / "run"), "--prompt", "Hi"], "COMMITTED cannot be read"),
+    "step folder without COMMITTED, resume": (lambda t, tr: _train(tr[0], _uncommitted(tr, t)),
+                                              "no COMMITTED marker"),
+    "meta.json a list, resume": (lambda t, tr: _train(tr[0], _meta_a_list(tr, t)), "meta.json holds a list"),
+    "config.yaml edited, eval": (lambda t, tr: ["eval", str(_config_edited(tr, t)), "--batches", "1"],
+                                 "restore the run's config.yaml"),
+    "config.yaml edited, export": (lambda t, tr: ["export", str(_config_edited(tr, t)), "--format", "hf", "--out",
+                                                  str(t / "hf")], "model.n_layers = 2"),
+    "eval sequence of 0": (lambda t, tr: ["eval", str(tr[1]), "--seq-len", "0"], "--seq-len 0: must be at least 1"),
     "verify, not a run": (lambda t, tr: ["verify", str(t)], "holds no checkpoints folder"),
     "verify, no checkpoint": (lambda t, tr: (t / "checkpoints").mkdir() or ["verify", str(t)], "no checkpoint yet"),
     # Hugging Face folders
@@ -219,6 +265,10 @@ BAD_INPUT_CASES = {
                             "beyond the vocabulary of 50280"),
     "npy uint32 read as uint16": (lambda t, tr: _npy_config(t, tr, {"a.npy": np.arange(500, dtype=np.uint32).tobytes()}),
                                   "set the source's dtype: uint32"),
+    "bin ids beyond vocab": (_bin_beyond_vocab, "outside model.vocab_size 50304"),
+    "cache_dir is a file": (lambda t, tr: _train(tr[0], t / "r") + [f"--data.cache_dir={_file(t)}",
+                                                                   "--data.sources=[{name: sotu}]"],
+                            "data.cache_dir"),
     "recipe source missing": (lambda t, tr: _recipe_config(t, tr, make_arxiv=False), "source arxiv: no files at"),
     # where a command writes: refused before any work (the folder on the way is a file)
     "export under a file": (lambda t, tr: ["export", str(tr[1]), "--format", "hf", "--out", str(_file(t) / "hf")],
@@ -307,3 +357,28 @@ def test_a_really_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_ch
     from optimus.checkpoint.manager import CheckpointManager
 
     assert CheckpointManager(run).find_problem(2) is None
+
+
+def test_an_uncommitted_step_folder_is_never_deleted(capsys, tmp_path, trained):
+    """A step folder without its marker is no checkpoint to resume from, but its files are kept: alone it stops
+    the run (above); beside an older good checkpoint the run resumes from that one and keeps it aside."""
+    run = _copy(trained, tmp_path)
+    good = run / "checkpoints" / "step-2"
+    shutil.copytree(good, run / "checkpoints" / "step-4")
+    (run / "checkpoints" / "step-4" / "COMMITTED").unlink()
+    kept = snapshot(run / "checkpoints" / "step-4")
+    assert main(_train(trained[0], run) + ["--train.max_steps=3"]) == 0
+    assert "skipped checkpoint step-4 (no COMMITTED marker" in capsys.readouterr().err
+    assert snapshot(run / "checkpoints" / "damaged-step-4") == kept
+
+
+def test_permission_denied_is_one_line(capsys, tmp_path, trained, monkeypatch):
+    # as root (CI containers) chmod 000 does not bite: the error is raised where the run directory is first read
+    import optimus.checkpoint.manager as manager
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(manager, "check_run_dir", denied)
+    err = fail_line(capsys, _train(trained[0], tmp_path / "r"))
+    assert f"permission denied on {tmp_path / 'r'}" in err

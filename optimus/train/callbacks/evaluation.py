@@ -33,7 +33,8 @@ class Evaluation(Callback):
         """The fixed held-out batches used for every evaluation of this run."""
         if self._heldout is None:
             t = self.trainer.config.train
-            self._heldout = heldout_batches(self.trainer.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches)
+            self._heldout = heldout_batches(self.trainer.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches,
+                                            self.trainer.config.model.vocab_size)
         return self._heldout
 
     def heldout_loss(self) -> float | None:
