@@ -2,7 +2,8 @@
 
 Layout of a run directory:
     checkpoints/step-N/          DCP shards, `.metadata`, `values.json`, `meta.json`, `COMMITTED` last
-    checkpoints/damaged-step-N/  a checkpoint that failed its check on resume, moved aside, never deleted
+    checkpoints/damaged-step-N/  a checkpoint that failed its check on resume, or a step-N folder without COMMITTED
+                                 (not one of our saves: a copy cut short), moved aside, never deleted
     latest                       the newest committed step number
 A save goes to `checkpoints/.tmp-step-N/` first and is renamed once complete, so a crash mid-save
 leaves the previous checkpoints untouched and the half-written one is never mistaken for good.

@@ -35,6 +35,7 @@ from optimus.train.callbacks.step_metrics import ExpertLoadMetrics, MemoryMetric
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.host_memory import reuse_freed_host_memory
 from optimus.train.precision import Precision, choose_precision
+from optimus.train.resume_settings import changed_settings, keep_earlier_config
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, train_step
 
@@ -207,6 +208,17 @@ class Trainer:
         state = {key: value for key, value in self.state.items() if key in meta.get("contents", self.state)}
         self.checkpoints.load(self.resume_step, state)
 
+    def _keep_earlier_settings(self) -> None:
+        """Before config.yaml is rewritten on resume: keep the earlier one where settings changed, and say which."""
+        saved = self.run_dir / "config.yaml"
+        if self.resume_step is None or not saved.is_file():
+            return
+        changed = changed_settings(saved, self.requested_config)
+        if changed:
+            kept = keep_earlier_config(self.run_dir, self.resume_step)
+            self._say(f"resuming from step {self.resume_step} with settings changed since: {'; '.join(changed)} "
+                      f"(the earlier config.yaml is kept as {kept.name})", warning=True)
+
     def heldout(self):
         """The fixed held-out batches used for every evaluation of this run."""
         return self.evaluation.heldout()
@@ -221,6 +233,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._restore()
         if self.is_rank0:
+            self._keep_earlier_settings()
             save_config(self.requested_config, self.run_dir / "config.yaml")
             self._say(self.precision.describe())
             if cfg.parallel.grad_reduce_dtype == "bf16" and self.dims.dp > 1:

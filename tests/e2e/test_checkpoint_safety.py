@@ -86,3 +86,18 @@ def test_flipped_weight_is_named_and_resume_uses_the_previous_checkpoint(two_che
 def losses(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def test_resume_with_changed_settings_keeps_the_earlier_config_and_says_so(two_checkpoints, tmp_path, capsys):
+    cfg, run = copy_run(two_checkpoints, tmp_path)
+    assert main(["train", str(cfg), f"--run.dir={run}", "--train.max_steps=5", "--no-progress"]) == 0
+    assert "settings changed" not in capsys.readouterr().err  # a longer run changes what no step computes
+    assert not list(run.glob("config-before-*"))
+    earlier = (run / "config.yaml").read_text()
+
+    assert main(["train", str(cfg), f"--run.dir={run}", "--train.max_steps=6", "--optim.lr=0.0005",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 5 with settings changed since: optim.lr: 0.001 -> 0.0005" in err, err
+    assert (run / "config-before-step-5.yaml").read_text() == earlier
+    assert "lr: 0.0005" in (run / "config.yaml").read_text()

@@ -1,0 +1,34 @@
+"""Which settings of a resumed run count as changed, and where the earlier config.yaml is kept."""
+
+from __future__ import annotations
+
+from optimus.config import build_config, save_config
+from optimus.train.resume_settings import changed_settings, keep_earlier_config
+
+
+def test_only_settings_that_change_what_steps_compute_are_listed(tmp_path):
+    before = build_config({"train": {"seq_len": 64, "max_steps": 10}, "optim": {"lr": 1e-3}})
+    save_config(before, tmp_path / "config.yaml")
+    same_meaning = build_config({"train": {"seq_len": 64, "max_steps": 20, "log_every": 5, "ckpt_every": 3},
+                                 "optim": {"lr": 1e-3}, "parallel": {"dp_shard": 2}})
+    assert changed_settings(tmp_path / "config.yaml", same_meaning) == []
+    other = build_config({"train": {"seq_len": 128, "max_steps": 10, "global_batch_size": 16},
+                          "optim": {"lr": 1e-4}, "data": {"sources": [{"name": "stdlib"}]}})
+    changed = changed_settings(tmp_path / "config.yaml", other)
+    assert "train.seq_len: 64 -> 128" in changed and "train.global_batch_size: 8 -> 16" in changed
+    assert "optim.lr: 0.001 -> 0.0001" in changed and any(line.startswith("data.sources") for line in changed)
+
+
+def test_an_unreadable_earlier_config_compares_with_nothing(tmp_path):
+    (tmp_path / "config.yaml").write_text("{ not yaml")
+    assert changed_settings(tmp_path / "config.yaml", build_config({})) == []
+    assert changed_settings(tmp_path / "absent.yaml", build_config({})) == []
+
+
+def test_earlier_configs_are_kept_under_free_names(tmp_path):
+    (tmp_path / "config.yaml").write_text("a: 1\n")
+    first = keep_earlier_config(tmp_path, 4)
+    (tmp_path / "config.yaml").write_text("a: 2\n")
+    second = keep_earlier_config(tmp_path, 4)
+    assert first.name == "config-before-step-4.yaml" and second.name == "config-before-step-4.2.yaml"
+    assert first.read_text() == "a: 1\n" and second.read_text() == "a: 2\n"
