@@ -327,10 +327,17 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of documents set aside in heldout.bin for evaluation (default: 0)",
     )  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the tokenized data --output already holds (refused without it)")
 
 
 def tokenize_command(args: argparse.Namespace) -> int:
     """The `optimus tokenize` verb: tokenize args.input into args.output and print a summary."""
+    held = [name for name in ("train.bin", "heldout.bin") if (Path(args.output) / name).exists()]
+    if held and not getattr(args, "overwrite", False):
+        # a training run may be reading them; and a new train.bin without --heldout-fraction drops heldout.bin
+        raise DataError(f"--output {args.output} already holds tokenized data ({', '.join(held)}): choose a new "
+                        "folder, or pass --overwrite to replace it")
     summary = tokenize_files(
         args.input,
         getattr(args, "tokenizer", "olmoe"),

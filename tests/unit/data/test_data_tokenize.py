@@ -155,6 +155,14 @@ def test_tokenize_command_and_its_arguments(tmp_path, small_speeches, capsys):
     assert "Tokenized 2 documents from 2 files" in summary and "tokens/s" in summary
     assert "train.bin" in summary and "heldout.bin" in summary
 
+    # again into the same folder: refused (a run may read it; without a held-out split heldout.bin would go)
+    args.heldout_fraction = 0.0
+    with pytest.raises(DataError, match="already holds tokenized data"):
+        tokenize_command(args)
+    assert (tmp_path / "heldout.bin").exists()
+    args.overwrite = True
+    assert tokenize_command(args) == 0 and not (tmp_path / "heldout.bin").exists()
+
 
 def test_prepare_packaged_builds_once_then_reuses(tmp_path, monkeypatch):
     three_docs = lambda name: islice(iter_packaged_documents(name), 3)  # noqa: E731 - keeps the test fast
