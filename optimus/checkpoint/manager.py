@@ -449,7 +449,9 @@ class CheckpointManager:
                     value.load_state_dict(live[key])
         except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; one line, not a traceback
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded ({_describe(err)}): delete it or use another run.dir"
+                f"checkpoint {path} could not be loaded ({_describe(err)}): move it to "
+                f"{self.dir / (DAMAGED_PREFIX + path.name)} and rerun to resume from the one before, or use another "
+                "run.dir"
             ) from None
 
 
