@@ -136,12 +136,38 @@ def heldout_batches(
     """
     if batch_size < 1 or n_batches < 1:
         raise DataError(f"eval batch size {batch_size} and batch count {n_batches} must be positive: fix the config")
+    windows = _heldout_windows(datasets, seq_len, batch_size * n_batches, vocab_size)
+    return [_split_inputs_and_labels(windows[start : start + batch_size]) for start in range(0, len(windows), batch_size)]
+
+
+def heldout_share(
+    datasets: Sequence[TokenDataset], seq_len: int, global_batch_size: int, n_batches: int, micro_batch_size: int,
+    dp_rank: int = 0, dp_size: int = 1, vocab_size: int | None = None,
+) -> list[MicroBatch]:
+    """This data-parallel rank's share of the training loop's held-out set, in micro-batches.
+
+    The set is the first n_batches x global_batch_size windows taken as `heldout_batches` takes them (fewer where
+    the held-out data is shorter: then a multiple of dp_size), the same whatever the layout; rank r of D holds its
+    contiguous 1/D of them, so every rank runs the same number of forwards (a sharded model's are collective) and
+    the ranks' sums of losses and tokens add up to the one-process set's.
+    """
+    if global_batch_size < 1 or n_batches < 1 or micro_batch_size < 1:
+        raise DataError(f"eval batches {n_batches} of {global_batch_size} sequences (micro {micro_batch_size}) must be "
+                        "positive: fix the config")
+    windows = _heldout_windows(datasets, seq_len, global_batch_size * n_batches, vocab_size)
+    share = len(windows) // dp_size
+    mine = windows[dp_rank * share : (dp_rank + 1) * share]
+    return [_split_inputs_and_labels(mine[start : start + micro_batch_size])
+            for start in range(0, share, micro_batch_size)]
+
+
+def _heldout_windows(datasets: Sequence[TokenDataset], seq_len: int, wanted: int, vocab_size: int | None) -> np.ndarray:
+    """The first `wanted` held-out windows: window 0 of every source, then window 1 of every source, and so on."""
     if not datasets:
-        return []  # no source has a held-out split: callers skip evaluation
+        return np.empty((0, seq_len + 1), dtype=np.int64)  # no source has a held-out split: callers skip evaluation
     counts = [ds.num_instances(seq_len) for ds in datasets]
-    wanted = batch_size * n_batches
     round_robin = ((k, i) for i in range(max(counts)) for k in range(len(datasets)) if i < counts[k])
     order = list(islice(round_robin, wanted))
     windows = np.stack([datasets[k].instance(i, seq_len) for k, i in order])
     check_token_ids(windows, vocab_size, "the held-out data")
-    return [_split_inputs_and_labels(windows[start : start + batch_size]) for start in range(0, len(order), batch_size)]
+    return windows

@@ -172,8 +172,9 @@ class PipelineRuntime:
         return self._gather_terms(losses, n, device)
 
     @torch.no_grad()
-    def evaluate_loss(self, batches, device: torch.device, autocast) -> float:
-        """Token-weighted mean cross-entropy over (inputs, labels) batches, forward only, on every pp rank.
+    def evaluate_loss(self, batches, device: torch.device, autocast, dp_group=None) -> float:
+        """Token-weighted mean cross-entropy over (inputs, labels) batches, forward only, on every pp rank; with
+        `dp_group`, over every data-parallel replica's batches (each holding its share of the set).
 
         Hidden states go from stage to stage with plain send/recv (a small header first: their shape
         differs under sequence parallelism), one batch at a time: evaluation is rare, simplicity wins.
@@ -201,6 +202,8 @@ class PipelineRuntime:
                 total[0] += h.detach().double() * labels.numel()
                 total[1] += labels.numel()
         dist.all_reduce(total, group=group)
+        if dp_group is not None:
+            dist.all_reduce(total, group=dp_group)
         return (total[0] / total[1].clamp(min=1)).item()
 
     def _gather_terms(self, losses: list[torch.Tensor], n: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0 = only at the end")
-    eval_batches: int = Field(8, gt=0)
+    eval_batches: int = Field(8, gt=0, description="the held-out set: this many global batches of windows, the "
+                              "same for every layout, split over the data-parallel ranks")
     eval_tasks: list[str] = Field(
         default_factory=list, description="downstream tasks scored at every evaluation (see optimus/eval/tasks.py); "
                                           "not under pipeline parallelism")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from optimus.data.loader import heldout_batches
+import torch
+import torch.distributed as dist
+
+from optimus.data.loader import heldout_share
 from optimus.eval.loop import downstream_accuracies
 from optimus.parallel.pipeline import get_pipeline
 from optimus.train.callbacks.base import Callback
@@ -29,25 +32,40 @@ class Evaluation(Callback):
         if step == train.max_steps or (train.eval_every and step % train.eval_every == 0):
             self.last_loss = self.run(step)
 
+    def _dp_group(self):
+        trainer = self.trainer
+        return trainer.mesh["dp"].get_group() if trainer.mesh is not None and trainer.dims.dp > 1 else None
+
     def heldout(self):
-        """The fixed held-out batches used for every evaluation of this run."""
+        """This rank's share of the fixed held-out set used for every evaluation of this run: eval_batches global
+        batches of windows whatever the layout (data/loader.heldout_share), split over the data-parallel ranks."""
         if self._heldout is None:
-            t = self.trainer.config.train
-            self._heldout = heldout_batches(self.trainer.data.heldout, t.seq_len, t.micro_batch_size, t.eval_batches,
-                                            self.trainer.config.model.vocab_size)
+            trainer, t = self.trainer, self.trainer.config.train
+            # the training data's split (trainer.py): rank r of the "dp" mesh dimension
+            rank, size = (trainer.mesh.local_rank("dp"), trainer.dims.dp) if self._dp_group() is not None else (0, 1)
+            self._heldout = heldout_share(trainer.data.heldout, t.seq_len, t.global_batch_size, t.eval_batches,
+                                          t.micro_batch_size, rank, size, trainer.config.model.vocab_size)
         return self._heldout
 
     def heldout_loss(self) -> float | None:
         """Held-out loss of the current weights (None when no source has a held-out split)."""
         trainer = self.trainer
         batches = self.heldout()
-        if not batches:
+        if not batches:  # the same on every rank: the shares are equal
             return None
         pipeline = get_pipeline(trainer.model)  # PP: each rank holds only its stages' layers
         dtype = trainer.config.train.dtype
+        group = self._dp_group()
         if pipeline is not None:
-            return pipeline.evaluate_loss(batches, trainer.device, autocast_context(trainer.device, dtype))
-        return evaluate(trainer.model, batches, trainer.device, dtype).loss
+            return pipeline.evaluate_loss(batches, trainer.device, autocast_context(trainer.device, dtype),
+                                          dp_group=group)
+        result = evaluate(trainer.model, batches, trainer.device, dtype)
+        if group is None:
+            return result.loss
+        # on the device: NCCL reduces device tensors only
+        total = torch.tensor([result.loss * result.tokens, result.tokens], dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(total, group=group)
+        return (total[0] / total[1].clamp(min=1)).item()
 
     def run(self, step: int) -> float | None:
         """Evaluate now and tell the other callbacks; returns the held-out loss."""

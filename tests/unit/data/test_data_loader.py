@@ -7,7 +7,7 @@ import torch
 
 from optimus.data.dataset import open_token_dataset
 from optimus.data.errors import DataError
-from optimus.data.loader import BatchLoader, heldout_batches
+from optimus.data.loader import BatchLoader, heldout_batches, heldout_share
 from optimus.data.mixture import Mixture
 
 SEQ_LEN = 32
@@ -88,6 +88,17 @@ def test_heldout_batches_are_fixed_and_round_robin(sotu_tokenized, wiki_tokenize
     assert heldout_batches([], SEQ_LEN, 3, 2) == []  # nothing held out: the trainer skips evaluation
     with pytest.raises(DataError, match="must be positive"):
         heldout_batches(sources, SEQ_LEN, 0, 2)
+
+
+def test_heldout_shares_split_one_fixed_set_over_the_ranks(sotu_tokenized, wiki_tokenized):
+    sources = [open_token_dataset(d, split="heldout") for d in (sotu_tokenized, wiki_tokenized)]
+    whole, _ = _rows(heldout_batches(sources, SEQ_LEN, batch_size=6, n_batches=2))
+    one, _ = _rows(heldout_share(sources, SEQ_LEN, global_batch_size=6, n_batches=2, micro_batch_size=4))
+    assert torch.equal(one, whole)  # one process: the whole set, in micro-batches
+    shares = [heldout_share(sources, SEQ_LEN, 6, 2, micro_batch_size=2, dp_rank=r, dp_size=3) for r in range(3)]
+    assert [len(share) for share in shares] == [2, 2, 2]  # the same number of forwards on every rank
+    assert torch.equal(torch.cat([_rows(share)[0] for share in shares]), whole)
+    assert heldout_share([], SEQ_LEN, 6, 2, 2, dp_rank=1, dp_size=2) == []
 
 
 def test_training_data_without_a_micro_batch_gives_each_rank_its_share(small_token_dir):
