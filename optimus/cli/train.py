@@ -83,12 +83,25 @@ def _print_train_summary(trainer, summary, config_path: str, overrides: list[str
     else:  # each rank holds only its stages: sample from the checkpoint instead
         say("sample: (pipeline-parallel run: use `optimus generate` below, which loads the whole model)")
     kept = [o for o in overrides if not o.startswith("--train.max_steps")]
-    again = " ".join(["optimus train", config_path, *kept])
+    again = " ".join([_relaunch_prefix(), "train", config_path, *kept])
     say("next:")
     say(f"  resume / extend:  {again} --train.max_steps={summary.step * 2}")
     say(f"  evaluate:         optimus eval {run}")
     say(f"  generate:         optimus generate {run} --prompt 'The Constitution'")
     say(f"  export to HF:     optimus export {run} --format hf --out hf/{run.name}")
+
+
+def _relaunch_prefix() -> str:
+    """How to start this job again: `optimus` for one process; several ranks need their launcher again."""
+    from optimus.parallel.launch import detect_launch_env
+
+    launch = detect_launch_env()
+    if launch.world_size == 1:
+        return "optimus"
+    nodes = launch.world_size // max(launch.local_world_size, 1)
+    if launch.launcher == "torchrun" and nodes == 1:
+        return f"optimus launch --nproc-per-node {launch.local_world_size}"
+    return f"[{launch.world_size} ranks through {launch.launcher}, as this job was started] optimus"
 
 
 def cmd_chaos(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -12,6 +12,8 @@ Nothing else in Optimus creates process groups.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,7 +94,8 @@ class ParallelDims(ParallelDegrees):
         """Raise LayoutError when the model (and, given, the training sequence length) cannot be split this way."""
         if model.n_heads % self.tp or model.kv_heads % self.tp:
             raise LayoutError(
-                f"parallel.tp ({self.tp}) must divide model.n_heads ({model.n_heads}) and n_kv_heads ({model.kv_heads})"
+                f"parallel.tp ({self.tp}) must divide model.n_heads ({model.n_heads}) and n_kv_heads ({model.kv_heads}): "
+                f"use a tp that divides {math.gcd(model.n_heads, model.kv_heads)}"
             )
         if seq_len is not None and self.tp > 1 and seq_len % self.tp:
             raise LayoutError(
@@ -102,7 +105,8 @@ class ParallelDims(ParallelDegrees):
         stages = self.pp * virtual_stages
         if model.n_layers < stages:
             raise LayoutError(
-                f"model.n_layers ({model.n_layers}) is fewer than the pipeline stages (pp x virtual stages = {stages})"
+                f"model.n_layers ({model.n_layers}) is fewer than the pipeline stages (pp x virtual stages = {stages}): "
+                "lower parallel.pp (or parallel.pp_virtual_stages)"
             )
         if self.ep > 1 and not model.is_moe:
             raise LayoutError(f"parallel.ep ({self.ep}) needs an MoE model (model.n_experts > 0): set parallel.ep=1")

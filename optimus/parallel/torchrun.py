@@ -33,6 +33,16 @@ def split_launch_args(argv: list[str], verbs: Collection[str]) -> tuple[list[str
     raise ValueError(f"no optimus command after the torchrun options: add one of {', '.join(sorted(verbs))}")
 
 
+def _check_counts(args) -> None:
+    """--nproc-per-node and --nnodes as whole numbers of at least 1 (torch asserts without a message on 0)."""
+    per_node = str(args.nproc_per_node)
+    if per_node.isdigit() and int(per_node) < 1 or per_node.startswith("-"):
+        raise ValueError(f"--nproc-per-node {per_node}: must be at least 1 (or one of auto, cpu, gpu, xpu)")
+    for bound in str(args.nnodes).split(":"):
+        if not bound.isdigit() or int(bound) < 1:
+            raise ValueError(f"--nnodes {args.nnodes}: give a number of nodes of at least 1 (or MIN:MAX)")
+
+
 def _message_of(failure) -> str | None:
     """The one line a worker wrote to its torchrun error file (optimus.cli), or None."""
     message = failure.message
@@ -43,11 +53,16 @@ def _message_of(failure) -> str | None:
 
 def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
     """Run `torchrun TORCHRUN_OPTIONS -m optimus VERB ARGS` in this process; returns the exit code."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    if not any(arg in verbs for arg in argv) and any(arg in ("-h", "--help") for arg in argv):
+        print("usage: optimus launch [torchrun options] VERB [its arguments]; torchrun's options:")
+        parse_args(["--help"])  # prints them and exits 0
     torchrun_options, command = split_launch_args(argv, verbs)
     args = parse_args([*torchrun_options, "-m", "optimus", *command])
+    _check_counts(args)
     os.environ[WORKER_ERRORS_ENV] = WORKER_ERRORS_TO_LAUNCHER  # inherited by the workers
     # worker start/stop lines ("closing signal SIGTERM", "failed (exitcode: 2)"): the summary below says it
     process_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
@@ -56,6 +71,16 @@ def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
     try:
         run(args)
         return 0
+    except DistNetworkError as err:  # before any worker: the rendezvous store could not listen or connect
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        print(f"optimus launch: error: the rendezvous at {args.master_addr}:{args.master_port} failed ({first[:200]}): "
+              "pass another --master-port (a free one), or stop what holds this one", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except (AssertionError, ValueError) as err:  # torch.distributed.elastic's own checks of the options it was given
+        print(f"optimus launch: error: torchrun refused its options ({err or 'an assertion without a message'}): "
+              "check --nnodes, --nproc-per-node (a number, or auto, cpu, gpu, xpu) and the rendezvous options",
+              file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     except ChildFailedError as err:
         # the others were stopped by torchrun once one exited: report the lowest rank that refused its input
         refused = sorted((rank, _message_of(failure)) for rank, failure in err.failures.items()

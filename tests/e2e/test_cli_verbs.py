@@ -88,3 +88,20 @@ def test_dry_run_prints_resolved_config(tmp_path, token_dir, capsys):
     assert main(["train", str(cfg), "--dry-run", "--train.max_steps=77"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["train"]["max_steps"] == 77 and resolved["model"]["d_model"] == 64
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, "optimus"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "optimus launch --nproc-per-node 2"),
+    ({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"}, "[16 ranks through torchrun, as this job was started]"),
+])
+def test_the_printed_resume_command_relaunches_every_rank(env, expected, monkeypatch):
+    """After a run of several ranks, `optimus train ...` alone would start one process and refuse the layout."""
+    from optimus.cli.train import _relaunch_prefix
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "PMI_RANK", "PALS_RANKID",
+                 "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _relaunch_prefix().startswith(expected)

@@ -48,3 +48,37 @@ def test_plain_torchrun_shows_the_line_once_and_names_it_as_the_root_cause(tiny_
     assert printed == [LINE], result.stderr  # rank 0 said it once, rank 1 stayed quiet
     root_cause = result.stderr.split("Root Cause")[1]
     assert "rank      : 0" in root_cause and f"traceback : {LINE}" in root_cause, result.stderr
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--nproc-per-node=0"], "--nproc-per-node 0: must be at least 1"),
+    (["--nproc-per-node=-1"], "--nproc-per-node -1: must be at least 1"),
+    (["--nproc-per-node=abc"], "torchrun refused its options (Unsupported nproc_per_node value: abc)"),
+    (["--nnodes=0", "--nproc-per-node=2"], "--nnodes 0: give a number of nodes of at least 1"),
+])
+def test_launch_options_torchrun_would_assert_on_are_one_line(options, expected, capsys, tiny_file):
+    from optimus.cli import main
+
+    assert main(["launch", *options, "train", str(tiny_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_launch_on_a_port_in_use_is_one_line(tiny_file, tmp_path):
+    import socket
+
+    with socket.socket() as held:  # what a stale job or another service would hold
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = _run("-m", "optimus", "launch", "--nproc-per-node=2", f"--master-port={port}", "train",
+                      str(tiny_file), "--parallel.dp_shard=2")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"rendezvous at 127.0.0.1:{port} failed" in result.stderr and "another --master-port" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_help_prints_torchruns_options():
+    result = _run("-m", "optimus", "launch", "--help")
+    assert result.returncode == 0 and "--nproc-per-node" in result.stdout, result.stderr
