@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed, 0 <= seed < 2**63")
     gen.set_defaults(func=cmd_generate)
 
     export = verbs.add_parser("export", help="write a run's weights in another format")
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.add_argument("--dense-format", choices=["auto", "olmo2", "llama"], default="auto",
                         help="dense models: OLMo-2 (post-norm, QK-norm) or Llama (pre-norm, no QK-norm)")
+    export.add_argument("--overwrite", action="store_true", help="replace the model --out already holds")
     export.set_defaults(func=cmd_export)
 
     imp = verbs.add_parser("import", help="turn a Hugging Face OLMoE / OLMo-2 / Llama directory into a run")

@@ -108,6 +108,12 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError("--max-new-tokens must be at least 1")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a number >= 0 (0 = greedy; got {args.temperature:g})")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed {args.seed}: use 0 <= seed < 2**63 (torch takes a 64-bit seed)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell's locale could not decode reach Python as lone surrogates
+        raise UsageError("--prompt is not valid UTF-8 text: pass it from a UTF-8 locale (e.g. LANG=C.UTF-8)") from None
     config, model = load_run(args.run)
     tokenizer = load_tokenizer(config.data.tokenizer)
     ids = tokenizer.encode(args.prompt).ids
@@ -134,7 +140,8 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     if info["vocab_size"] <= config.model.vocab_size:  # e.g. an imported model with its own small vocabulary
         tokenizer = ExportTokenizer(resolve_tokenizer_path(config.data.tokenizer), info["eos_token"], info["pad_token"])
         note = " with its tokenizer"
-    out = export_hf(model, config.model, args.out, dense_format=args.dense_format, tokenizer=tokenizer)
+    out = export_hf(model, config.model, args.out, dense_format=args.dense_format, tokenizer=tokenizer,
+                    overwrite=args.overwrite)
     print(f"exported {args.run} to {out} (Hugging Face transformers layout{note})")
     return 0
 

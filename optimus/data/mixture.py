@@ -84,8 +84,9 @@ class Mixture:
             raise DataError("a data mixture needs at least one source: add one under data.sources")
         if len(weights) != len(datasets):
             raise DataError(f"{len(datasets)} data sources but {len(weights)} weights: give one weight per source")
-        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise DataError(f"mixture weights {list(weights)} are invalid: use non-negative numbers, not all zero")
+        if any(not math.isfinite(w) or w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
+            raise DataError(f"mixture weights {list(weights)} are invalid: use non-negative numbers, not all zero, whose "
+                            "sum is finite (e.g. token counts or fractions)")
         if seed < 0:
             raise DataError(f"seed is {seed}: use a non-negative integer")
         if block_size < len(datasets):

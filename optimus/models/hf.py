@@ -136,13 +136,16 @@ def to_hf_state_dict(model: Transformer, config: ModelConfig, family: str) -> di
     return out
 
 
-def _prepare_out_dir(out_dir: str | Path) -> Path:
+def _prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> Path:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InteropError(f"'{out}' is a file: pass a directory for the export")
     if out.is_dir() and any(out.iterdir()):
         if not (out / "config.json").is_file():
             raise InteropError(f"'{out}' is not empty and holds no earlier export: choose a new or empty --out")
+        if not overwrite:  # a downloaded model's folder looks the same: its weights are not ours to delete
+            raise InteropError(f"'{out}' already holds a model (config.json): choose a new or empty --out, or pass "
+                               "--overwrite to replace it")
         # Overwriting an earlier export: drop its weights so no stale shard or index survives.
         for old in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
             old.unlink()
@@ -181,16 +184,17 @@ def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer) -> dict[str, in
 
 
 def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dense_format: str = "auto",
-              tokenizer: ExportTokenizer | None = None) -> Path:
+              tokenizer: ExportTokenizer | None = None, overwrite: bool = False) -> Path:
     """Write `config.json` and `model.safetensors` (fp32) that transformers' from_pretrained loads, and,
     given the run's tokenizer, its files (see write_tokenizer_files).
 
     MoE models become OlmoeForCausalLM; dense ones Olmo2ForCausalLM or LlamaForCausalLM, chosen by
-    norm placement and QK-norm when dense_format is "auto". Returns the output directory.
+    norm placement and QK-norm when dense_format is "auto". A folder holding a model already is refused unless
+    `overwrite`. Returns the output directory.
     """
     family = pick_format(config, dense_format)
     tensors = to_hf_state_dict(model, config, family)
-    out = _prepare_out_dir(out_dir)
+    out = _prepare_out_dir(out_dir, overwrite)
     hf = hf_config(config, family)
     if tokenizer is not None:
         hf.update(write_tokenizer_files(out, tokenizer))

@@ -52,59 +52,95 @@ def first_host(nodelist: str) -> str:
 
 
 def _ints(env: Mapping[str, str], *names: str) -> list[int]:
+    return [_int(env, name) for name in names]
+
+
+def _int(env: Mapping[str, str], name: str, default: int | str | None = None) -> int:
+    """A launcher variable as an integer (`default` when unset or empty), or LaunchError naming it."""
+    value = env.get(name) or default
+    if value is None:
+        raise LaunchError(f"launcher variable {name} is not set: check the job script")
     try:
-        return [int(env[name]) for name in names]
-    except ValueError as err:
-        raise LaunchError(f"launcher variable is not an integer ({err}): check the job script") from None
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"launcher variable {name}={value!r} is not an integer: check the job script") from None
 
 
 def _master(env: Mapping[str, str], fallback_host: str) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR") or fallback_host
-    port = int(env.get("MASTER_PORT", DEFAULT_PORT))
-    return addr, port
+    return addr, _int(env, "MASTER_PORT", DEFAULT_PORT)
+
+
+# a rank variable of each launcher, and the world size that must come with it
+_RANK_AND_SIZE = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("PMI_RANK", "PMI_SIZE"))
 
 
 def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Rank, world and rendezvous from whichever launcher started this process (one process if none)."""
+    """Rank, world and rendezvous from whichever launcher started this process (one process if none); LaunchError
+    for variables that contradict each other (a rank past the world, a rank without a world size)."""
     env = os.environ if env is None else env
+    launch = _from_launcher(env)
+    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
+        raise LaunchError(f"the launcher gave rank {launch.rank} of a world of {launch.world_size} ({launch.launcher}): "
+                          "check the job script's task counts")
+    if launch.local_world_size < 1 or not 0 <= launch.local_rank < launch.local_world_size:
+        raise LaunchError(f"the launcher gave local rank {launch.local_rank} of {launch.local_world_size} on this node "
+                          f"({launch.launcher}): check the job script's tasks per node")
+    if not 0 < launch.master_port < 65536:
+        raise LaunchError(f"MASTER_PORT {launch.master_port} is not a port (1-65535): set a free one")
+    if launch.launcher == "single":
+        # an sbatch script's own shell has SLURM_PROCID=0 without srun's task count: one process is right there;
+        # any other rank without its world size is one task of a job this process cannot join
+        for rank_name, size_name in _RANK_AND_SIZE:
+            if rank_name in env and env[rank_name] != "0" and size_name not in env:
+                raise LaunchError(f"{rank_name}={env[rank_name]} is set but {size_name} is not: launch through the "
+                                  f"launcher that sets both (torchrun, srun, mpiexec), or unset {rank_name}")
+    return launch
+
+
+def _from_launcher(env: Mapping[str, str]) -> LaunchEnv:
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or any launcher that exports the standard names
         rank, world = _ints(env, "RANK", "WORLD_SIZE")
-        local = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        local = _int(env, "LOCAL_RANK", rank)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
         addr, port = _master(env, "127.0.0.1")
-        restart = int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+        restart = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return LaunchEnv(rank, world, local, local_world, addr, port, "torchrun", restart, agent_store)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _ints(env, "SLURM_PROCID", "SLURM_NTASKS")
-        local = int(env.get("SLURM_LOCALID", 0))
+        local = _int(env, "SLURM_LOCALID", 0)
         per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", str(world)))
-        local_world = int(re.match(r"\d+", per_node).group())
+        leading = re.match(r"\d+", per_node)  # "4(x2)" and the like: tasks on this node first
+        if leading is None:
+            raise LaunchError(f"cannot read Slurm's tasks per node {per_node!r}: check the job script's --ntasks-per-node")
+        local_world = int(leading.group())
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         addr, port = _master(env, first_host(nodelist))
         return LaunchEnv(rank, world, local, local_world, addr, port, "slurm")
     if "PALS_RANKID" in env:  # Cray PALS (Aurora's mpiexec); the world size comes from PMI
         rank = _ints(env, "PALS_RANKID")[0]
-        world = int(env.get("PMI_SIZE", env.get("PALS_SIZE", 0)) or 0)
+        world = _int(env, "PMI_SIZE", env.get("PALS_SIZE", 0) or 0)
         if world <= 0:
             raise LaunchError("PALS_RANKID is set but PMI_SIZE is not: launch with mpiexec -n N so PMI_SIZE is exported")
-        local = int(env.get("PALS_LOCAL_RANKID", 0))
-        local_world = int(env.get("PALS_LOCAL_SIZE", env.get("PMI_LOCAL_SIZE", 1)))
+        local = _int(env, "PALS_LOCAL_RANKID", 0)
+        local_world = _int(env, "PALS_LOCAL_SIZE", env.get("PMI_LOCAL_SIZE", 1))
         addr, port = _master(env, _pbs_first_host(env))
         return LaunchEnv(rank, world, local, local_world, addr, port, "pals")
-    if "OMPI_COMM_WORLD_RANK" in env:
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         rank, world = _ints(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-        local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
-        local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1)
         addr, port = _master(env, _pbs_first_host(env))
         return LaunchEnv(rank, world, local, local_world, addr, port, "openmpi")
     if "PMI_RANK" in env and "PMI_SIZE" in env:  # MPICH, Intel MPI
         rank, world = _ints(env, "PMI_RANK", "PMI_SIZE")
-        local = int(env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", 0)))
-        local_world = int(env.get("MPI_LOCALNRANKS", env.get("PMI_LOCAL_SIZE", 1)))
+        local = _int(env, "MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", 0))
+        local_world = _int(env, "MPI_LOCALNRANKS", env.get("PMI_LOCAL_SIZE", 1))
         addr, port = _master(env, _pbs_first_host(env))
         return LaunchEnv(rank, world, local, local_world, addr, port, "pmi")
-    return LaunchEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)), "single")
+    return LaunchEnv(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", DEFAULT_PORT), "single")
 
 
 def _pbs_first_host(env: Mapping[str, str]) -> str:

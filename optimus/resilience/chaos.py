@@ -349,6 +349,20 @@ def compare_weights(reference: dict, candidate: dict) -> tuple[bool, int, str]:
     return True, len(reference), ""
 
 
+# what run_chaos writes under --out, and so all it may remove there before a new run (nothing else is its to delete)
+CHAOS_OUTPUTS = ("reference", "chaos", "reference.log", "chaos.log", "report.json", "disk-full.trigger")
+
+
+def _clear_earlier_report(out_dir: Path) -> None:
+    """Remove an earlier chaos run's outputs from `out_dir`; any other file there stays."""
+    for name in CHAOS_OUTPUTS:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
 def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ranks: int, kinds: list[str],
               seed: int = 0, hang_timeout_s: float = 20.0, timeout: float = 600.0,
               min_step_s: float = 0.0, env: Mapping[str, str] | None = None) -> ChaosReport:
@@ -378,9 +392,8 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
     env = dict(env or {})
     env.update({NAN_STEPS_VARIABLE: nan_steps, MIN_STEP_VARIABLE: str(min_step_s),
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    _clear_earlier_report(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     restarts = sum(f.kind in IN_JOB_KINDS for f in plan) + 1
     report = ChaosReport(config=config, ranks=ranks, max_steps=max_steps, faults=plan)
 

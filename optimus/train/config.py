@@ -27,7 +27,8 @@ class TrainConfig(BaseModel):
                                 "batch and the data-parallel ranks (see optimus/parallel/validate.py)")
     global_batch_size: int = Field(8, gt=0, description="samples per optimizer step over all ranks (the contract)")
     max_steps: int = Field(100, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="seeds the weights' initialisation and the data order (torch "
+                                                  "takes a 64-bit seed)")
     log_every: int = Field(1, gt=0)
     eval_every: int = Field(0, ge=0, description="0 = only at the end")
     eval_batches: int = Field(8, gt=0, description="the held-out set: this many global batches of windows, the "

@@ -296,6 +296,14 @@ BAD_INPUT_CASES = {
     "info sequence of 0": (lambda t, tr: ["info", "mula-1b", "--seq-len", "0"], "--seq-len must be at least 1"),
     "generate at temperature nan": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--temperature", "nan"],
                                     "--temperature must be a number >= 0"),
+    "generate with a seed past 64 bits": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--seed",
+                                                         str(2**64 + 1)], "--seed 18446744073709551617: use 0 <= seed"),
+    "generate a prompt of undecodable bytes": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "\udcff\x01"],
+                                               "--prompt is not valid UTF-8"),
+    "train with a seed past 64 bits": (lambda t, tr: _train(tr[0], t / "r") + [f"--train.seed={2**64 + 1}"],
+                                       "train.seed"),
+    "mixture weights summing to inf": (lambda t, tr: _train(tr[0], t / "r") + [
+        "--data.sources=[{name: sotu, weight: 1e308}, {name: stdlib, weight: 1e308}]"], "whose sum is finite"),
     "chaos hang timeout -1": (lambda t, tr: ["chaos", str(tr[0]), "--hang-timeout", "-1", "--out", str(t / "c")],
                               "--hang-timeout must be a positive number of seconds"),
 }
@@ -385,3 +393,11 @@ def test_permission_denied_is_one_line(capsys, tmp_path, trained, monkeypatch):
     monkeypatch.setattr(manager, "check_run_dir", denied)
     err = fail_line(capsys, _train(trained[0], tmp_path / "r"))
     assert f"permission denied on {tmp_path / 'r'}" in err
+
+
+def test_a_rank_past_the_launchers_world_is_one_line(capsys, tmp_path, trained, monkeypatch):
+    # rank 3 would stay quiet as a non-zero rank: the line must come all the same
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "rank 3 of a world of 2" in fail_line(capsys, _train(trained[0], tmp_path / "r"))
+    assert not (tmp_path / "r").exists()

@@ -127,7 +127,9 @@ def test_export_over_an_earlier_export_but_not_over_other_files(tmp_path):
     config = CONFIGS["llama-gqa"]
     out = export_hf(_ours(config), config, tmp_path / "hf")
     (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")
-    export_hf(_ours(config, seed=1), config, out)  # an earlier export may be replaced
+    with pytest.raises(InteropError, match="already holds a model"):  # nor a downloaded model's folder
+        export_hf(_ours(config, seed=1), config, out)
+    export_hf(_ours(config, seed=1), config, out, overwrite=True)  # an earlier export may be replaced
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")

@@ -127,3 +127,30 @@ def test_torchrun_restart_attempt_and_agent_store_are_read():
     assert (launch.restart_count, launch.agent_store) == (3, True)
     assert (detect_launch_env({"RANK": "0", "WORLD_SIZE": "2"}).restart_count,
             detect_launch_env({"RANK": "0", "WORLD_SIZE": "2"}).agent_store) == (0, False)
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT='x'"),
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT 70000 is not a port"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "x"}, "SLURM_LOCALID='x'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "abc"}, "tasks per node 'abc'"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "rank 1 of a world of 1"),
+    ({"RANK": "-1", "WORLD_SIZE": "1"}, "rank -1 of a world of 1"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 of a world of 2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "local rank 2 of 2"),
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+    ({"PMI_RANK": "1"}, "PMI_RANK=1 is set but PMI_SIZE is not"),
+    ({"OMPI_COMM_WORLD_RANK": "2"}, "OMPI_COMM_WORLD_RANK=2 is set but OMPI_COMM_WORLD_SIZE is not"),
+])
+def test_launcher_variables_that_cannot_be_right_are_one_line(env, problem):
+    with pytest.raises(LaunchError, match=problem.replace("(", r"\(").replace("[", r"\[")) as err:
+        detect_launch_env(env)
+    assert "\n" not in str(err.value)
+
+
+def test_an_sbatch_shell_is_one_process():
+    # the batch script's own shell: SLURM_PROCID=0 without srun's task count
+    assert detect_launch_env({"SLURM_PROCID": "0", "RANK": "0"}).launcher == "single"
