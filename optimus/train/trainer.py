@@ -220,7 +220,7 @@ class Trainer:
                       f"(the earlier config.yaml is kept as {kept.name})", warning=True)
 
     def heldout(self):
-        """The fixed held-out batches used for every evaluation of this run."""
+        """This rank's share of the fixed held-out set every evaluation of this run uses."""
         return self.evaluation.heldout()
 
     def evaluate(self) -> float | None:
