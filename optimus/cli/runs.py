@@ -14,6 +14,7 @@ def load_run(run_dir: str):
     from optimus.checkpoint.manager import CheckpointManager
     from optimus.config import load_config
     from optimus.models.transformer import build_model
+    from optimus.train.checkpoint_match import check_checkpoint_matches
     from optimus.train.state import ModelState
 
     run = Path(run_dir)
@@ -24,8 +25,6 @@ def load_run(run_dir: str):
     step = manager.latest()
     if step is None:
         raise UsageError(f"run '{run}' has no committed checkpoint yet: train it first (optimus train ...)")
-    from optimus.train.trainer import check_checkpoint_matches
-
     # a config.yaml edited after training must not quietly load part of the weights into another shape
     check_checkpoint_matches(manager.read_meta(step), config, run, fix="restore the run's config.yaml")
     model = build_model(config.model, device="cpu")

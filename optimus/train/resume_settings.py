@@ -4,7 +4,7 @@ A run may be resumed with other settings on purpose (a lower learning rate, more
 config.yaml is then the only record of what the steps before the resume used, so it is kept beside the new one,
 and rank 0 says in one line what differs. Not listed: how long the run goes, how often it logs, evaluates or
 checkpoints, the layout and memory knobs (a checkpoint reshards to any layout), and the model (a checkpoint of
-another model is refused: trainer.check_checkpoint_matches).
+another model is refused: checkpoint_match.check_checkpoint_matches).
 """
 
 from __future__ import annotations

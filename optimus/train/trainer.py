@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from optimus.checkpoint.manager import CheckpointError, CheckpointManager
+from optimus.checkpoint.manager import CheckpointManager
 from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
@@ -32,15 +32,13 @@ from optimus.train.callbacks.checkpointing import Checkpointing
 from optimus.train.callbacks.evaluation import Evaluation
 from optimus.train.callbacks.resilience import HangWatch, PreemptionCheckpoint, SkippedSteps, StragglerReport
 from optimus.train.callbacks.step_metrics import ExpertLoadMetrics, MemoryMetrics, ThroughputMetrics
+from optimus.train.checkpoint_match import check_checkpoint_matches
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.host_memory import reuse_freed_host_memory
 from optimus.train.precision import Precision, choose_precision
 from optimus.train.resume_settings import changed_settings, keep_earlier_config
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, train_step
-
-# Model fields that do not change the weights' meaning: a checkpoint may be resumed across them.
-_MODEL_FIELDS_FREE_TO_CHANGE = {"preset", "moe_impl", "aux_loss_coef", "z_loss_coef", "init_std"}
 
 
 @dataclass
@@ -50,23 +48,6 @@ class TrainSummary:
     heldout_loss: float | None
     resumed_from: int | None
     stopped_by_signal: str | None = None  # e.g. "SIGTERM": checkpointed at `step` and stopped early
-
-
-def model_fingerprint(config: Config) -> dict:
-    """The model settings a checkpoint must agree with to be loaded."""
-    return {k: v for k, v in config.model.model_dump().items() if k not in _MODEL_FIELDS_FREE_TO_CHANGE}
-
-
-def check_checkpoint_matches(meta: dict, config: Config, where: Path,
-                             fix: str = "use the same model settings or another run.dir") -> None:
-    """Refuse a checkpoint written for another model, naming the first field that differs."""
-    saved = meta.get("model", {})
-    for key, value in model_fingerprint(config).items():
-        if key in saved and saved[key] != value:
-            raise CheckpointError(
-                f"checkpoint in {where} was written for a different model (model.{key} = {saved[key]!r}, "
-                f"config says {value!r}): {fix}"
-            )
 
 
 class Trainer:

@@ -42,7 +42,7 @@ class Evaluation(Callback):
         if self._heldout is None:
             trainer, t = self.trainer, self.trainer.config.train
             # the training data's split (trainer.py): rank r of the "dp" mesh dimension
-            rank, size = (trainer.mesh.local_rank("dp"), trainer.dims.dp) if self._dp_group() is not None else (0, 1)
+            rank, size = (trainer.mesh.local_rank("dp"), trainer.dims.dp) if trainer.dims.dp > 1 else (0, 1)
             self._heldout = heldout_share(trainer.data.heldout, t.seq_len, t.global_batch_size, t.eval_batches,
                                           t.micro_batch_size, rank, size, trainer.config.model.vocab_size)
         return self._heldout
