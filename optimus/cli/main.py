@@ -7,10 +7,13 @@ steps in a row), end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
-from optimus.cli.errors import EXIT_BAD_INPUT, user_errors
+from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, user_errors
 from optimus.cli.info import cmd_info
 from optimus.cli.plan import cmd_plan, cmd_tune
 from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd_report, cmd_verify
@@ -182,6 +185,23 @@ def _report_user_error(line: str) -> None:
 _QUIET_RANK_DELAY_S = 3.0
 
 
+def check_omp_num_threads(environ: MutableMapping[str, str] = os.environ) -> None:
+    """OMP_NUM_THREADS as OpenMP takes it, before torch loads libgomp: a positive integer (or a comma list of them,
+    one per nesting level), or UsageError; libgomp itself only warns and runs on every core. An empty value is
+    removed, as unset: libgomp would warn about it too, and torchrun gives several ranks one thread each only
+    where the variable is unset."""
+    value = environ.get("OMP_NUM_THREADS")
+    if value is None:
+        return
+    if not value.strip():
+        del environ["OMP_NUM_THREADS"]
+        return
+    if not all(re.fullmatch(r"\s*\+?[0-9]+\s*", level) and int(level) > 0 for level in value.split(",")):
+        del environ["OMP_NUM_THREADS"]  # torch, imported to report this, must not have libgomp warn about it too
+        raise UsageError(f"OMP_NUM_THREADS={value!r} is not a positive number of threads: unset it, or set it to a "
+                         "positive integer (the threads each process uses, e.g. OMP_NUM_THREADS=4)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `optimus` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -189,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         from optimus.parallel.torchrun import run_torchrun
 
         try:
+            check_omp_num_threads()
             return run_torchrun(argv[1:], _VERBS)
         except ValueError as err:
             print(f"optimus launch: error: {err}", file=sys.stderr)
@@ -198,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        check_omp_num_threads()  # before any verb imports torch
         code = args.func(args, extra)
     except user_errors() as err:
         _report_user_error(f"optimus {args.verb}: error: {err}")

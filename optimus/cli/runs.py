@@ -118,6 +118,10 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
         raise UsageError("--prompt is empty: give some text to continue")
+    if len(ids) + args.max_new_tokens > config.train.seq_len:  # RoPE runs on past it, untrained: say so, go on
+        print(f"note: prompt ({len(ids)} tokens) + {args.max_new_tokens} new tokens exceeds the seq_len "
+              f"{config.train.seq_len} the model was trained on (train.seq_len); text past it is extrapolated",
+              file=sys.stderr)
     generator = torch.Generator().manual_seed(args.seed)
     eos = tokenizer_info(config.data.tokenizer)["eos_id"]
     new = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, eos, generator)

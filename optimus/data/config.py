@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -62,4 +63,18 @@ class DataConfig(BaseModel):
     def _recipe_or_sources(self) -> "DataConfig":
         if self.recipe is not None and "sources" in self.model_fields_set:
             raise ValueError("give either 'recipe' or 'sources', not both")
+        return self
+
+    @model_validator(mode="after")
+    def _each_source_once(self) -> "DataConfig":
+        # the mixture would draw a source listed twice at its two weights summed: say so rather than double it
+        seen = set()
+        for source in self.sources:
+            kind = "name" if source.name is not None else "path" if source.path is not None else "glob"
+            where = getattr(source, kind)
+            key = (kind, where if kind == "name" else os.path.normpath(where))
+            if key in seen:
+                raise ValueError(f"data source {kind} '{where}' is listed twice in data.sources: list it once (give it "
+                                 "the summed weight if you meant to weight it up)")
+            seen.add(key)
         return self

@@ -14,6 +14,7 @@ accepts both layouts.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,8 +203,19 @@ def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dens
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tmp = out / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})  # transformers checks format == "pt"
+    tmp.chmod(_new_file_mode())
     tmp.replace(out / "model.safetensors")
     return out
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under the usual 022).
+
+    safetensors' save_file writes through a private temporary file (mode 0600) that it renames: without this,
+    other users of a shared filesystem could not read the exported weights."""
+    umask = os.umask(0o077)  # the umask can only be read by setting it: set a strict one for that instant
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 # --------------------------------------------------------------------------------------- import

@@ -43,6 +43,23 @@ def _check_counts(args) -> None:
             raise ValueError(f"--nnodes {args.nnodes}: give a number of nodes of at least 1 (or MIN:MAX)")
 
 
+def _parse_torchrun_options(argv: list[str]):
+    """torchrun's parse of `argv` (its options, `-m optimus`, the command); a mistake in the options is ValueError
+    with one line (torchrun's own parser would print its 19-line usage first)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            message = f"unknown launch option{'s' if ' ' in unknown else ''} {unknown}"
+        raise ValueError(f"{message}: see optimus launch --help for the options it takes")
+
+    parser.error = refuse
+    return parser.parse_args(argv)
+
+
 def _message_of(failure) -> str | None:
     """The one line a worker wrote to its torchrun error file (optimus.cli), or None."""
     message = failure.message
@@ -61,7 +78,7 @@ def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
         print("usage: optimus launch [torchrun options] VERB [its arguments]; torchrun's options:")
         parse_args(["--help"])  # prints them and exits 0
     torchrun_options, command = split_launch_args(argv, verbs)
-    args = parse_args([*torchrun_options, "-m", "optimus", *command])
+    args = _parse_torchrun_options([*torchrun_options, "-m", "optimus", *command])
     _check_counts(args)
     os.environ[WORKER_ERRORS_ENV] = WORKER_ERRORS_TO_LAUNCHER  # inherited by the workers
     # worker start/stop lines ("closing signal SIGTERM", "failed (exitcode: 2)"): the summary below says it

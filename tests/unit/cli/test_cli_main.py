@@ -1,0 +1,55 @@
+"""The entry point's checks before any verb runs: OMP_NUM_THREADS."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimus.cli import main
+from optimus.cli.main import check_omp_num_threads
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIG = str(REPO / "configs" / "mula-tiny-moe.yaml")
+
+
+def _line(verb: str, value: str) -> str:
+    return (f"optimus {verb}: error: OMP_NUM_THREADS={value!r} is not a positive number of threads: unset it, or set "
+            "it to a positive integer (the threads each process uses, e.g. OMP_NUM_THREADS=4)\n")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "4,0"])
+def test_a_bad_omp_num_threads_is_one_line_before_anything_runs(value, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert main(["train", CONFIG, "--dry-run"]) == 2  # --dry-run would print the config and exit 0
+    assert capsys.readouterr() == ("", _line("train", value))
+
+
+def test_launch_refuses_a_bad_omp_num_threads_before_torchrun(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "abc")
+    assert main(["launch", "--nproc-per-node=2", "train", CONFIG]) == 2
+    assert capsys.readouterr() == ("", _line("launch", "abc"))
+
+
+@pytest.mark.parametrize("value", ["4", " 2 ", "4,2"])
+def test_a_positive_omp_num_threads_is_kept(value):
+    env = {"OMP_NUM_THREADS": value}
+    check_omp_num_threads(env)
+    assert env == {"OMP_NUM_THREADS": value}
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_omp_num_threads_is_unset(value):
+    env = {"OMP_NUM_THREADS": value}
+    check_omp_num_threads(env)
+    assert env == {}  # libgomp then stays quiet, and torchrun gives several ranks a thread each
+
+
+def test_libgomp_does_not_add_its_own_warning():
+    env = dict(os.environ, OMP_NUM_THREADS="abc", PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "optimus", "train", CONFIG, "--train.max_steps=1"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert (result.returncode, result.stderr) == (2, _line("train", "abc")), result.stderr
