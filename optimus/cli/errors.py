@@ -21,10 +21,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from optimus.parallel.launch import LaunchError
     from optimus.parallel.mesh import LayoutError
     from optimus.resilience.chaos import ChaosError
-    from optimus.resilience.guards import TooManySkippedSteps
+    from optimus.resilience.guards import NonFiniteHeldOutLoss, TooManySkippedSteps
 
     return (ConfigError, DataError, CheckpointError, InteropError, LaunchError, LayoutError, TooManySkippedSteps,
-            UsageError, ChaosError)
+            NonFiniteHeldOutLoss, UsageError, ChaosError)
 
 
 def output_location(flag: str, path: str | Path, *, folder: bool = False) -> Path:

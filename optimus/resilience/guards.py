@@ -23,6 +23,10 @@ class TooManySkippedSteps(RuntimeError):
     """Training skipped max_consecutive_skips optimizer steps in a row; the message names the fix."""
 
 
+class NonFiniteHeldOutLoss(RuntimeError):
+    """The weights give a non-finite held-out loss: training on cannot mend them (every step would be skipped)."""
+
+
 class LossSpikeGuard(Stateful):
     """A loss is a spike when it exceeds mean + zscore * std of the last `window` accepted losses.
 

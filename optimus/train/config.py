@@ -45,6 +45,10 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 where the device computes it natively, fp32 elsewhere (see train/precision.py)")
     compile: bool = False
+    memory_check: bool = Field(
+        True, description="before building the model, refuse a layout whose predicted peak per rank (the planner's "
+                          "memory model, optimus/plan/memory.py) exceeds the memory the rank has (see "
+                          "train/memory_fit.py); false: try anyway")
     reuse_host_memory: bool = Field(
         True, description="on the CPU, keep freed blocks under 1 GiB for reuse (glibc; see train/host_memory.py): "
                           "steps 1.07-1.35x faster, peak resident set up to ~1.5x; false: glibc's default")

@@ -35,6 +35,7 @@ from optimus.train.callbacks.step_metrics import ExpertLoadMetrics, MemoryMetric
 from optimus.train.checkpoint_match import check_checkpoint_matches
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.host_memory import reuse_freed_host_memory
+from optimus.train.memory_fit import check_memory_fits
 from optimus.train.precision import Precision, choose_precision
 from optimus.train.resume_settings import changed_settings, keep_earlier_config
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
@@ -73,6 +74,9 @@ class Trainer:
         # so the same run resumed on another machine chooses for that machine).
         config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": self.precision.dtype})})
         self.config = config
+        # before anything large is allocated: a layout that cannot fit stops here, not at the OOM killer
+        self.planned_peak_bytes = (check_memory_fits(config, self.dims, self.device, launch.local_world_size)
+                                   if config.train.memory_check else None)
         self.mesh = self.dims.build_mesh(self.device.type) if self.dims.is_parallel else None
         dp_rank = self.mesh.local_rank("dp") if self.mesh else 0
         torch.manual_seed(config.train.seed)
@@ -121,7 +125,8 @@ class Trainer:
         self.evaluation = Evaluation(self)
         self.checkpointing = Checkpointing(self)
         side: list[Callback] = [
-            self.straggler_report, ThroughputMetrics(self), MemoryMetrics(self.device), ExpertLoadMetrics(),
+            self.straggler_report, ThroughputMetrics(self), MemoryMetrics(self.device, self.planned_peak_bytes),
+            ExpertLoadMetrics(),
             SkippedSteps(self.consecutive_skips, self.spike_guard),
         ]
         if r.checkpoint_on_signal:

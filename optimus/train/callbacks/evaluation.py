@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from optimus.data.loader import heldout_share
 from optimus.eval.loop import downstream_accuracies
 from optimus.parallel.pipeline import get_pipeline
+from optimus.resilience.guards import NonFiniteHeldOutLoss
 from optimus.train.callbacks.base import Callback
 from optimus.train.evaluate import evaluate
 from optimus.train.step import autocast_context
@@ -31,6 +33,18 @@ class Evaluation(Callback):
         train = self.trainer.config.train
         if step == train.max_steps or (train.eval_every and step % train.eval_every == 0):
             self.last_loss = self.run(step)
+            if self.last_loss is not None and not math.isfinite(self.last_loss):
+                self._refuse_weights(step, self.last_loss)
+
+    def _refuse_weights(self, step: int, loss: float) -> None:
+        """Stop before this step's checkpoint: weights that give a non-finite held-out loss are not worth saving, and
+        the skip guard would skip every later step (it stops only after resilience.max_consecutive_skips of them,
+        so a shorter run used to end here with exit 0)."""
+        skips = self.trainer.consecutive_skips.count
+        why = f"; the last {skips} optimizer step(s) were skipped" if skips else ""
+        raise NonFiniteHeldOutLoss(
+            f"step {step}: the held-out loss is {loss} (the weights give non-finite losses{why}): check "
+            "model.init_std and optim.lr, or resume from an earlier checkpoint with a lower optim.lr")
 
     def _dp_group(self):
         trainer = self.trainer

@@ -61,10 +61,12 @@ class ThroughputMetrics(Callback):
 
 class MemoryMetrics(Callback):
     """memory_peak_gib: every rank's peak memory so far, index = rank (one small all-gather per logged
-    step, on every rank); the first logged row also names what was measured (memory_source)."""
+    step, on every rank); the first logged row also names what was measured (memory_source) and the planner's
+    predicted peak per rank (memory_planned_gib: the largest stage's, train/memory_fit.py), which it is to match."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, planned_peak_bytes: float | None = None):
         self.device = device
+        self.planned_peak_bytes = planned_peak_bytes
         self._logged_source = False
 
     def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
@@ -79,6 +81,8 @@ class MemoryMetrics(Callback):
         if not self._logged_source:
             self._logged_source = True
             record["memory_source"] = source
+            if self.planned_peak_bytes is not None:
+                record["memory_planned_gib"] = round(self.planned_peak_bytes / GIB, 4)
 
 
 class ExpertLoadMetrics(Callback):

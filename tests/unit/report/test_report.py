@@ -57,6 +57,9 @@ def test_the_logged_metrics_the_report_needs(moe_run):
         # every token goes to top_k experts in each layer: 2 sequences x 32 tokens x 2
         assert all(sum(layer) == 2 * 32 * 2 for layer in row["expert_counts"])
     assert records.steps[0]["memory_source"] == "peak RSS"
+    # the planner's prediction for the layout, logged once beside what was measured (train/memory_fit.py)
+    assert 0 < records.steps[0]["memory_planned_gib"] < records.steps[0]["memory_peak_gib"][0]
+    assert all("memory_planned_gib" not in r for r in records.steps[1:])
     assert [(r["step"], "arc_easy" in r["downstream"]) for r in records.evals] == [(2, True), (4, True)]
     assert [r["step"] for r in records.checkpoints] == [2, 4]
     assert all(r["checkpoint_save_s"] >= r["checkpoint_blocking_s"] > 0 for r in records.checkpoints)

@@ -86,3 +86,20 @@ def test_a_checkpoint_written_without_the_guard_still_loads(tmp_path, small_toke
     resumed = Trainer(build_config(raw_config(tmp_path, small_token_dir, max_steps=6)), callbacks=[])
     resumed._restore()
     assert resumed.progress.step == 4 and len(resumed.spike_guard.losses) == 0
+
+
+def test_weights_with_a_non_finite_heldout_loss_stop_the_cli_before_their_checkpoint(tmp_path, small_token_dir,
+                                                                                     capsys):
+    # every step is skipped as non-finite, fewer of them than the skip limit: the run used to end with exit 0
+    raw = raw_config(tmp_path / "run", small_token_dir, max_steps=3)
+    raw["model"]["init_std"] = 1e300
+    raw["train"]["ckpt_every"] = 1
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("optimus train: error: step 3: the held-out loss is nan (the weights give non-finite "
+                          "losses; the last 3 optimizer step(s) were skipped)")
+    assert "model.init_std" in err and "optim.lr" in err
+    # steps 1 and 2 were checkpointed (skipped steps leave the weights as they were); step 3's weights were not
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
