@@ -229,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         _report_user_error(f"optimus {args.verb}: error: permission denied on {where}: give this user read and write "
                            "access to it, or choose another path")
         return EXIT_BAD_INPUT
+    except OSError as err:
+        if err.filename is None:  # not about a path the user gave (a socket, a library's own file): a real fault
+            raise
+        # a path the system refused (missing, read-only filesystem, disk full, a /proc or /sys file): one line
+        _report_user_error(f"optimus {args.verb}: error: {err.strerror or type(err).__name__} on {err.filename}: "
+                           "check that path (it must exist and be writable where the command writes), or choose "
+                           "another")
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"optimus {args.verb}: interrupted", file=sys.stderr)
         return 130

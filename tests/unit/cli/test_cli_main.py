@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -53,3 +54,27 @@ def test_libgomp_does_not_add_its_own_warning():
     result = subprocess.run([sys.executable, "-m", "optimus", "train", CONFIG, "--train.max_steps=1"],
                             capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert (result.returncode, result.stderr) == (2, _line("train", "abc")), result.stderr
+
+
+def test_a_path_the_system_refuses_is_one_line(monkeypatch, capsys):
+    # as root os.access passes a /proc path, so the write itself fails: FileNotFoundError, once a traceback
+    cli_main = importlib.import_module("optimus.cli.main")  # the package exports a function of the same name
+
+    def writes_under_proc(args, overrides):
+        open("/proc/optimus-plan.json", "w")
+
+    monkeypatch.setattr(cli_main, "cmd_info", writes_under_proc)  # main() builds its parser from the module's names
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "on /proc/optimus-plan.json: check that path" in err
+
+
+def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
+    cli_main = importlib.import_module("optimus.cli.main")  # the package exports a function of the same name
+
+    def fails(args, overrides):
+        raise ConnectionResetError("peer went away")
+
+    monkeypatch.setattr(cli_main, "cmd_info", fails)
+    with pytest.raises(ConnectionResetError):
+        main(["info"])
