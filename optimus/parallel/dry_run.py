@@ -128,7 +128,10 @@ def head_kept_bytes(config: Config, dims: ParallelDims, loss_on_cpu: bool = Fals
     input (w h per token: saved, or the fused loss's input gradient) and loss_head_bytes' kept part."""
     w = 2 if config.train.dtype == "bf16" else 4
     tokens = _batch(config, dims).micro_batch_size * config.train.seq_len
-    return tokens * config.model.d_model * w + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
+    h = config.model.d_model
+    # the final norm keeps its fp32 input (the stream, or its fp32 copy) and its normed value in the stream's width
+    final_norm = (4 + stream_width(config, dims)) * h if dims.tp == 1 else 0.0
+    return tokens * (h * w + final_norm) + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
 
 
 def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu: bool) -> tuple[float, float]:
@@ -151,7 +154,12 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
     if t > 1:
         return 4.0 * vocab * h / t, rows * vocab / t * (4 + (4 if w == 2 else 0)) + (2 if w == 2 else 0) * vocab * h / t
     if loss_on_cpu:
-        return 4.0 * vocab * h, rows * vocab * w + (6 if w == 2 else 0) * min(GRAD_W_SLICE_ROWS, vocab) * h
+        held = rows * vocab * w + (6 if w == 2 else 0) * min(GRAD_W_SLICE_ROWS, vocab) * h
+        stream = stream_width(config, dims)
+        # at the op's forward (the step's peak on a CPU): its input, the final norm's output in the stream's width,
+        # with its bf16 cast where the stream is fp32 and the compute bf16, and then the head weight's bf16 cast too
+        held += tokens * h * (stream + (w if stream != w else 0)) + (2.0 * vocab * h if stream != w else 0.0)
+        return 4.0 * vocab * h, held
     return 4.0 * tokens * vocab, 8.0 * tokens * vocab
 
 
@@ -164,6 +172,11 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     fp32), h = d_model, kv = KV width, f = ffn width, k = top_k, fe = expert width, E = experts,
     t = tp, and g = w h when t > 1 (the all-gathered block input that tensor-parallel matmuls keep),
     else 0. An RMSNorm of width n keeps its fp32 input and its output: norm(n) = (4 + w) n.
+    At t = 1 the block's two norms of the residual stream are stream_norm(readers) (the stream is fp32 where the
+    weights stay fp32, even under bf16 autocast: stream_width), the attention output is kept once with its fp32
+    logsumexp (w h + 4 H), the MoE router keeps 8E + 4 + 8k and the fused expert op its int64 order (8k), plus
+    rotary cos/sin per micro-batch and, on the head's stage, the final norm (BENCHMARKS.md, stop 29: within 0.2% of
+    the allocator's peak at seq 1k-16k, one process; within 5% of autograd's saved tensors). At t > 1:
         attention   norm(h)/t + g + [norm(h) + norm(kv) (QK-norm) + w (h + 2kv) (q, k, v after
                     RoPE) + 2 w h (attention output, and its copy as o_proj input)] / t
         dense MLP   norm(h)/t + g + 4 w f / t (gate, silu(gate), up, their product)
@@ -200,18 +213,39 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     def norm(n: int) -> float:
         return (4 + w) * n
 
+    stream = stream_width(config, dims)
+
+    def stream_norm(readers: int) -> float:
+        """A norm of the residual stream with the sub-layer that reads it (t = 1): pre-norm keeps its fp32 input
+        (the stream, or its fp32 copy) and its normed value in the stream's width; the sub-layer's `readers`
+        linears keep their input, one shared tensor, or each its own bf16 cast of an fp32 stream. Post-norm reads
+        the stream itself and norms the sub-layer's (w-wide) output. Measured tensor by tensor on CPU (fp32, bf16
+        weights, fp32 weights under bf16 autocast; pre- and post-norm) and by the allocator's peak on CPU and one
+        H100 (eager): within 0.2% where activations set the peak."""
+        if config.train.compile:  # fused: the norm's input, and its output as its readers' shared input
+            return norm(h)
+        read = readers * w * h if stream != w else stream * h
+        return (norm(h) if m.norm_placement == "post" else (4 + stream) * h) + read
+
     gathered = w * h if t > 1 else 0
     # selective_ops: the outputs of the policy's ops (parallelize._kept_ops); a sequence-parallel reduce-scatter's
     # output is w h / t, the row-parallel projection's before it whole (partial sums)
     scattered = w * h / t if t > 1 else 0
-    attn_full = norm(h) / t + gathered + (norm(h) + norm(kv) + w * (h + 2 * kv) + 2 * w * h) / t
+    if t == 1:  # the attention output is kept once (o_proj reads it as a view), with its fp32 logsumexp per head
+        attn_full = stream_norm(3) + norm(h) + norm(kv) + w * (h + 2 * kv) + w * h + 4 * m.n_heads
+    else:
+        attn_full = norm(h) / t + gathered + (norm(h) + norm(kv) + w * (h + 2 * kv) + 2 * w * h) / t
     attn_selective = w * (2 * h + 2 * kv) / t + w * h + scattered
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
         experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
         if t > 1:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
             experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
-        mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
+        if t == 1:  # the router: fp32 probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
+            experts += 8 * k if dims.ep == 1 else 0  # the fused op's int64 row order
+            mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
+        else:
+            mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k
         else:  # the rank's rows (expert_mlp): their output and gate/up; and the ep exchanges' outputs, the
@@ -220,10 +254,13 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
             experts_kept = w * k * (h + 2 * fe + exchanges * h) / t
         mlp_selective = experts_kept + w * m.n_experts + scattered
     else:
-        mlp_full = norm(h) / t + gathered + 4 * w * m.ffn_hidden / t
+        mlp_full = (stream_norm(2) if t == 1 else norm(h) / t + gathered) + 4 * w * m.ffn_hidden / t
         mlp_selective = w * (2 * m.ffn_hidden / t + h) + scattered
-    block_input = w * h / t
     mode = config.train.activation_checkpointing
+    # a block's input as a checkpoint or a pipeline stage keeps it; without either, the first norm keeps the
+    # embedding's output (counted in stream_norm)
+    block_input = w * h / t if t > 1 else stream * h
+    first_input = 0.0 if t == 1 and mode == "none" and dims.pp == 1 else block_input
     working = 0.0  # per token: the block (or sub-module) being recomputed, one at a time on the rank
     if mode == "full":
         per_token, working = layers * block_input, attn_full + mlp_full
@@ -234,11 +271,25 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * (attn_selective + mlp_selective + block_input)
     else:
         per_token = layers * (attn_full + mlp_full)
-    kept_bytes, once = (per_token + block_input) * tokens, working * tokens
+    kept_bytes, once = (per_token + first_input) * tokens, working * tokens
+    if t == 1:  # rotary cos and sin, [seq_len, head_dim] each in the stream's width, shared by every layer
+        kept_bytes += 2 * stream * m.head_dim * config.train.seq_len
     if has_loss_head:
         kept_bytes += head_kept_bytes(config, dims, loss_on_cpu)
         once += loss_head_bytes(config, dims, tokens, loss_on_cpu)[1]
     return kept_bytes, once
+
+
+def stream_width(config: Config, dims: ParallelDims) -> int:
+    """Bytes per element of the residual stream between blocks: fp32 where the weights stay fp32 (the embedding's
+    output is fp32, and a bf16 sub-layer output added to it promotes), even under bf16 autocast; the compute
+    width where FSDP or the zero modes hand bf16 weights to the forward, or under train.compile (measured: Mula-1B
+    on one H100 held 37.1 GiB compiled, 44.6 eager, and the eager count is within 0.2% of the eager run).
+    """
+    w = 2 if config.train.dtype == "bf16" else 4
+    if config.train.compile:  # the compiled graph fuses the casts and norms and saves what it recomputes from
+        return w
+    return 4 if weights_stay_fp32(config, dims) else w
 
 
 def forwards_first(config: Config, dims: ParallelDims) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from optimus.config import build_config
 from optimus.parallel.dry_run import (activation_bytes, activation_split, dry_run, format_report, loss_head_bytes,
-                                     rank_activation_bytes)
+                                     rank_activation_bytes, stream_width)
 from optimus.parallel.mesh import ParallelDims
 from tests.helpers import in_forked_process
 from tests.helpers.precision import cpu_auto_dtype
@@ -132,7 +132,9 @@ def test_the_loss_head_keeps_one_micro_batch_but_under_gpipe(loss_on_cpu):
     assert gradients_not_at_the_activation_peak(4, 60.0, 500.0) == 0.0
     m, tokens = config.model, 2 * 128
     weight_gradient = 4 * m.vocab_size * m.d_model if loss_on_cpu else 0
-    assert head == tokens * m.d_model * 4 + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
+    # the head's input, the final norm's fp32 input and normed value (the stream is fp32: pp alone keeps fp32 weights)
+    assert stream_width(config, dims) == 4
+    assert head == tokens * m.d_model * (4 + 8) + loss_head_bytes(config, dims, tokens, loss_on_cpu)[0]
     assert loss_head_bytes(config, dims, tokens, loss_on_cpu)[0] == (weight_gradient or 4 * tokens * m.vocab_size)
 
 
@@ -177,7 +179,11 @@ def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
     kept, once = loss_head_bytes(config, ParallelDims(world_size=1), n, loss_on_cpu=True)
     width = 2 if dtype == "bf16" else 4
     input_grads = (n * h + vocab * h) * 4
-    assert measured == pytest.approx(kept + once + n * h * width + input_grads, rel=0.1)
+    # blind spots of a resident-set reading: the op's input (once counts it: the final norm's output, alive at the
+    # op's forward) was allocated before the reading starts, and the head weight's bf16 cast reuses the pages the
+    # warm-up's cast of the same size freed (the allocator's peak counts both: BENCHMARKS, stop 29)
+    unseen = n * h * 4 + (2 * vocab * h if dtype == "bf16" else 0)
+    assert measured == pytest.approx(kept + once - unseen + n * h * width + input_grads, rel=0.1)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -246,28 +252,39 @@ def _saved_activation_bytes(model, ids, dtype: str) -> int:
     return sum(size for ptr, size in saved.items() if ptr not in params)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16-fsdp", "fp32-autocast"])
+@pytest.mark.parametrize("norm_placement", ["pre", "post"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_activation_estimate_is_close_to_what_autograd_saves(moe, dtype):
+def test_activation_estimate_is_close_to_what_autograd_saves(moe, norm_placement, weights):
+    """fp32; bf16 weights as FSDP's mixed precision hands them to the forward (the residual stream is bf16); fp32
+    weights under bf16 autocast, as one process trains (the stream stays fp32, each linear keeps its own cast)."""
     import torch
 
     from optimus.models.transformer import build_model
+    from optimus.parallel.dry_run import autocast_weight_copy_bytes
 
-    model_cfg = dict(d_model=128, n_layers=2, n_heads=4, vocab_size=2048, qk_norm=True)
+    model_cfg = dict(d_model=128, n_layers=2, n_heads=4, vocab_size=2048, qk_norm=True, norm_placement=norm_placement)
     model_cfg.update(n_experts=8, top_k=2, expert_ffn_hidden=128) if moe else model_cfg.update(n_experts=0, ffn_hidden=512)
-    config = build_config({"model": model_cfg, "train": dict(seq_len=128, micro_batch_size=2, global_batch_size=2,
-                                                               dtype=dtype)})
+    dtype, fsdp = ("fp32" if weights == "fp32" else "bf16"), weights == "bf16-fsdp"
+    config = build_config({"model": model_cfg, "train": dict(seq_len=128, micro_batch_size=2,
+                                                               global_batch_size=4 if fsdp else 2, dtype=dtype)})
+    dims = ParallelDims(dp_shard=2, world_size=2) if fsdp else ParallelDims(world_size=1)
     model = build_model(config.model, seed=0)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)  # as FSDP's bf16 mixed precision hands the weights to forward
+    if fsdp:
+        model = model.to(torch.bfloat16)
     ids = torch.randint(0, 2048, (2, 128), generator=torch.Generator().manual_seed(0))
     measured = _saved_activation_bytes(model, ids, dtype)
-    estimate = activation_bytes(config, ParallelDims(world_size=1), layers=2, has_loss_head=True, loss_on_cpu=True)
-    # the CPU loss kernel saves its input and weight gradients; its chunk buffers and bf16 partial products are
-    # transients, not saved tensors (test_loss_head_bytes_match_what_the_cpu_loss_allocates counts those)
-    width, vocab, d_model = (2 if dtype == "bf16" else 4), 2048, 128
-    estimate -= min(512, 256) * vocab * width + (6 * vocab * d_model if dtype == "bf16" else 0)
-    assert estimate == pytest.approx(measured, rel=0.15)
+    estimate = activation_bytes(config, dims, layers=2, has_loss_head=True, loss_on_cpu=True)
+    estimate += autocast_weight_copy_bytes(config, dims, 2, True, loss_on_cpu=True)  # saved too, as weights' casts
+    # the CPU loss kernel saves its input and weight gradients; its chunk buffers and bf16 partial products, its
+    # input and the casts it makes are transients, not saved tensors (test_loss_head_bytes_match_what_the_cpu_loss_
+    # allocates counts those)
+    tokens, vocab, d_model = 256, 2048, 128
+    width, stream = (2 if dtype == "bf16" else 4), stream_width(config, dims)
+    estimate -= min(512, tokens) * vocab * width + (6 * vocab * d_model if dtype == "bf16" else 0)
+    estimate -= tokens * d_model * (stream + (width if stream != width else 0)) + (
+        2 * vocab * d_model if stream != width else 0)
+    assert estimate == pytest.approx(measured, rel=0.05)
 
 
 def _optimus(argv: list[str]) -> tuple[int, str, str]:
