@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "memory, checkpoints...), written at the end of every run too")
     report.add_argument("run")
     report.add_argument("--out", default=None, help="the HTML file to write (default RUN/report.html)")
+    report.add_argument("--overwrite", action="store_true",
+                        help="replace the file --out names (RUN/report.html, the run's own, is always rewritten)")
     report.set_defaults(func=cmd_report)
 
     verify = verbs.add_parser("verify", help="check every checkpoint of a run (sizes, hashes, index); exit 2 if any is bad")
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
     plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")
+    plan.add_argument("--overwrite", action="store_true", help="replace the files --json and --write-config name")
     plan.add_argument("--efficiency", type=float, default=None,
                       help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
                            "efficiency block)")
@@ -139,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune_.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     tune_.add_argument("--seed", type=int, default=0, help="optuna sampler seed")
     tune_.add_argument("--out", default="runs/tune", help="where trials.jsonl and best.yaml go (default runs/tune)")
+    tune_.add_argument("--overwrite", action="store_true",
+                       help="replace the earlier search --out holds (trials.jsonl, best.yaml)")
     tune_.set_defaults(func=cmd_tune, takes_overrides=True)
 
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "

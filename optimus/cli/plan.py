@@ -26,9 +26,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
-    for flag, path in (("--json", args.json), ("--write-config", args.write_config)):
-        if path:
-            output_location(flag, path)
+    check_plan_outputs(args)
     config = _config_to_plan(args.config, overrides)
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
@@ -61,6 +59,23 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
+
+
+def check_plan_outputs(args: argparse.Namespace) -> None:
+    """--json and --write-config, before the (possibly long) search: writable places, two different files, and no
+    existing file (the input config included) replaced without --overwrite."""
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--write-config", args.write_config)) if path]
+    for flag, path in outputs:
+        output_location(flag, path)
+    if len(outputs) == 2 and Path(args.json).resolve() == Path(args.write_config).resolve():
+        raise UsageError(f"--json and --write-config both name {args.json}: give each its own file")
+    if getattr(args, "overwrite", False):
+        return
+    for flag, path in outputs:
+        if Path(path).exists():
+            what = ("is the config being planned" if Path(path).resolve() == Path(args.config).resolve()
+                    else "already exists")
+            raise UsageError(f"{flag} {path} {what}: choose another file, or pass --overwrite to replace it")
 
 
 def sorted_values(values: frozenset[str]) -> str:
@@ -165,7 +180,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
     from optimus.plan.report import write_best_config
     from optimus.plan.search import parse_only
-    from optimus.plan.tune import format_trials, tune
+    from optimus.plan.tune import check_tune_out, format_trials, tune
 
     only = parse_only(args.only or [])
     for flag, value in (("--trials", args.trials), ("--ranks", args.ranks), ("--steps", args.steps)):
@@ -178,12 +193,14 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     except ImportError:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
     out_dir = output_location("--out", args.out, folder=True)
+    check_tune_out(out_dir, getattr(args, "overwrite", False))  # before the trials: minutes to hours of them
     config = load_config(args.config, overrides)
     _warn_if_oversubscribed(args.ranks)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # the trials' ranks' threads
     cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
-                         steps=args.steps, warmup=args.warmup, seed=args.seed, only=only)
+                         steps=args.steps, warmup=args.warmup, seed=args.seed, only=only,
+                         overwrite=getattr(args, "overwrite", False))
     print(format_trials(records))
     print(f"every trial: {out_dir / 'trials.jsonl'}")
     if best is None:

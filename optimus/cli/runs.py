@@ -50,14 +50,17 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.data.sources import load_tokenizer
     from optimus.train.evaluate import evaluate
 
-    if args.tasks:
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    if args.tasks is not None:  # `--tasks ""` names no task, as `--tasks ,,` does: not the held-out loss
         return _eval_tasks(args)
     config, model = load_run(args.run)
     seq_len = _seq_len(args, config)
     if args.data:
         data = Path(args.data)
         split = "heldout" if data.is_dir() and (data / "heldout.bin").exists() else "train"
-        datasets = [open_token_dataset(data, split=split)]
+        datasets = [open_token_dataset(data, split=split, tokenizer=config.data.tokenizer)]
     else:
         from optimus.data.build import build_training_data
 
@@ -97,6 +100,10 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_NEW_TOKENS = 1_000_000  # far past any use of `optimus generate`; more only runs until killed
+MIN_TEMPERATURE = 1e-4  # logits of a few hundred over it stay finite in fp32; below, sampling is greedy anyway
+
+
 def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
@@ -105,8 +112,13 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
+    if args.max_new_tokens > MAX_NEW_TOKENS:  # no KV cache: each token recomputes the prefix, so this never ends
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} is more than {MAX_NEW_TOKENS:,}: ask for fewer")
     if not 0 <= args.temperature < float("inf"):
         raise UsageError(f"--temperature must be a number >= 0 (0 = greedy; got {args.temperature:g})")
+    if 0 < args.temperature < MIN_TEMPERATURE:  # logits / temperature would overflow to inf: nothing to sample from
+        raise UsageError(f"--temperature {args.temperature:g} is too small to sample with: use at least "
+                         f"{MIN_TEMPERATURE:g}, or 0 for greedy decoding")
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed {args.seed}: use 0 <= seed < 2**63 (torch takes a 64-bit seed)")
     try:
@@ -159,6 +171,10 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     out = output_location("--out", args.out, folder=True)
     if CheckpointManager(out).latest() is not None:
         raise UsageError(f"'{out}' already holds checkpoints: choose a new --out so nothing is overwritten")
+    held = sorted(path.name for path in out.iterdir()) if out.is_dir() else []
+    if held:  # an earlier run's config, metrics or checkpoints would be replaced or left beside the import
+        names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UsageError(f"--out {args.out} already holds files ({names}): import into a new or empty folder")
     model_config, state_dict = import_hf(args.hf_dir)
     config = build_config({"model": model_config.model_dump(), "run": {"dir": str(out)}})
     model = build_model(config.model, device="cpu")
@@ -176,7 +192,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out:
         output_location("--out", args.out)
     try:
-        path = write_report(args.run, args.out)
+        path = write_report(args.run, args.out, overwrite=getattr(args, "overwrite", False))
     except ReportError as err:
         raise UsageError(str(err)) from None
     print(f"report: {path}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus.config import Config
-from optimus.data.dataset import TokenDataset, open_token_dataset
+from optimus.data.dataset import TokenDataset, has_heldout_split, open_token_dataset
 from optimus.data.errors import DataError
 from optimus.data.loader import BatchLoader
 from optimus.data.mixture import Mixture
@@ -38,14 +38,14 @@ def build_training_data(config: Config, dp_rank: int = 0, dp_size: int = 1) -> T
             train_path, heldout_path = prepare_packaged(
                 source.name, config.data.tokenizer, config.data.cache_dir, config.data.heldout_fraction
             )
-            train_sets.append(open_token_dataset(train_path))
-            heldout_sets.append(open_token_dataset(heldout_path))
+            train_sets.append(open_token_dataset(train_path, tokenizer=config.data.tokenizer))
+            heldout_sets.append(open_token_dataset(heldout_path, tokenizer=config.data.tokenizer))
         else:
-            train_sets.append(open_token_dataset(source.path, split="train"))
-            try:
-                heldout_sets.append(open_token_dataset(source.path, split="heldout"))
-            except DataError:
-                pass  # a source without a held-out split simply does not take part in evaluation
+            train_sets.append(open_token_dataset(source.path, split="train", tokenizer=config.data.tokenizer))
+            # a folder without a held-out split simply does not take part in evaluation; one whose split is
+            # there but unreadable is an error (skipping it would silently drop every eval_loss)
+            if has_heldout_split(source.path):
+                heldout_sets.append(open_token_dataset(source.path, split="heldout", tokenizer=config.data.tokenizer))
         weights.append(source.weight)
     for dataset in train_sets:
         if dataset.num_instances(config.train.seq_len) == 0:

@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from optimus.data.errors import DataError
+from optimus.data.sources import file_sha256, resolve_tokenizer_path
 
 _TOKENIZE_HINT = "create it with `optimus tokenize --input FILES --output DIR`"
+TOKEN_DTYPES = ("uint16", "uint32")  # what tokenize.token_dtype writes
 
 
 class TokenDataset:
@@ -33,10 +35,14 @@ class TokenDataset:
             raise DataError(f"{path} has no sidecar {sidecar.name} (incomplete or not ours): {_TOKENIZE_HINT}")
         try:
             meta = json.loads(sidecar.read_text())
-            dtype = np.dtype(meta["dtype"])
+            dtype_name = meta["dtype"]
             expected_tokens = int(meta["tokens"])
         except (ValueError, KeyError, TypeError) as error:
             raise DataError(f"{sidecar} is unreadable ({error}): re-run `optimus tokenize` for this data") from None
+        if dtype_name not in TOKEN_DTYPES:  # checked before numpy sees it: "object" would crash the memmap
+            raise DataError(f"{sidecar} gives dtype {dtype_name!r}, not one `optimus tokenize` writes "
+                            f"({' or '.join(TOKEN_DTYPES)}): re-run `optimus tokenize` for this data")
+        dtype = np.dtype(dtype_name)
         size = path.stat().st_size
         if size != expected_tokens * dtype.itemsize:
             raise DataError(
@@ -100,8 +106,11 @@ class TokenDataset:
         return f"TokenDataset({str(self.path)!r}, tokens={self.num_tokens}, dtype={self.dtype.name})"
 
 
-def open_token_dataset(path: str | Path, split: str = "train") -> TokenDataset:
-    """Open tokenized data: a directory means its `<split>.bin`; a `.bin` file is used as given."""
+def open_token_dataset(path: str | Path, split: str = "train", tokenizer: str | None = None) -> TokenDataset:
+    """Open tokenized data: a directory means its `<split>.bin`; a `.bin` file is used as given.
+
+    With `tokenizer` (a run's data.tokenizer), data recorded as made with another tokenizer is refused.
+    """
     if split not in ("train", "heldout"):
         raise DataError(f"unknown split {split!r}: use 'train' or 'heldout'")
     path = Path(path)
@@ -111,4 +120,36 @@ def open_token_dataset(path: str | Path, split: str = "train") -> TokenDataset:
             raise DataError(
                 f"{path} does not exist: re-run `optimus tokenize` with --heldout-fraction > 0 (e.g. 0.02)"
             )
-    return TokenDataset(path)
+    dataset = TokenDataset(path)
+    if tokenizer is not None:
+        check_same_tokenizer(dataset, tokenizer)
+    return dataset
+
+
+def check_same_tokenizer(dataset: TokenDataset, tokenizer: str) -> None:
+    """Raise DataError when `dataset` was tokenized with another tokenizer than `tokenizer` (a data.tokenizer spec).
+
+    The token ids of one tokenizer mean other words to another, so training or evaluating on them gives
+    a wrong result without any error. Data whose sidecar predates tokenizer_sha256 is accepted.
+    """
+    recorded = dataset.tokenizer_sha256
+    if not recorded:
+        return
+    wanted = file_sha256(resolve_tokenizer_path(tokenizer))  # as tokenize.py records it (sources.tokenizer_info)
+    if recorded != wanted:
+        folder = dataset.path.parent if dataset.path.name in ("train.bin", "heldout.bin") else dataset.path
+        made_with = dataset.meta.get("tokenizer") or "another tokenizer"
+        raise DataError(
+            f"{folder} was tokenized with {made_with} (sha256 {recorded[:12]}), not with this run's data.tokenizer "
+            f"{tokenizer} (sha256 {wanted[:12]}): tokenize it again with `optimus tokenize --tokenizer {tokenizer}`, "
+            f"or set data.tokenizer={made_with}"
+        )
+
+
+def has_heldout_split(path: str | Path) -> bool:
+    """Whether open_token_dataset(path, split="heldout") has a split to open: a folder holding heldout.bin or
+    heldout.json (either one means the split is meant to be there), or a `.bin` file (used as given)."""
+    path = Path(path)
+    if not path.is_dir():
+        return True
+    return (path / "heldout.bin").exists() or (path / "heldout.json").exists()

@@ -80,11 +80,61 @@ def _open_jsonl(path: Path) -> io.TextIOBase:
     if name.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     if name.endswith(".zst"):
+        return io.TextIOWrapper(io.BufferedReader(_ZstdFrames(path)), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file of one or more frames; a truncated last frame is a DataError.
+
+    zstandard's stream_reader ends quietly where a cut-off file ends, which would silently drop the
+    rest of the data; here each frame is decompressed on its own and must reach its end.
+    """
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._path = path
+        self._file = open(path, "rb")
+        self._chunks = self._decompressed_chunks()
+        self._pending = memoryview(b"")  # decompressed bytes not yet handed out (a view: slicing copies nothing)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            self._pending = memoryview(next(self._chunks, b""))
+            if not self._pending:
+                return 0
+        count = min(len(buffer), len(self._pending))
+        buffer[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+    def _decompressed_chunks(self) -> Iterator[bytes]:
         import zstandard  # only needed for .zst input
 
-        raw = open(path, "rb")
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        decompressor = zstandard.ZstdDecompressor()
+        frame = None  # the decompressor of the frame being read; a new one after each frame's end
+        data = b""
+        while True:
+            if not data:
+                data = self._file.read(1 << 16)
+                if not data:
+                    if frame is not None and not frame.eof:
+                        raise DataError(f"{self._path} ends before its zstd frame does: the file is truncated; "
+                                        "download or copy it again")
+                    return
+            if frame is None or frame.eof:
+                frame = decompressor.decompressobj()
+            output = frame.decompress(data)
+            data = frame.unused_data if frame.eof else b""
+            if output:
+                yield output
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
@@ -130,7 +180,24 @@ def _read_parquet(path: Path) -> Iterator[str]:
         raise DataError(f"{path}: not a readable parquet file ({error}): re-create it") from None
     if "text" not in parquet.schema_arrow.names:
         raise DataError(f'{path}: no "text" column (columns: {", ".join(parquet.schema_arrow.names)}): rename it to "text"')
+    text_type = parquet.schema_arrow.field("text").type
+    if not _is_string_type(text_type):
+        raise DataError(f'{path}: the "text" column holds {text_type}, not strings: store each document '
+                        "as a string (decode bytes, convert numbers) and write the file again")
+    row = 0
     for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield str(text)
+            if text is None:  # as in JSONL, a missing document is an error, not a silent skip
+                raise DataError(f'{path}: row {row} (0-based) has a null "text": fill in or drop the rows without text')
+            row += 1
+            yield text
+
+
+def _is_string_type(arrow_type) -> bool:
+    """Whether a parquet column of this arrow type reads as Python str (plain, large or dictionary-encoded)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(arrow_type))

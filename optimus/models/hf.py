@@ -224,6 +224,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     family = hf.get("model_type")
     if family not in ARCHITECTURES:
         raise InteropError(f"unsupported model_type '{family}': Optimus imports {', '.join(ARCHITECTURES)} checkpoints")
+    _check_whole_numbers(hf)
     _check_supported(hf, family)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -244,6 +245,22 @@ def config_from_hf(hf: dict) -> ModelConfig:
     except ValidationError as err:
         first = err.errors()[0]
         raise InteropError(f"config.json does not describe a model Optimus can build: {first['msg']}") from None
+
+
+# config.json's integer fields (those present): JSON true would pass as 1 and "64" or 64.0 as 64 without this check
+_INTEGER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                   "intermediate_size", "num_experts", "num_experts_per_tok", "head_dim")
+
+
+def _check_whole_numbers(hf: dict) -> None:
+    for name in _INTEGER_FIELDS:
+        value = hf.get(name)
+        optional = name in ("num_key_value_heads", "head_dim")  # null: derived from the heads
+        if (value is None and optional) or name not in hf:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InteropError(f"config.json field {name} must be a whole number (got {json.dumps(value)}): "
+                               "is it an HF config.json?")
 
 
 def _kv_heads(hf: dict) -> int | None:
@@ -287,13 +304,21 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
                                "convert them to safetensors (save_pretrained(..., safe_serialization=True))")
         raise InteropError(f"no *.safetensors weights in '{hf_dir}': export the model with save_pretrained first")
     tensors: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}  # tensor name -> the file it came from
     for path in files:
         try:
-            tensors.update(load_file(str(path)))
+            loaded = load_file(str(path))
         except (SafetensorError, OSError, ValueError) as err:  # truncated, random or not safetensors at all
             detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
             raise InteropError(f"'{path}' is not a readable safetensors file ({detail}): copy it again "
                                "from its source") from None
+        # Two copies of one tensor (a stale shard beside a newer file): which is meant cannot be told.
+        twice = next((name for name in sorted(loaded) if name in source), None)
+        if twice is not None:
+            raise InteropError(f"tensor '{twice}' is in both '{source[twice].name}' and '{path.name}' in "
+                               f"'{hf_dir}': remove the stale file so each tensor is stored once")
+        tensors.update(loaded)
+        source.update(dict.fromkeys(loaded, path))
     return tensors
 
 
@@ -315,12 +340,19 @@ def _shards_in_index(index: Path) -> list[str]:
 def state_dict_from_hf(
     tensors: dict[str, torch.Tensor], config: ModelConfig, family: str, tied: bool = False
 ) -> dict[str, torch.Tensor]:
-    """HF tensors -> our state dict (fp32), checked name by name and shape by shape against our model."""
+    """HF tensors -> our state dict (fp32), checked name by name, shape by shape and for NaN/inf against our model.
+
+    tied: config.json's tie_word_embeddings is true: the embedding is the head (a stored lm_head is ignored, as in
+    transformers); otherwise a missing lm_head.weight is an InteropError."""
     # A bare base model (OlmoeModel, ...) saves without the "model." prefix and without lm_head.
     if not any(k.startswith("model.") for k in tensors):
         tensors = {("model." + k if k != "lm_head.weight" else k): v for k, v in tensors.items()}
-    if "lm_head.weight" not in tensors and tied and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied in HF, separate here
+    if tied and "model.embed_tokens.weight" in tensors:
+        # Tied in HF (the head IS the embedding; transformers ignores a stored head then), separate here.
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    elif not tied and "lm_head.weight" not in tensors:
+        raise InteropError("the weights have no lm_head.weight and config.json does not set tie_word_embeddings: "
+                           "true: add the head's weights, or set the flag if the model shares its embeddings")
     pool = dict(tensors)
     out = {ours: _take(pool, hf) for ours, hf in _name_pairs(config, family)}
     for i in range(config.n_layers if config.is_moe else 0):
@@ -341,7 +373,11 @@ def state_dict_from_hf(
 def _take(pool: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in pool:
         raise InteropError(f"tensor '{name}' is missing from the safetensors files: is the checkpoint complete?")
-    return pool.pop(name).to(torch.float32)
+    tensor = pool.pop(name).to(torch.float32)
+    if not torch.isfinite(tensor).all():
+        raise InteropError(f"tensor '{name}' holds NaN or inf values: the checkpoint is corrupt or from a diverged "
+                           "run; import a healthy one")
+    return tensor
 
 
 def _take_experts(pool: dict[str, torch.Tensor], layer: int, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -392,5 +428,6 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         raise InteropError(f"config.json in '{folder}' has a field of the wrong type ({err}): is it an HF "
                            "config.json?") from None
     tensors = read_safetensors(folder)
-    tied = hf.get("tie_word_embeddings", True) is not False  # transformers' default when the key is absent
+    # Olmoe/Olmo2/LlamaConfig default tie_word_embeddings to false: tie only where config.json says so
+    tied = hf.get("tie_word_embeddings") is True
     return config, state_dict_from_hf(tensors, config, hf["model_type"], tied=tied)

@@ -187,9 +187,13 @@ def _cluster_from(raw: dict, path: Path) -> Cluster:
     except (TypeError, ValueError) as err:
         message = str(err) if where in str(err) else f"{where}: efficiency: {err}"
         raise ConfigError(message) from None
-    cluster = Cluster(**values)
-    cluster.peak_flops("bf16")  # a device neither in the table nor given peak_tflops fails here, by name
-    return cluster
+    # a device neither in the table nor given peak_tflops fails here, naming the file (not a `base:` preset's name)
+    known = any(fragment == values["device"] for fragment, *_ in DEVICE_PEAKS_TFLOPS)
+    if "measured_peak_flops" not in values and not known:
+        raise ConfigError(f"{where} names device '{values['device']}', which has no entry in "
+                          "optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: give its datasheet peaks as "
+                          "peak_tflops: {bf16: .., fp32: ..} in the cluster file")
+    return Cluster(**values)
 
 
 def _peaks(raw, where: str) -> dict[str, float]:

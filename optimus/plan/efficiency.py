@@ -69,8 +69,11 @@ class Efficiency:
         if raw is None:
             return cls()
         known = {f.name for f in fields(cls)}
-        if not isinstance(raw, dict) or set(raw) - known:
+        if not isinstance(raw, dict):
             raise ValueError(f"{where}: efficiency must be a mapping of {', '.join(sorted(known))}")
+        unknown = sorted(map(str, set(raw) - known))
+        if unknown:
+            raise ValueError(f"{where}: unknown efficiency key '{unknown[0]}': the keys are {', '.join(sorted(known))}")
         values = {k: float(v) for k, v in raw.items()}
         costs = ("op_overhead_us", "dtensor_overhead_us")  # microseconds, the rest fractions of a peak
 

@@ -16,6 +16,7 @@ every variant outside them before pricing it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from optimus.plan.efficiency import Efficiency
 from optimus.plan.step_time import step_time
 
 GIB = 1024**3
+# the largest --devices planned: over a hundred times today's largest machines (Frontier: 75,264 GCDs)
+MAX_DEVICES = 10_000_000
 
 
 @dataclass
@@ -121,7 +124,9 @@ def within(only: dict[str, frozenset[str]], parallel: dict, train: dict, global_
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, found in O(sqrt n) steps (a large --devices must not hang the search)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _variants(config: Config, devices: int, cluster: Cluster):
@@ -159,7 +164,12 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
     only: restrictions from parse_only (none: the whole space).
     """
-    if devices < 1 or devices % cluster.devices_per_node:
+    if devices < 1:
+        raise ConfigError(f"--devices must be at least 1 (got {devices})")
+    if devices > MAX_DEVICES:
+        raise ConfigError(f"--devices {devices} is more than the {MAX_DEVICES:,} devices the planner searches: "
+                          "ask for a machine that exists")
+    if devices % cluster.devices_per_node:
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
                           f"{cluster.name} node: ask for whole nodes")
     config = cluster.resolved(config)  # train.dtype "auto" as the trainer resolves it on this cluster's devices

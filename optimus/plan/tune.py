@@ -88,14 +88,28 @@ def _record(path: Path, row: dict[str, Any]) -> None:
         handle.write(json.dumps(row) + "\n")
 
 
+SEARCH_FILES = ("trials.jsonl", "best.yaml")  # what a search leaves in its --out folder
+
+
+def check_tune_out(out_dir: Path, overwrite: bool = False) -> None:
+    """ConfigError where `out_dir` holds an earlier search and `overwrite` is not given: a rerun with the default
+    --out must not erase the last search's record."""
+    held = [name for name in SEARCH_FILES if (Path(out_dir) / name).exists()]
+    if held and not overwrite:
+        raise ConfigError(f"--out {out_dir} already holds an earlier search ({', '.join(held)}): choose another "
+                          "--out, or pass --overwrite to replace it")
+
+
 def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluster, ranks: int, trials: int,
          out_dir: Path, env: dict[str, str], steps: int = 2, warmup: int = 1, seed: int = 0,
          timeout_s: float = 600.0, say=print, runner=None,
-         only: dict[str, frozenset[str]] | None = None) -> tuple[Candidate | None, list[dict[str, Any]]]:
+         only: dict[str, frozenset[str]] | None = None,
+         overwrite: bool = False) -> tuple[Candidate | None, list[dict[str, Any]]]:
     """Run the measured search; (the best measured candidate or None, every trial's record).
 
     runner: what runs one trial (default run_trial, a real training subprocess), same arguments.
     only: the search held to part of the layouts (search.parse_only), as `optimus plan --only`.
+    overwrite: replace an earlier search in `out_dir` (refused without it: check_tune_out).
     """
     runner = runner or run_trial
     import optuna
@@ -109,7 +123,9 @@ def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluste
     if not fitting:
         raise ConfigError(f"no layout of {ranks} ranks fits this machine's memory by the planner's model "
                           f"({len(pruned)} pruned): a smaller model, batch or sequence")
+    check_tune_out(out_dir, overwrite)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "best.yaml").unlink(missing_ok=True)  # the earlier search's best must not outlive its trials
     log = out_dir / "trials.jsonl"
     log.write_text("")
     records: list[dict[str, Any]] = []

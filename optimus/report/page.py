@@ -134,12 +134,19 @@ def render_report(run_dir: str | Path) -> str:
             f"</title><style>{_CSS}</style></head><body>{''.join(head)}{''.join(sections)}</body></html>\n")
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Render the report of `run_dir` into `out` (default RUN/report.html), written whole or not at all."""
-    page = render_report(run_dir)
-    path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
+def write_report(run_dir: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Render the report of `run_dir` into `out` (default RUN/report.html), written whole or not at all.
+
+    The default file is the report's own and is rewritten freely (the trainer does at every run end); any other
+    existing `out` is replaced only with `overwrite` (`--out RUN/config.yaml` must not turn the run's config into HTML).
+    """
+    own = Path(run_dir) / REPORT_FILE
+    path = Path(out) if out is not None else own
+    page = render_report(run_dir)  # first: a run folder that is not one is named as such
     if not path.parent.is_dir():
         raise ReportError(f"cannot write '{path}': its folder does not exist; create it or choose another --out")
+    if path.exists() and not overwrite and path.resolve() != own.resolve():
+        raise ReportError(f"--out {out} already exists: choose another file, or pass --overwrite to replace it")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(page)
     tmp.replace(path)

@@ -4,6 +4,7 @@ rewound on resume so no step appears twice."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +12,37 @@ from optimus.train.callbacks.base import Callback
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
-    records = []
+    """All records of a metrics.jsonl, each a JSON object.
+
+    A torn last line (a run killed mid-write) is skipped quietly. Any other line that is not a JSON
+    object in UTF-8 (an edited or damaged file) is skipped too, with one warning line on stderr that
+    counts them and names the first: the rest of the run's history stays readable.
+    """
+    records: list[dict[str, Any]] = []
     path = Path(path)
     if not path.is_file():
         return records
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    lines = path.read_bytes().splitlines()
+    skipped: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            skipped.append(f"line {number} is not UTF-8")
+            continue
+        except json.JSONDecodeError:
+            if number < len(lines):  # the last line may be torn; any earlier one is damage
+                skipped.append(f"line {number} is not JSON")
+            continue
+        if not isinstance(record, dict):
+            skipped.append(f"line {number} is a JSON {type(record).__name__}, not an object")
+            continue
+        records.append(record)
+    if skipped:
+        print(f"warning: {path}: skipped {len(skipped)} unreadable line(s) ({skipped[0]}): they are left out; "
+              "remove or fix them to silence this warning", file=sys.stderr)
     return records
 
 

@@ -49,10 +49,9 @@ def test_txt_file_is_one_document(tmp_path):
     assert list(read_documents(tmp_path / "doc.txt")) == [text]
 
 
-def test_blank_jsonl_lines_and_null_parquet_values_are_skipped(tmp_path):
+def test_blank_jsonl_lines_are_skipped(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n\n   \n{"text": "y"}\n')
     assert list(read_documents(tmp_path / "a.jsonl")) == ["x", "y"]
-    assert list(read_documents(_write(tmp_path, "b.parquet", ["x", None, "y"]))) == ["x", "y"]
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):

@@ -1,0 +1,119 @@
+"""`optimus plan --json/--write-config` and `optimus tune --out`: an existing output is refused before the search,
+unless --overwrite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optimus.cli import main
+from optimus.cli.main import build_parser
+from optimus.config import ConfigError, load_config
+from optimus.plan.tune import TrialRun, tune
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+PLAN = ["plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100", "--devices", "8", "--top", "1"]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def _run_with_overwrite(argv: list[str]) -> int:
+    """The verb of `argv` as `--overwrite` would run it (the flag set on the parsed arguments)."""
+    args, extra = build_parser().parse_known_args(argv)
+    args.overwrite = True
+    return args.func(args, extra)
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """Fail the test if the layout search starts: the outputs are checked first."""
+    def search(*args, **kwargs):
+        raise AssertionError("the search ran before the outputs were checked")
+
+    monkeypatch.setattr("optimus.plan.search.plan", search)
+    monkeypatch.setattr("optimus.plan.tune.tune", search)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--write-config"])
+def test_plan_refuses_an_existing_output_before_searching(tmp_path, flag, no_search, capsys):
+    out = tmp_path / "mine.txt"
+    out.write_text("keep me")
+    assert main([*PLAN, flag, str(out)]) == 2
+    assert _one_error_line(capsys).endswith(f"error: {flag} {out} already exists: choose another file, or pass "
+                                            "--overwrite to replace it")
+    assert out.read_text() == "keep me"
+
+
+def test_plan_refuses_writing_over_the_config_it_plans(tmp_path, no_search, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text((CONFIGS / "mula-tiny-moe.yaml").read_text())
+    argv = [*PLAN[:1], str(config), *PLAN[2:], "--write-config", str(config)]
+    assert main(argv) == 2
+    assert _one_error_line(capsys).endswith(f"error: --write-config {config} is the config being planned: choose "
+                                            "another file, or pass --overwrite to replace it")
+    assert config.read_text() == (CONFIGS / "mula-tiny-moe.yaml").read_text()
+
+
+def test_plan_refuses_one_file_for_both_outputs(tmp_path, no_search, capsys):
+    out = tmp_path / "both"
+    assert main([*PLAN, "--json", str(out), "--write-config", str(out)]) == 2
+    assert _one_error_line(capsys).endswith(f"error: --json and --write-config both name {out}: give each its own file")
+    assert not out.exists()
+
+
+def test_plan_with_overwrite_replaces_both_outputs(tmp_path):
+    out, best = tmp_path / "plan.json", tmp_path / "best.yaml"
+    out.write_text("old")
+    best.write_text("old")
+    assert _run_with_overwrite([*PLAN, "--json", str(out), "--write-config", str(best)]) == 0
+    assert json.loads(out.read_text())
+    assert load_config(best).parallel
+
+
+@pytest.mark.parametrize("held", [["trials.jsonl"], ["best.yaml"], ["trials.jsonl", "best.yaml"]])
+def test_tune_refuses_a_folder_holding_an_earlier_search_before_any_trial(tmp_path, held, no_search, capsys):
+    for name in held:
+        (tmp_path / name).write_text("earlier\n")
+    argv = ["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert _one_error_line(capsys).endswith(f"error: --out {tmp_path} already holds an earlier search "
+                                            f"({', '.join(held)}): choose another --out, or pass --overwrite to "
+                                            "replace it")
+    assert all((tmp_path / name).read_text() == "earlier\n" for name in held)
+
+
+def _tiny_cluster():
+    from optimus.plan.here import here_cluster
+
+    fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
+    machine = {"cpu": "test CPU", "cores": 2, "memory_bytes": 64 * 1024**3, "fp32_flops_per_thread": 2e10,
+               "bf16_flops_per_thread": 2e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+               "copy_gb_s_all_cores": 10.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}},
+               "measured_at": "test"}
+    return here_cluster({"machine": machine}, 2)
+
+
+def test_tune_replaces_an_earlier_search_only_with_overwrite(tmp_path):
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    (tmp_path / "trials.jsonl").write_text("earlier\n")
+    (tmp_path / "best.yaml").write_text("earlier\n")
+
+    def failing_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        return TrialRun("failed: test")
+
+    def search(overwrite: bool):
+        return tune(config, "unused.yaml", [], _tiny_cluster(), 2, 1, tmp_path, {}, runner=failing_run,
+                    say=lambda line: None, overwrite=overwrite)
+
+    with pytest.raises(ConfigError, match="already holds an earlier search"):
+        search(overwrite=False)
+    assert (tmp_path / "trials.jsonl").read_text() == "earlier\n"
+    best, records = search(overwrite=True)
+    assert best is None and "earlier" not in (tmp_path / "trials.jsonl").read_text()
+    assert not (tmp_path / "best.yaml").exists()  # no stale best beside the new trials

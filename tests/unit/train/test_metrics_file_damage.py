@@ -1,0 +1,50 @@
+"""A damaged metrics.jsonl (not UTF-8, a scalar line) is read around, with one warning; a torn last line quietly."""
+
+from __future__ import annotations
+
+import json
+
+from optimus.report.panels import RunRecords
+from optimus.train.callbacks import JsonlMetrics, read_metrics
+
+STEP_1 = json.dumps({"step": 1, "loss": 10.0})
+STEP_2 = json.dumps({"step": 2, "loss": 9.0})
+
+
+def test_torn_last_line_is_skipped_without_a_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{STEP_2}\n" + '{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert capsys.readouterr().err == ""
+
+
+def test_non_utf8_and_non_object_lines_are_skipped_with_one_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(f"{STEP_1}\n".encode() + b"\xff\xfe\x00garbage\n123\n[1, 2]\nnot json\n" + f"{STEP_2}\n".encode())
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"warning: {path}: skipped 4 unreadable line(s) (line 2 is not UTF-8)")
+
+
+def test_scalar_line_is_named_in_the_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n123\n{STEP_2}\n")
+    assert len(read_metrics(path)) == 2
+    assert "(line 2 is a JSON int, not an object)" in capsys.readouterr().err
+
+
+def test_report_records_of_a_damaged_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\x80\x81\n" + f"{STEP_1}\n\"text\"\n{STEP_2}\n".encode())
+    records = RunRecords.read(path)
+    assert [r["step"] for r in records.steps] == [1, 2]
+
+
+def test_resume_keeps_the_readable_records_of_a_damaged_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(f"{STEP_1}\n".encode() + b"7\n\xff\n" + f"{STEP_2}\n".encode())
+    logger = JsonlMetrics(path)
+    logger.on_train_start(start_step=1, max_steps=4)
+    logger.on_train_end(1)
+    assert [r["step"] for r in read_metrics(path)] == [1]
