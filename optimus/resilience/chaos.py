@@ -161,10 +161,13 @@ class _Run:
                                         start_new_session=True)
 
     def lines(self) -> list[str]:
+        """The training steps' lines written whole: the trainer may be writing the last one as it is read."""
         try:
-            return [line for line in self.metrics.read_text().splitlines() if '"loss"' in line]
+            text = self.metrics.read_text(errors="replace")
         except OSError:
             return []
+        whole = text[: text.rfind("\n") + 1]  # up to the last newline: a torn tail is still being written
+        return [line for line in whole.splitlines() if '"loss"' in line]
 
     def last_step(self) -> int:
         lines = self.lines()

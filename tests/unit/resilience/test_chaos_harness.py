@@ -37,3 +37,14 @@ def test_weights_compare_bit_for_bit():
     nudged = {"w": torch.ones(3) + 1e-7, "b": torch.zeros(2)}
     equal, _, first = compare_weights(a, nudged)
     assert not equal and first.startswith("w ")
+
+
+def test_the_watched_run_reads_only_whole_lines_of_its_metrics(tmp_path):
+    # the trainer may be writing the last line as chaos reads it (a 20-fault soak once read half a line)
+    from optimus.resilience.chaos import _Run
+
+    run = _Run(command=[], run_dir=tmp_path, ranks=1, env={}, log=tmp_path / "log")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.5}\n{"step": 3, "lo')
+    assert run.last_step() == 2 and len(run.lines()) == 2
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.5}\n')
+    assert run.last_step() == 2
