@@ -15,7 +15,7 @@ the unsplit model (ModelShape) and the layout's degrees:
                   moments for the owned share: non-expert over dp (EP-aware) or expert_dp, experts over expert_dp;
                   zero1 also holds the whole gradients until the step, zero2 only about two buckets in flight
     ddp           whole fp32 parameters, gradients, moments, and DDP's fp32 gradient buckets
-    activations   dry_run.rank_activation_bytes (the same formula): what each micro-batch the schedule keeps in
+    activations   activation_memory.rank_activation_bytes (the same formula): what each micro-batch the schedule keeps in
                   flight saves, plus once the block being recomputed and the LM head's weight gradient
     overlap       with one micro-batch a step, the gradients the backward creates (fp32 per parameter held, zero1's
                   whole ones) and the activations it frees are not both at the peak: the smaller comes off
@@ -36,15 +36,17 @@ import math
 from dataclasses import dataclass
 
 from optimus.config import Config
-from optimus.parallel.dry_run import (
+from optimus.parallel.activation_memory import (
     autocast_weight_copy_bytes,
+    forwards_first,
+    micro_batches_in_flight,
+    rank_activation_bytes,
+)
+from optimus.parallel.dry_run import (
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
-    forwards_first,
     gradients_not_at_the_activation_peak,
-    micro_batches_in_flight,
-    rank_activation_bytes,
     whole_gradient_bytes,
     zero_gradient_bytes,
 )
@@ -175,7 +177,7 @@ def _ceil_div(a: float, b: int) -> float:
 def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: int,
                  loss_on_cpu: bool = False) -> dict[str, float]:
     """Bytes one rank of pipeline stage `stage` holds, by term (config: validated, micro-batch resolved);
-    `loss_on_cpu`: the devices are CPUs, whose loss head holds other buffers (dry_run.loss_head_bytes)."""
+    `loss_on_cpu`: the devices are CPUs, whose loss head holds other buffers (activation_memory.loss_head_bytes)."""
     width = 2 if config.train.dtype in ("bf16", "auto") else 4
     layers = _ceil_div(shape.n_layers, dims.pp)
     first, last = stage == 0, stage == dims.pp - 1

@@ -72,7 +72,7 @@ from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
-from optimus.parallel.dry_run import weights_stay_fp32
+from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
@@ -287,7 +287,7 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     reduced shard into the fp32 shard gradients (FSDP2's sharded .grad, optim/sharded.py's grad_shard): the same
     passes over the elements the rank owns.
 
-    Where the weights stay fp32 under bf16 compute (as dry_run.autocast_weight_copy_bytes: no data parallelism, or
+    Where the weights stay fp32 under bf16 compute (as activation_memory.autocast_weight_copy_bytes: no data parallelism, or
     ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every matrix in the
     forward, again where recomputed, and its gradient back to fp32 in the backward (AUTOCAST_CAST_BYTES each).
     Measured: the compiled Mula-7B-A1B block on one H100 spent 48 ms of a 0.28 s step in these casts and the fp32

@@ -96,7 +96,7 @@ def _kept_bytes(rank: int, world: int, moe: bool, parallel: dict) -> tuple[float
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from optimus.parallel.dry_run import activation_split
+    from optimus.parallel.activation_memory import activation_split
     from optimus.parallel.parallelize import _ops_policy
     from optimus.parallel.validate import validate_layout
 

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from optimus.config import build_config
-from optimus.parallel.dry_run import (activation_bytes, activation_split, dry_run, format_report, loss_head_bytes,
-                                     rank_activation_bytes, stream_width)
+from optimus.parallel.activation_memory import (activation_bytes, activation_split, loss_head_bytes,
+                                               rank_activation_bytes, stream_width)
+from optimus.parallel.dry_run import dry_run, format_report
 from optimus.parallel.mesh import ParallelDims
 from tests.helpers import in_forked_process
 from tests.helpers.precision import cpu_auto_dtype
@@ -114,7 +115,7 @@ def test_the_loss_head_keeps_one_micro_batch_but_under_gpipe(loss_on_cpu):
     on CPU, beside the head's input): the last stage holds it once where forward and backward alternate (1F1B,
     interleaved: the head is in its last virtual stage), and for every micro-batch under GPipe, whose forwards all
     run first (dense PP 2 GPipe on the 2-core EPYC: 481 MiB measured, 387 predicted when it counted once)."""
-    from optimus.parallel.dry_run import head_kept_bytes
+    from optimus.parallel.activation_memory import head_kept_bytes
 
     dims = ParallelDims(pp=2, world_size=2)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
@@ -162,7 +163,7 @@ print((status("VmHWM") - base) * 1024)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
     """The CPU loss kernel's peak (a fresh process's resident-set growth: its buffers live inside one op, out of
-    reach of tensor-level trackers) against dry_run.loss_head_bytes: one [512, V] chunk buffer and the fp32 weight
+    reach of tensor-level trackers) against activation_memory.loss_head_bytes: one [512, V] chunk buffer and the fp32 weight
     gradient (and under bf16 its partial products), plus the head input's gradient it keeps, plus what backward
     hands the input and the weight (their .grad). Sizes where the chunk buffer dominates."""
     import subprocess
@@ -190,7 +191,7 @@ def test_loss_head_bytes_match_what_the_cpu_loss_allocates(dtype):
 def test_loss_head_bytes_match_what_the_plain_loss_allocates(dtype):
     """The accelerators' plain path (F.cross_entropy over fp32 logits), tracked tensor by tensor (torch's
     MemTracker, device-independent): the fp32 log-softmax kept for backward and the two [n, V] fp32 gradients its
-    backward holds with it, against dry_run.loss_head_bytes."""
+    backward holds with it, against activation_memory.loss_head_bytes."""
     import torch
 
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
@@ -261,7 +262,7 @@ def test_activation_estimate_is_close_to_what_autograd_saves(moe, norm_placement
     import torch
 
     from optimus.models.transformer import build_model
-    from optimus.parallel.dry_run import autocast_weight_copy_bytes
+    from optimus.parallel.activation_memory import autocast_weight_copy_bytes
 
     model_cfg = dict(d_model=128, n_layers=2, n_heads=4, vocab_size=2048, qk_norm=True, norm_placement=norm_placement)
     model_cfg.update(n_experts=8, top_k=2, expert_ffn_hidden=128) if moe else model_cfg.update(n_experts=0, ffn_hidden=512)
@@ -357,7 +358,7 @@ def _torch_interleaved_peak(pp: int, virtual: int, n_micro: int, rank: int) -> f
 
 @pytest.mark.parametrize("pp,virtual,n_micro", [(2, 2, 4), (4, 2, 8), (4, 2, 12), (4, 4, 16), (8, 2, 8), (32, 2, 64)])
 def test_interleaved_in_flight_follows_torchs_schedule(pp, virtual, n_micro):
-    from optimus.parallel.dry_run import micro_batches_in_flight
+    from optimus.parallel.activation_memory import micro_batches_in_flight
 
     config = build_config({"model": {"preset": "mula-tiny-dense", "n_layers": pp * virtual},
                            "parallel": dict(pp=pp, pp_schedule="interleaved_1f1b", pp_virtual_stages=virtual),
@@ -420,7 +421,7 @@ def test_autocast_weight_copies_are_the_bf16_casts_autograd_keeps(preset):
     import torch
 
     from optimus.models.transformer import build_model
-    from optimus.parallel.dry_run import autocast_weight_copy_bytes
+    from optimus.parallel.activation_memory import autocast_weight_copy_bytes
 
     config = build_config({"model": {"preset": preset}, "train": {"seq_len": 32, "micro_batch_size": 2,
                                                                    "global_batch_size": 2, "dtype": "bf16"}})
@@ -442,7 +443,7 @@ def test_autocast_weight_copies_are_the_bf16_casts_autograd_keeps(preset):
 
 
 def test_autocast_weight_copies_only_where_fp32_weights_compute_in_bf16():
-    from optimus.parallel.dry_run import autocast_weight_copy_bytes
+    from optimus.parallel.activation_memory import autocast_weight_copy_bytes
 
     def copies(dims, shard_mode="fsdp", **train):
         config = build_config({"model": {"preset": "mula-tiny-dense"}, "parallel": {"shard_mode": shard_mode},
