@@ -85,3 +85,10 @@ def train_small_moe_on_rank(rank: int, world: int, run_dir: str, max_steps: int,
     from optimus.train.trainer import Trainer
 
     Trainer(small_moe_trainer_config(run_dir, max_steps, parallel), progress_bar=False).fit()
+
+
+def one_error_line(capsys) -> str:
+    """The one line a CLI command printed on stderr (no traceback), from pytest's capsys."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from optimus.cli import main
-from optimus.cli.main import build_parser
+from tests.helpers.runs import one_error_line
 
 
 @pytest.fixture(scope="module")
@@ -22,24 +22,11 @@ def tiny_run(tmp_path_factory, small_token_dir):
     return run
 
 
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
-
-
-def _run_with_overwrite(argv: list[str]) -> int:
-    """The verb of `argv` as `--overwrite` would run it (the flag set on the parsed arguments)."""
-    args, extra = build_parser().parse_known_args(argv)
-    args.overwrite = True
-    return args.func(args, extra)
-
-
 def test_report_refuses_an_existing_out_file_and_keeps_it(tiny_run, capsys):
     config = tiny_run / "config.yaml"
     before = config.read_bytes()
     assert main(["report", str(tiny_run), "--out", str(config)]) == 2
-    assert _one_error_line(capsys).endswith(f"error: --out {config} already exists: choose another file, or pass "
+    assert one_error_line(capsys).endswith(f"error: --out {config} already exists: choose another file, or pass "
                                             "--overwrite to replace it")
     assert config.read_bytes() == before
 
@@ -50,7 +37,7 @@ def test_report_rewrites_its_own_file_and_replaces_another_with_overwrite(tiny_r
     assert main(["report", str(tiny_run), "--out", str(tiny_run / "report.html")]) == 0
     other = tmp_path / "page.html"
     other.write_text("mine")
-    assert _run_with_overwrite(["report", str(tiny_run), "--out", str(other)]) == 0
+    assert main(["report", str(tiny_run), "--out", str(other), "--overwrite"]) == 0
     assert other.read_text().startswith("<!DOCTYPE html>")
 
 
@@ -60,7 +47,7 @@ def test_import_refuses_a_folder_that_holds_files_and_changes_nothing(tmp_path, 
     (out / "config.yaml").write_text("run: {dir: old}\n")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["import", str(tmp_path / "no-hf-dir"), "--out", str(out)]) == 2
-    assert _one_error_line(capsys).endswith(f"error: --out {out} already holds files (checkpoints, config.yaml, "
+    assert one_error_line(capsys).endswith(f"error: --out {out} already holds files (checkpoints, config.yaml, "
                                             "metrics.jsonl): import into a new or empty folder")
     assert (out / "config.yaml").read_text() == "run: {dir: old}\n"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
@@ -70,32 +57,32 @@ def test_import_names_a_few_files_of_a_full_folder(tmp_path, capsys):
     for name in "abcde":
         (tmp_path / name).write_text("")
     assert main(["import", str(tmp_path / "no-hf-dir"), "--out", str(tmp_path)]) == 2
-    assert "already holds files (a, b, c, ...)" in _one_error_line(capsys)
+    assert "already holds files (a, b, c, ...)" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("tasks", ["", ",,"])
 def test_eval_with_no_task_named_is_refused_alike(tiny_run, tasks, capsys):
     assert main(["eval", str(tiny_run), "--tasks", tasks]) == 2
-    assert _one_error_line(capsys).endswith("error: --tasks names no task: pass e.g. --tasks arc_easy,hellaswag")
+    assert one_error_line(capsys).endswith("error: --tasks names no task: pass e.g. --tasks arc_easy,hellaswag")
 
 
 @pytest.mark.parametrize("flag,value", [("--batches", "0"), ("--batch-size", "-1"), ("--batch-size", "0")])
 def test_eval_flags_below_one_name_the_flag(tmp_path, flag, value, capsys):
     # checked before the run is read: no run needed
     assert main(["eval", str(tmp_path), flag, value]) == 2
-    assert _one_error_line(capsys).endswith(f"error: {flag} must be at least 1 (got {value})")
+    assert one_error_line(capsys).endswith(f"error: {flag} must be at least 1 (got {value})")
 
 
 @pytest.mark.parametrize("temperature", ["1e-45", "1e-300", "5e-5"])
 def test_generate_refuses_a_temperature_too_small_to_sample_with(tmp_path, temperature, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "hi", "--temperature", temperature]) == 2
-    assert _one_error_line(capsys).endswith(f"error: --temperature {float(temperature):g} is too small to sample "
+    assert one_error_line(capsys).endswith(f"error: --temperature {float(temperature):g} is too small to sample "
                                             "with: use at least 0.0001, or 0 for greedy decoding")
 
 
 def test_generate_refuses_a_never_ending_continuation(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "100000000"]) == 2
-    assert _one_error_line(capsys).endswith("error: --max-new-tokens 100000000 is more than 1,000,000: ask for fewer")
+    assert one_error_line(capsys).endswith("error: --max-new-tokens 100000000 is more than 1,000,000: ask for fewer")
 
 
 def test_generate_samples_at_the_smallest_temperature(tiny_run, capsys):

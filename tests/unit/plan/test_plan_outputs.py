@@ -9,25 +9,12 @@ from pathlib import Path
 import pytest
 
 from optimus.cli import main
-from optimus.cli.main import build_parser
 from optimus.config import ConfigError, load_config
 from optimus.plan.tune import TrialRun, tune
+from tests.helpers.runs import one_error_line
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 PLAN = ["plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100", "--devices", "8", "--top", "1"]
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
-
-
-def _run_with_overwrite(argv: list[str]) -> int:
-    """The verb of `argv` as `--overwrite` would run it (the flag set on the parsed arguments)."""
-    args, extra = build_parser().parse_known_args(argv)
-    args.overwrite = True
-    return args.func(args, extra)
 
 
 @pytest.fixture
@@ -45,7 +32,7 @@ def test_plan_refuses_an_existing_output_before_searching(tmp_path, flag, no_sea
     out = tmp_path / "mine.txt"
     out.write_text("keep me")
     assert main([*PLAN, flag, str(out)]) == 2
-    assert _one_error_line(capsys).endswith(f"error: {flag} {out} already exists: choose another file, or pass "
+    assert one_error_line(capsys).endswith(f"error: {flag} {out} already exists: choose another file, or pass "
                                             "--overwrite to replace it")
     assert out.read_text() == "keep me"
 
@@ -55,7 +42,7 @@ def test_plan_refuses_writing_over_the_config_it_plans(tmp_path, no_search, caps
     config.write_text((CONFIGS / "mula-tiny-moe.yaml").read_text())
     argv = [*PLAN[:1], str(config), *PLAN[2:], "--write-config", str(config)]
     assert main(argv) == 2
-    assert _one_error_line(capsys).endswith(f"error: --write-config {config} is the config being planned: choose "
+    assert one_error_line(capsys).endswith(f"error: --write-config {config} is the config being planned: choose "
                                             "another file, or pass --overwrite to replace it")
     assert config.read_text() == (CONFIGS / "mula-tiny-moe.yaml").read_text()
 
@@ -63,7 +50,7 @@ def test_plan_refuses_writing_over_the_config_it_plans(tmp_path, no_search, caps
 def test_plan_refuses_one_file_for_both_outputs(tmp_path, no_search, capsys):
     out = tmp_path / "both"
     assert main([*PLAN, "--json", str(out), "--write-config", str(out)]) == 2
-    assert _one_error_line(capsys).endswith(f"error: --json and --write-config both name {out}: give each its own file")
+    assert one_error_line(capsys).endswith(f"error: --json and --write-config both name {out}: give each its own file")
     assert not out.exists()
 
 
@@ -71,7 +58,7 @@ def test_plan_with_overwrite_replaces_both_outputs(tmp_path):
     out, best = tmp_path / "plan.json", tmp_path / "best.yaml"
     out.write_text("old")
     best.write_text("old")
-    assert _run_with_overwrite([*PLAN, "--json", str(out), "--write-config", str(best)]) == 0
+    assert main([*PLAN, "--json", str(out), "--write-config", str(best), "--overwrite"]) == 0
     assert json.loads(out.read_text())
     assert load_config(best).parallel
 
@@ -82,7 +69,7 @@ def test_tune_refuses_a_folder_holding_an_earlier_search_before_any_trial(tmp_pa
         (tmp_path / name).write_text("earlier\n")
     argv = ["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--out", str(tmp_path)]
     assert main(argv) == 2
-    assert _one_error_line(capsys).endswith(f"error: --out {tmp_path} already holds an earlier search "
+    assert one_error_line(capsys).endswith(f"error: --out {tmp_path} already holds an earlier search "
                                             f"({', '.join(held)}): choose another --out, or pass --overwrite to "
                                             "replace it")
     assert all((tmp_path / name).read_text() == "earlier\n" for name in held)
