@@ -242,8 +242,9 @@ def memory_panel(records: RunRecords) -> str | None:
         over_time.legend(fontsize="small")
     source = next((r["memory_source"] for r in reversed(records.steps) if "memory_source" in r), "peak memory")
     planned = next((r["memory_planned_gib"] for r in reversed(records.steps) if "memory_planned_gib" in r), None)
-    if planned is not None:  # the planner's prediction (the largest stage's), which the measured peak is to match
-        over_time.axhline(planned, color="grey", ls="--", lw=1.0, label="planned peak per rank")
+    if planned is not None:  # the planner's prediction of the tensors' peak (the largest stage's): a GPU's allocated
+        # peak is to match it; a CPU's resident set adds the process's own memory and what the allocator keeps
+        over_time.axhline(planned, color="grey", ls="--", lw=1.0, label="planned peak of tensors per rank")
         over_time.legend(fontsize="small")
     _style(over_time, f"Peak memory over training ({source})", "GiB")
     last = logged[-1]["memory_peak_gib"]

@@ -62,7 +62,8 @@ class ThroughputMetrics(Callback):
 class MemoryMetrics(Callback):
     """memory_peak_gib: every rank's peak memory so far, index = rank (one small all-gather per logged
     step, on every rank); the first logged row also names what was measured (memory_source) and the planner's
-    predicted peak per rank (memory_planned_gib: the largest stage's, train/memory_fit.py), which it is to match."""
+    predicted peak of tensors per rank (memory_planned_gib: the largest stage's, train/memory_fit.py): a GPU's allocated
+    peak is to match it; a CPU's resident set adds the process's own memory."""
 
     def __init__(self, device: torch.device, planned_peak_bytes: float | None = None):
         self.device = device
