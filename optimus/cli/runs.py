@@ -45,7 +45,7 @@ def _seq_len(args: argparse.Namespace, config) -> int:
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from optimus.data.dataset import open_token_dataset
+    from optimus.data.dataset import has_heldout_split, open_token_dataset
     from optimus.data.loader import heldout_batches
     from optimus.data.sources import load_tokenizer
     from optimus.train.evaluate import evaluate
@@ -59,7 +59,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     seq_len = _seq_len(args, config)
     if args.data:
         data = Path(args.data)
-        split = "heldout" if data.is_dir() and (data / "heldout.bin").exists() else "train"
+        # its held-out split where it has one (a damaged one is an error, not a silent fall back to train.bin)
+        split = "heldout" if data.is_dir() and has_heldout_split(data) else "train"
         datasets = [open_token_dataset(data, split=split, tokenizer=config.data.tokenizer)]
     else:
         from optimus.data.build import build_training_data

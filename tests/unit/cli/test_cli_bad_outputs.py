@@ -89,3 +89,14 @@ def test_generate_samples_at_the_smallest_temperature(tiny_run, capsys):
     assert main(["generate", str(tiny_run), "--prompt", "The", "--max-new-tokens", "2",
                  "--temperature", "1e-4"]) == 0
     assert "temperature 0.0001, seed 0" in capsys.readouterr().out
+
+
+def test_eval_data_with_a_damaged_heldout_split_is_refused_not_read_as_train(tiny_run, small_token_dir, tmp_path,
+                                                                             capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(small_token_dir, data)
+    (data / "heldout.bin").unlink()  # heldout.json says the split is there: train.bin is not what was asked for
+    assert main(["eval", str(tiny_run), "--data", str(data), "--batches", "1"]) == 2
+    assert "heldout.bin does not exist" in one_error_line(capsys)
