@@ -69,7 +69,7 @@ def check_plan_outputs(args: argparse.Namespace) -> None:
         output_location(flag, path)
     if len(outputs) == 2 and Path(args.json).resolve() == Path(args.write_config).resolve():
         raise UsageError(f"--json and --write-config both name {args.json}: give each its own file")
-    if getattr(args, "overwrite", False):
+    if args.overwrite:
         return
     for flag, path in outputs:
         if Path(path).exists():
@@ -193,14 +193,14 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     except ImportError:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
     out_dir = output_location("--out", args.out, folder=True)
-    check_tune_out(out_dir, getattr(args, "overwrite", False))  # before the trials: minutes to hours of them
+    check_tune_out(out_dir, args.overwrite)  # before the trials: minutes to hours of them
     config = load_config(args.config, overrides)
     _warn_if_oversubscribed(args.ranks)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # the trials' ranks' threads
     cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only,
-                         overwrite=getattr(args, "overwrite", False))
+                         overwrite=args.overwrite)
     print(format_trials(records))
     print(f"every trial: {out_dir / 'trials.jsonl'}")
     if best is None:

@@ -193,7 +193,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out:
         output_location("--out", args.out)
     try:
-        path = write_report(args.run, args.out, overwrite=getattr(args, "overwrite", False))
+        path = write_report(args.run, args.out, overwrite=args.overwrite)
     except ReportError as err:
         raise UsageError(str(err)) from None
     print(f"report: {path}")

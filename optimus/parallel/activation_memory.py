@@ -97,7 +97,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     returned rows for the combine); with t > 1 the tp ranks split the experts: a rank's
                     expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
                     keeps all T k rows (the other ranks' as zeros), w k h
-    Full checkpointing keeps each block's input (w h / t) plus one block recomputed at a time.
+    Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
+    at a time.
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
     unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
@@ -110,10 +111,10 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         rows out and gate/up, x = 2 all_to_all exchanges or 1 allgather reduce-scatter kept); each + w h / t (its
         reduce-scatter) when t > 1. Checked against the bytes the policy keeps (tests/distributed/
         test_checkpointing_collectives.py): within 10% on average over the ranks.
-    Plus the embedding output (w h / t) and, on the rank with the LM head, its input (w h per token: saved, or
-    the CPU loss op's input gradient) and the loss's buffers (loss_head_bytes: they depend on the device).
-    Checked against the tensors autograd really saves (tiny fp32 and bf16 models on CPU, no
-    checkpointing): within 10%.
+    Plus the embedding output (w h / t; at t = 1 the first norm keeps it, unless a checkpoint or a pipeline stage
+    keeps it as the block input) and, on the rank with the LM head, its input (w h per token: saved, or the CPU loss
+    op's input gradient) and the loss's buffers (loss_head_bytes: they depend on the device). Checked against the
+    tensors autograd really saves (tiny fp32 and bf16 models on CPU, no checkpointing): within 5%.
     """
     m, t = config.model, dims.tp
     h, kv = m.d_model, m.kv_heads * m.head_dim
@@ -148,13 +149,12 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     attn_selective = w * (2 * h + 2 * kv) / t + w * h + scattered
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
-        experts = w * k * (2 * fe + 1) if dims.ep == 1 else w * k * (2 * h + 2 * fe)
-        if t > 1:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
-            experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
-        if t == 1:  # the router: fp32 probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
-            experts += 8 * k if dims.ep == 1 else 0  # the fused op's int64 row order
+        if t == 1:  # the fused op (its row order in int64), or the rows ep exchanges; the router: fp32
+            # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
+            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else w * k * (2 * h + 2 * fe)
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
-        else:
+        else:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
+            experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
             mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k

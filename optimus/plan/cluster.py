@@ -74,12 +74,10 @@ class Cluster:
         """Peak FLOP/s of one device in "bf16" or "fp32": the datasheet's (dense, no sparsity), or measured here."""
         if self.measured_peak_flops is not None:
             return self.measured_peak_flops["fp32" if dtype == "fp32" else "bf16"]
-        for fragment, bf16, fp32, _source in DEVICE_PEAKS_TFLOPS:
-            if fragment == self.device:
-                return (fp32 if dtype == "fp32" else bf16) * 1e12
-        raise ConfigError(f"cluster '{self.name}' names device '{self.device}', which has no entry in "
-                          f"optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: give its datasheet peaks as "
-                          f"peak_tflops: {{bf16: .., fp32: ..}} in the cluster file")
+        peaks = datasheet_peaks(self.device)
+        if peaks is None:
+            raise ConfigError(unknown_device(f"cluster '{self.name}'", self.device))
+        return (peaks[1] if dtype == "fp32" else peaks[0]) * 1e12
 
     @property
     def memory_bytes(self) -> float:
@@ -188,12 +186,20 @@ def _cluster_from(raw: dict, path: Path) -> Cluster:
         message = str(err) if where in str(err) else f"{where}: efficiency: {err}"
         raise ConfigError(message) from None
     # a device neither in the table nor given peak_tflops fails here, naming the file (not a `base:` preset's name)
-    known = any(fragment == values["device"] for fragment, *_ in DEVICE_PEAKS_TFLOPS)
-    if "measured_peak_flops" not in values and not known:
-        raise ConfigError(f"{where} names device '{values['device']}', which has no entry in "
-                          "optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: give its datasheet peaks as "
-                          "peak_tflops: {bf16: .., fp32: ..} in the cluster file")
+    if "measured_peak_flops" not in values and datasheet_peaks(values["device"]) is None:
+        raise ConfigError(unknown_device(where, values["device"]))
     return Cluster(**values)
+
+
+def datasheet_peaks(device: str) -> tuple[float, float] | None:
+    """(bf16, fp32) datasheet TFLOP/s of `device` (optimus/train/hardware.py DEVICE_PEAKS_TFLOPS), or None."""
+    return next(((bf16, fp32) for fragment, bf16, fp32, _source in DEVICE_PEAKS_TFLOPS if fragment == device), None)
+
+
+def unknown_device(who: str, device: str) -> str:
+    """The one line for a device without datasheet peaks; `who` names the cluster or its file."""
+    return (f"{who} names device '{device}', which has no entry in optimus/train/hardware.py DEVICE_PEAKS_TFLOPS: "
+            "give its datasheet peaks as peak_tflops: {bf16: .., fp32: ..} in the cluster file")
 
 
 def _peaks(raw, where: str) -> dict[str, float]:
