@@ -15,6 +15,9 @@ about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart),
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
 when there is none), and each rank's memory with the planner's stage_memory of the first and last stage.
 
+`--repeats 0` measures memory alone (no step time compared), e.g. at a longer sequence: `--repeats 0
+--no-calibrate --model=--train.seq_len=2048`.
+
 Memory measured: the allocator's peak, as max_memory_allocated reads it on a GPU: in `--memory-runs` further
 runs (the least of them), each rank trains under torch.profiler with profile_memory (started just before the
 Trainer is built), and the most bytes live at once is rebuilt from its allocation and free events, block by block
@@ -263,16 +266,21 @@ def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
 
 def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
                model: list[str] = (), repeats: int = 1, memory_runs: int = 1) -> dict:
-    """Train one layout briefly (`repeats` times) and predict it; the row of the table."""
+    """Train one layout briefly (`repeats` times; none: memory only) and predict it; the row of the table."""
     config_path, ranks, extra = LAYOUTS[name]
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     threads = layout_threads(name)
-    runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(max(1, repeats))]
-    fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
-    measured, _, wall = runs[fastest]
-    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate, threads)
-    step = statistics.median(measured)
+    runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
+    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate and bool(runs), threads)
+    timed = {}
+    if runs:
+        fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
+        measured, _, wall = runs[fastest]
+        step = statistics.median(measured)
+        timed = {"measured_step_s": step, "measured_steps_s": measured, "predicted_step_s": predicted["step_s"],
+                 "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
+                 "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs]}
     # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
     # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
     profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)[1]
@@ -284,22 +292,20 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
     memory = min(peaks)
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
-    return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, "measured_step_s": step,
-            "measured_steps_s": measured,
-            "predicted_step_s": predicted["step_s"], "step_error": predicted["step_s"] / step - 1,
-            "predicted_parts_s": predicted["parts"], "measured_memory_bytes": memory,
+    return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, **timed,
+            "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
-            "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out, "wall_s": wall,
+            "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out,
             "memory_measure": "allocator peak" if profiled else "resident set", "timed_rss_bytes": timed_peaks,
-            "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"],
-            "run_medians_s": [statistics.median(r[0]) for r in runs]}
+            "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results/plan_vs_measured.json", help="where to write the rows")
     parser.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per layout; the fastest run's median counts")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per layout; the fastest run's median "
+                                                               "counts (0: memory only, no time compared)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-runs", type=int, default=1,
                         help="further runs per layout for the allocator's peak, profiled (0: the timed runs' resident "
@@ -312,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="extra --model.* overrides for every layout, comma-separated "
                                                     "(a smaller model for a quick check)")
     args = parser.parse_args(argv)
+    if args.repeats < 0 or args.memory_runs < 0 or args.repeats + args.memory_runs == 0:
+        print("--repeats and --memory-runs: counts of 0 or more, not both 0 (nothing would be measured)",
+              file=sys.stderr)
+        return 2
     from optimus.cli import here_cache_files
 
     cache_file, cpu_cache = here_cache_files()
@@ -337,12 +347,16 @@ def main(argv: list[str] | None = None) -> int:
         row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache, not args.no_calibrate,
                          [m for m in args.model.split(",") if m], args.repeats, args.memory_runs)
         rows.append(row)
-        print(f"{name:<26} {row['ranks']:>5} {row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} "
-              f"{row['step_error']:>+7.1%} {row['measured_memory_bytes'] / 2**20:>9.0f} "
+        timed = (f"{row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%}"
+                 if "step_error" in row else f"{'-':>10} {'-':>11} {'-':>7}")
+        print(f"{name:<26} {row['ranks']:>5} {timed} {row['measured_memory_bytes'] / 2**20:>9.0f} "
               f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}", flush=True)
-    within = sum(abs(r["step_error"]) <= 0.15 for r in rows), sum(abs(r["memory_error"]) <= 0.10 for r in rows)
-    print(f"step time within 15%: {within[0]}/{len(rows)}; memory within 10%: {within[1]}/{len(rows)}")
-    print(prediction_accuracy([r["step_error"] for r in rows]))
+    memory_within = sum(abs(r["memory_error"]) <= 0.10 for r in rows)
+    if args.repeats:
+        print(f"step time within 15%: {sum(abs(r['step_error']) <= 0.15 for r in rows)}/{len(rows)}; ", end="")
+    print(f"memory within 10%: {memory_within}/{len(rows)}")
+    if args.repeats:
+        print(prediction_accuracy([r["step_error"] for r in rows]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,

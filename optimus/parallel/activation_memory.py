@@ -98,7 +98,7 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
                     keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
-    at a time.
+    at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
     unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
@@ -186,7 +186,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         kept_bytes += 2 * stream * m.head_dim * config.train.seq_len
     if has_loss_head:
         kept_bytes += head_kept_bytes(config, dims, loss_on_cpu)
-        once += loss_head_bytes(config, dims, tokens, loss_on_cpu)[1]
+        # the loss's buffers live inside its forward and backward, a recomputed block only in the blocks'
+        # backward, after them: never both at once
+        once = max(once, loss_head_bytes(config, dims, tokens, loss_on_cpu)[1])
     return kept_bytes, once
 
 
