@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -80,9 +81,10 @@ def cores() -> int:
 def rank_threads(ranks: int, environ: dict[str, str] | None = None) -> int:
     """Intra-op threads each rank of a `ranks`-process job here runs: OMP_NUM_THREADS where it is set (torch reads
     it), else every core for a lone process (torch's default) and one for each of several (torchrun sets
-    OMP_NUM_THREADS=1 when it starts more than one)."""
-    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
-    if value.isdigit() and int(value) > 0:
+    OMP_NUM_THREADS=1 when it starts more than one). Of a comma list (one count per nesting level) the first is
+    what torch's intra-op pool runs; a value OpenMP would not take counts as unset (the CLI refuses it first)."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if re.fullmatch(r"\+?[0-9]+", value) and int(value) > 0:
         return int(value)
     return cores() if ranks == 1 else 1
 

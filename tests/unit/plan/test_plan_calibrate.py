@@ -109,6 +109,9 @@ def test_a_rank_runs_omp_num_threads_else_every_core_alone_and_one_among_several
     assert rank_threads(1, {}) == cores() and rank_threads(2, {}) == 1  # torch's default; torchrun's
     assert rank_threads(1, {"OMP_NUM_THREADS": "3"}) == 3 and rank_threads(4, {"OMP_NUM_THREADS": "2"}) == 2
     assert rank_threads(1, {"OMP_NUM_THREADS": "0"}) == cores() and rank_threads(2, {"OMP_NUM_THREADS": "x"}) == 1
+    # OpenMP's forms: a count per nesting level (torch's pool runs the first), a sign; a digit OpenMP would not read
+    assert rank_threads(1, {"OMP_NUM_THREADS": "4,2"}) == 4 and rank_threads(2, {"OMP_NUM_THREADS": "+3"}) == 3
+    assert rank_threads(2, {"OMP_NUM_THREADS": "\u00b2"}) == 1 and rank_threads(2, {"OMP_NUM_THREADS": "\u0664"}) == 1
 
 
 def test_a_rank_of_several_threads_gets_their_share_of_the_all_cores_rate():
