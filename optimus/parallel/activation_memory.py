@@ -94,7 +94,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
                     rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
-                    returned rows for the combine); with t > 1 the tp ranks split the experts: a rank's
+                    returned rows for the combine) + 8 k x 4 (all_to_all) or 3 (allgather) int64 row
+                    orders, at balanced routing (a rank given more than its n k rows keeps more: the
+                    tiny MoE's random router at init gave one rank 1.06-1.26x over its layers); with t > 1 the tp ranks split the experts: a rank's
                     expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
                     keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
@@ -149,9 +151,12 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     attn_selective = w * (2 * h + 2 * kv) / t + w * h + scattered
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
+        # the exchange's int64 row orders: the dispatch's sort and its inverse, and the received rows' grouping by
+        # expert and its inverse (all_to_all) or their index into the gathered rows (allgather)
+        ep_orders = 8 * k * (4 if config.parallel.ep_dispatch == "all_to_all" else 3)
         if t == 1:  # the fused op (its row order in int64), or the rows ep exchanges; the router: fp32
             # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
-            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else w * k * (2 * h + 2 * fe)
+            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else w * k * (2 * h + 2 * fe) + ep_orders
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
         else:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
             experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h

@@ -122,7 +122,9 @@ class ExpertParallelExperts(nn.Module):
         # reorder to (expert, source rank) for the grouped GEMM, and back afterwards
         order = gather_index(recv_counts.t(), segment_starts(recv_counts).t(), total=sum(out_splits))
         computed = self._compute(received.index_select(0, order), recv_counts.sum(0))
-        restored = torch.empty_like(computed).index_copy(0, order, computed)
+        # back by a gather through the inverse order: autograd keeps only the index (index_copy's backward would
+        # keep `computed` itself, [rows, D] per layer, to the end of the backward)
+        restored = computed.index_select(0, _inverse_permutation(order))
         return all_to_all_rows(restored, in_splits, out_splits, group)
 
     def _forward_allgather(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -144,8 +146,16 @@ class ExpertParallelExperts(nn.Module):
         index = gather_index(mine.t(), starts.t(), total=mine_total)
         computed = self._compute(gathered.index_select(0, index), mine.sum(0))
         # each row is computed by exactly one rank, so the reduce-scatter's sum is a placement
-        placed = torch.zeros_like(gathered).index_copy(0, index, computed)
+        # (index_put_: its backward keeps the index alone, index_copy's would keep `computed` too)
+        placed = torch.zeros_like(gathered).index_put_((index,), computed)
         return reduce_scatter_rows(placed, group)[: rows.shape[0]]
+
+
+def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inverse[order[i]] = i, so that x.index_select(0, inverse) puts row i of x at row order[i]."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inverse
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_to_all") -> nn.Module:
