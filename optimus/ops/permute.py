@@ -72,9 +72,26 @@ def combine_rows_backward(
 
         return triton_backward(dout, rows, routing.row_of_slot, weights)
     grad_rows = dout.index_select(0, routing.token_of_row)
-    grad_weights = torch.linalg.vecdot(grad_rows, rows).to(weights.dtype)[routing.row_of_slot]
+    grad_weights = row_dots(grad_rows, rows).to(weights.dtype)[routing.row_of_slot]
     row_weights = weights.reshape(-1)[routing.order].to(rows.dtype)
     return grad_rows.mul_(row_weights.unsqueeze(1)), grad_weights
+
+
+# rows per vecdot: its [rows, D] product stays in cache (one vecdot over 65,536 x 256 rows wrote the whole product
+# first: 58 ms fp32 and 45 ms bf16 on one core of a 2-core EPYC, 9 and 7 ms in chunks of 1,024; the same values)
+ROW_DOT_CHUNK = 1024
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M] dot products of the rows of a and b ([M, D] each), as torch.linalg.vecdot, on a CPU a chunk of rows at a
+    time (an accelerator streams the product either way: one launch)."""
+    if a.device.type != "cpu":
+        return torch.linalg.vecdot(a, b)
+    out = a.new_empty(a.shape[0])
+    for start in range(0, a.shape[0], ROW_DOT_CHUNK):
+        stop = start + ROW_DOT_CHUNK
+        torch.linalg.vecdot(a[start:stop], b[start:stop], out=out[start:stop])
+    return out
 
 
 class _PermuteTokens(torch.autograd.Function):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from optimus.ops import permute_tokens, permute_tokens_reference, unpermute_tokens, unpermute_tokens_reference
+from optimus.ops.permute import ROW_DOT_CHUNK, row_dots
 from tests.helpers.ops import ROUTINGS, assert_close, check_against_reference, moe_inputs
 
 SHAPES = {"top1": (19, 1, 6), "top2": (13, 2, 5), "top8": (11, 8, 16)}
@@ -54,3 +55,10 @@ def test_no_tokens():
     assert rows.shape == (0, 8) and counts.tolist() == [0, 0, 0, 0]
     out = unpermute_tokens(rows, order, torch.zeros(0, 2))
     assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 5, ROW_DOT_CHUNK, 2 * ROW_DOT_CHUNK + 3])
+def test_row_dots_are_vecdot_chunk_by_chunk(rows, dtype):
+    a, b = torch.randn(rows, 24, dtype=dtype), torch.randn(rows, 24, dtype=dtype)
+    assert torch.equal(row_dots(a, b), torch.linalg.vecdot(a, b))
