@@ -184,8 +184,10 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * kept
     elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
+        working = _tp_moe_replay(config, dims, stream)
     else:
         per_token = layers * (attn_full + mlp_full)
+    working += _tp_moe_backward(config, dims)
     kept_bytes, once = (per_token + first_input) * tokens, working * tokens
     if t == 1:  # rotary cos and sin, [seq_len, head_dim] each in the stream's width, shared by every layer
         kept_bytes += 2 * stream * m.head_dim * config.train.seq_len
@@ -195,6 +197,35 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         # backward, after them: never both at once
         once = max(once, loss_head_bytes(config, dims, tokens, loss_on_cpu)[1])
     return kept_bytes, once
+
+
+def _tp_moe_backward(config: Config, dims: ParallelDims) -> float:
+    """Bytes per token the backward of a tensor-parallel MoE layer's combine holds at once beyond what the block
+    keeps (t > 1; 0 otherwise): the stream's gradient (w h / t), the block output's gradient gathered over tp (w h),
+    the combined rows' gradient over all T k rows (w k h), and the larger of the replayed forward's combine (the
+    gathered input and the combined output, 2 w h) and the router's fp32 gradients (8 E). Attributed tensor by
+    tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30)."""
+    m, t = config.model, dims.tp
+    if not m.is_moe or t == 1:
+        return 0.0
+    w, h = (2 if config.train.dtype == "bf16" else 4), m.d_model
+    return w * h / t + w * h + w * m.top_k * h + max(2 * w * h, 8 * m.n_experts)
+
+
+def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int) -> float:
+    """Bytes per token selective_ops replays of a tensor-parallel MoE block in its backward, beyond what its
+    policy keeps (t > 1; 0 otherwise): the attention's gathered input, normed input and q/k (with QK-norm, their
+    normed copies), the MoE's normed stream, its gathered tokens, the router's, the rank's rows (without ep) and the
+    combine's input less the expert output the policy keeps."""
+    m, t = config.model, dims.tp
+    if not m.is_moe or t == 1:
+        return 0.0
+    w, h, k = (2 if config.train.dtype == "bf16" else 4), m.d_model, m.top_k
+    kv = m.kv_heads * m.head_dim
+    attention = w * h + w * h / t + (2 if m.qk_norm else 1) * w * (h + kv) / t
+    rows = w * k * h / t if dims.ep == 1 else 0.0
+    moe = (stream + w) * h / t + w * h + 4 * m.n_experts + 8 * k + rows + w * k * h - w * k * h / t
+    return attention + moe
 
 
 def stream_width(config: Config, dims: ParallelDims) -> int:

@@ -125,14 +125,18 @@ class TensorParallelExperts(ExpertParallelExperts):
         rows, order, counts = ops.permute_tokens(tokens, ids, n_column + 1, impl=impl)
         # the one host read here (a device sync on GPUs): how many sorted rows are this column's
         n_mine = sum(counts.tolist()[:n_column])
-        mine_rows, column_counts = rows[:n_mine], counts[:n_column]
+        total, column_counts = rows.shape[0], counts[:n_column]
+        # the expert op keeps its input rows for the backward: a slice would keep all T k sorted copies alive to
+        # the end of the backward (w k h per token and layer); a copy of this rank's rows keeps 1 / tp of them
+        mine_rows = rows[:n_mine].clone() if self.ep == 1 else rows[:n_mine]
+        del rows
         if self.ep == 1:
             computed = self._compute(mine_rows, column_counts)
         elif self.dispatch == "all_to_all":
             computed = self._forward_all_to_all(mine_rows, column_counts)
         else:
             computed = self._forward_allgather(mine_rows, column_counts)
-        others = computed.new_zeros(rows.shape[0] - n_mine, computed.shape[1])
+        others = computed.new_zeros(total - n_mine, computed.shape[1])
         return ops.unpermute_tokens(torch.cat([computed, others]), order, weights, impl=impl)
 
     def split_over_ep(self, ep_mesh: DeviceMesh, dispatch: str) -> "TensorParallelExperts":
