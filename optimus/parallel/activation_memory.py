@@ -101,6 +101,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
     at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
+    A tensor-parallel MoE block's backward holds its combine's gradients over all T k rows on top, in every mode
+    (_tp_moe_backward), and selective_ops what it replays of the block (_tp_moe_replay).
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
     unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
