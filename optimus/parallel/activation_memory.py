@@ -96,9 +96,10 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
                     returned rows for the combine) + 8 k x 4 (all_to_all) or 3 (allgather) int64 row
                     orders, at balanced routing (a rank given more than its n k rows keeps more: the
-                    tiny MoE's random router at init gave one rank 1.06-1.26x over its layers); with t > 1 the tp ranks split the experts: a rank's
-                    expert rows and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the combine
-                    keeps all T k rows (the other ranks' as zeros), w k h
+                    tiny MoE's random router at init gave one rank 1.06-1.26x over its layers); with
+                    t > 1 the tp ranks split the experts: a rank's expert rows (a copy of its slice of
+                    the sorted rows) and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the
+                    combine keeps all T k rows (the other ranks' as zeros), w k h
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
     at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
     A tensor-parallel MoE block's backward holds its combine's gradients over all T k rows on top, in every mode
