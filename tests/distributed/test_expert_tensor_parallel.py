@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from optimus.models.config import ModelConfig
 from optimus.models.moe import MoE
 from tests.helpers.distributed import run_distributed
+from tests.helpers.ops import experts_saved_bytes
 from tests.helpers.parity import GRAD_ATOL, GRAD_RTOL, check_layout, tiny_config
 
 pytestmark = pytest.mark.distributed
@@ -121,22 +122,9 @@ def _saved_rows_bytes(rank: int, world: int) -> dict:
     apply_expert_tensor_parallel(moe, tp_mesh, sequence_parallel=False)
     experts, config = moe.experts, _config("auto")
     tokens, k, h, fe = 64, config.top_k, config.d_model, config.expert_ffn_hidden
-    params = {p.to_local().untyped_storage().data_ptr() for p in experts.parameters()}
-    x = torch.randn(tokens, h, requires_grad=True)
-    expert_ids = (torch.arange(tokens * k) % config.n_experts).view(tokens, k)
-    weights = torch.full((tokens, k), 1.0 / k, requires_grad=True)
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        experts(x, expert_ids, weights).sum().backward()
+    saved = experts_saved_bytes(experts, tokens, h, k, config.n_experts)
     w = 4
-    return {"saved": sum(storages.values()), "formula": tokens * (w * k * (h + 2 * fe) / world + w * k * h)}
+    return {"saved": saved, "formula": tokens * (w * k * (h + 2 * fe) / world + w * k * h)}
 
 
 def test_tp_experts_keep_their_own_rows_not_all_the_sorted_copies():

@@ -155,3 +155,24 @@ def check_op_against_reference(op_name, impl, inputs, dtype, what="", tolerance=
     """The op named op_name, run with impl=impl, matches its reference (see check_against_reference)."""
     op, reference, grad_names = OPS_AND_REFERENCES[op_name]
     check_against_reference(partial(op, impl=impl), reference, inputs, grad_names, dtype, what, tolerance)
+
+
+def experts_saved_bytes(experts: torch.nn.Module, tokens: int, d_model: int, top_k: int, n_experts: int) -> int:
+    """Bytes autograd saves (parameters aside) for one forward and backward of an experts module (parallel or
+    not) given `tokens` tokens whose copies go to every expert alike (copy j to expert j mod n_experts)."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+              for p in experts.parameters()}
+    x = torch.randn(tokens, d_model, requires_grad=True)
+    expert_ids = (torch.arange(tokens * top_k) % n_experts).view(tokens, top_k)
+    weights = torch.full((tokens, top_k), 1.0 / top_k, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        experts(x, expert_ids, weights).sum().backward()
+    return sum(storages.values())
