@@ -16,6 +16,7 @@ from optimus.models.generate import generate  # noqa: E402
 from optimus.models.hf import InteropError, config_from_hf, export_hf, hf_config, import_hf  # noqa: E402
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402
+from tests.helpers.hf import edit_hf_config, hf_import_error  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 512
@@ -247,55 +248,42 @@ def _saved(tmp_path, family: str = "olmoe"):
     return tmp_path / "hf"
 
 
-def _edit_config(path, **changes):
-    hf = json.loads((path / "config.json").read_text())
-    hf.update(changes)
-    (path / "config.json").write_text(json.dumps(hf))
-
-
-def _import_error(path) -> str:
-    with pytest.raises(InteropError) as err:
-        import_hf(path)
-    assert "\n" not in str(err.value)
-    return str(err.value)
-
-
 def test_import_refuses_an_unknown_model_type(tmp_path):
     path = _saved(tmp_path)
-    _edit_config(path, model_type="mixtral")
-    assert "unsupported model_type 'mixtral'" in _import_error(path)
+    edit_hf_config(path, model_type="mixtral")
+    assert "unsupported model_type 'mixtral'" in hf_import_error(path)
 
 
 def test_import_refuses_missing_weights_and_pickle(tmp_path):
     path = _saved(tmp_path, "llama-gqa")
     (path / "model.safetensors").unlink()
-    assert "no *.safetensors" in _import_error(path)
+    assert "no *.safetensors" in hf_import_error(path)
     (path / "pytorch_model.bin").write_bytes(b"not unpickled")
-    assert "convert them to safetensors" in _import_error(path)
-    assert "not a directory" in _import_error(tmp_path / "nowhere")
+    assert "convert them to safetensors" in hf_import_error(path)
+    assert "not a directory" in hf_import_error(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    assert "no config.json" in _import_error(tmp_path / "empty")
+    assert "no config.json" in hf_import_error(tmp_path / "empty")
 
 
 def test_import_refuses_a_missing_shard(tmp_path):
     _hf_random("olmo2").save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     next((tmp_path / "hf").glob("model-00002-*.safetensors")).unlink()
-    assert "is missing" in _import_error(tmp_path / "hf")
+    assert "is missing" in hf_import_error(tmp_path / "hf")
 
 
 def test_import_refuses_weights_that_disagree_with_the_config(tmp_path):
     path = _saved(tmp_path)
-    _edit_config(path, vocab_size=1024)
-    assert "shape" in _import_error(path)
-    _edit_config(path, vocab_size=VOCAB, num_hidden_layers=3)
-    assert "model.layers.2" in _import_error(path) and "missing" in _import_error(path)
-    _edit_config(path, num_hidden_layers=1)
-    assert "unexpected tensor" in _import_error(path)
+    edit_hf_config(path, vocab_size=1024)
+    assert "shape" in hf_import_error(path)
+    edit_hf_config(path, vocab_size=VOCAB, num_hidden_layers=3)
+    assert "model.layers.2" in hf_import_error(path) and "missing" in hf_import_error(path)
+    edit_hf_config(path, num_hidden_layers=1)
+    assert "unexpected tensor" in hf_import_error(path)
 
 
 def test_import_refuses_features_our_decoder_lacks(tmp_path):
     path = _saved(tmp_path, "llama-gqa")
-    _edit_config(path, attention_bias=True)
-    assert "attention_bias" in _import_error(path)
-    _edit_config(path, attention_bias=False, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    assert "rope scaling" in _import_error(path)
+    edit_hf_config(path, attention_bias=True)
+    assert "attention_bias" in hf_import_error(path)
+    edit_hf_config(path, attention_bias=False, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    assert "rope scaling" in hf_import_error(path)

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimus.models.config import ModelConfig
-from optimus.models.hf import InteropError, export_hf, import_hf
+from optimus.models.hf import export_hf, import_hf
 from optimus.models.transformer import build_model
+from tests.helpers.hf import edit_hf_config, hf_import_error
 
 CONFIG = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128, n_experts=0, ffn_hidden=96, qk_norm=False)
 
@@ -21,26 +22,12 @@ def _exported(tmp_path):
     return export_hf(build_model(CONFIG, seed=0), CONFIG, tmp_path / "hf", dense_format="llama")
 
 
-def _edit_config(path, **changes):
-    hf = json.loads((path / "config.json").read_text())
-    hf.update(changes)
-    hf = {k: v for k, v in hf.items() if v is not ...}  # `...` drops the key
-    (path / "config.json").write_text(json.dumps(hf))
-
-
 def _edit_weights(path, **changes):
     tensors = load_file(str(path / "model.safetensors"))
     tensors.update(changes)
     tensors = {k: v for k, v in tensors.items() if v is not None}  # None drops the tensor
     save_file(tensors, str(path / "model.safetensors"))
     return tensors
-
-
-def _import_error(path) -> str:
-    with pytest.raises(InteropError) as err:
-        import_hf(path)
-    assert "\n" not in str(err.value)
-    return str(err.value)
 
 
 def test_our_export_imports_untied_with_its_own_head(tmp_path):
@@ -58,7 +45,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, bad):
     q = load_file(str(path / "model.safetensors"))["model.layers.1.self_attn.q_proj.weight"]
     q[3, 5] = bad
     _edit_weights(path, **{"model.layers.1.self_attn.q_proj.weight": q})
-    assert _import_error(path).startswith("tensor 'model.layers.1.self_attn.q_proj.weight' holds NaN or inf values")
+    assert hf_import_error(path).startswith("tensor 'model.layers.1.self_attn.q_proj.weight' holds NaN or inf values")
 
 
 def test_a_tensor_in_two_unindexed_files_is_refused_naming_both(tmp_path):
@@ -70,7 +57,7 @@ def test_a_tensor_in_two_unindexed_files_is_refused_naming_both(tmp_path):
     second["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])  # a stale copy
     save_file(first, str(path / "a.safetensors"))
     save_file(second, str(path / "b.safetensors"))
-    message = _import_error(path)
+    message = hf_import_error(path)
     assert message.startswith("tensor 'model.norm.weight' is in both 'a.safetensors' and 'b.safetensors'")
     del second["model.norm.weight"]  # each tensor once: the two files import
     save_file(second, str(path / "b.safetensors"))
@@ -82,10 +69,10 @@ def test_a_tensor_in_two_unindexed_files_is_refused_naming_both(tmp_path):
 def test_a_missing_head_is_refused_unless_config_ties_it(tmp_path, tie):
     path = _exported(tmp_path)
     _edit_weights(path, **{"lm_head.weight": None})
-    _edit_config(path, tie_word_embeddings=tie)
-    assert _import_error(path).startswith("the weights have no lm_head.weight and config.json does not set "
+    edit_hf_config(path, tie_word_embeddings=tie)
+    assert hf_import_error(path).startswith("the weights have no lm_head.weight and config.json does not set "
                                           "tie_word_embeddings: true")
-    _edit_config(path, tie_word_embeddings=True)
+    edit_hf_config(path, tie_word_embeddings=True)
     _, state = import_hf(path)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
 
@@ -93,7 +80,7 @@ def test_a_missing_head_is_refused_unless_config_ties_it(tmp_path, tie):
 def test_a_tied_config_uses_the_embedding_as_head_as_transformers_does(tmp_path):
     # transformers ties the head to the embedding when the config says so, whatever lm_head the files hold
     path = _exported(tmp_path)
-    _edit_config(path, tie_word_embeddings=True)
+    edit_hf_config(path, tie_word_embeddings=True)
     stored = load_file(str(path / "model.safetensors"))
     _, state = import_hf(path)
     assert torch.equal(state["lm_head.weight"], stored["model.embed_tokens.weight"])
@@ -107,13 +94,13 @@ def test_a_tied_config_uses_the_embedding_as_head_as_transformers_does(tmp_path)
 ])
 def test_integer_fields_take_only_integers(tmp_path, field, value, shown):
     path = _exported(tmp_path)
-    _edit_config(path, **{field: value})
-    assert _import_error(path) == (f"config.json field {field} must be a whole number (got {shown}): is it an HF "
+    edit_hf_config(path, **{field: value})
+    assert hf_import_error(path) == (f"config.json field {field} must be a whole number (got {shown}): is it an HF "
                                    "config.json?")
 
 
 def test_null_optional_integer_fields_are_derived(tmp_path):
     path = _exported(tmp_path)
-    _edit_config(path, num_key_value_heads=None, head_dim=None)
+    edit_hf_config(path, num_key_value_heads=None, head_dim=None)
     config, _ = import_hf(path)
     assert config.kv_heads == CONFIG.n_heads and config.d_model == CONFIG.d_model
