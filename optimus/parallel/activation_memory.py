@@ -97,9 +97,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     returned rows for the combine) + 8 k x 4 (all_to_all) or 3 (allgather) int64 row
                     orders, at balanced routing (a rank given more than its n k rows keeps more: the
                     tiny MoE's random router at init gave one rank 1.06-1.26x over its layers); with
-                    t > 1 the tp ranks split the experts: a rank's expert rows (a copy of its slice of
-                    the sorted rows) and gate/up are 1/t of them, w k ((1 or 2) h + 2fe) / t, and the
-                    combine keeps all T k rows (the other ranks' as zeros), w k h
+                    t > 1 the tp ranks split the experts and gather and combine only their own rows:
+                    w k (2h + 2fe) / t (the rank's rows in, or dispatched, gate/up, and the rows out
+                    its combine keeps), plus ep's row orders
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
     at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
     A tensor-parallel MoE block's backward holds its combine's gradients over all T k rows on top, in every mode
@@ -161,8 +161,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
             # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
             experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else w * k * (2 * h + 2 * fe) + ep_orders
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
-        else:  # expert_tensor_parallel: this rank's rows (dispatched and returned under ep), all rows combined
-            experts = w * k * ((1 if dims.ep == 1 else 2) * h + 2 * fe) / t + w * k * h
+        else:  # expert_tensor_parallel: this rank's rows in (dispatched under ep), gate/up, and out (combined)
+            experts = w * k * (2 * h + 2 * fe) / t + (ep_orders / t if dims.ep > 1 else 0)
             mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k
@@ -205,21 +205,21 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
 def _tp_moe_backward(config: Config, dims: ParallelDims) -> float:
     """Bytes per token the backward of a tensor-parallel MoE layer's combine holds at once beyond what the block
     keeps (t > 1; 0 otherwise): the stream's gradient (w h / t), the block output's gradient gathered over tp (w h),
-    the combined rows' gradient over all T k rows (w k h), and the larger of the replayed forward's combine (the
+    the gradient of the rank's combined rows (w k h / t), and the larger of the replayed forward's combine (the
     gathered input and the combined output, 2 w h) and the router's fp32 gradients (8 E). Attributed tensor by
-    tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30)."""
+    tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30; the combine over all T k rows then)."""
     m, t = config.model, dims.tp
     if not m.is_moe or t == 1:
         return 0.0
     w, h = (2 if config.train.dtype == "bf16" else 4), m.d_model
-    return w * h / t + w * h + w * m.top_k * h + max(2 * w * h, 8 * m.n_experts)
+    return w * h / t + w * h + w * m.top_k * h / t + max(2 * w * h, 8 * m.n_experts)
 
 
 def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int) -> float:
     """Bytes per token selective_ops replays of a tensor-parallel MoE block in its backward, beyond what its
     policy keeps (t > 1; 0 otherwise): the attention's gathered input, normed input and q/k (with QK-norm, their
-    normed copies), the MoE's normed stream, its gathered tokens, the router's, the rank's rows (without ep) and the
-    combine's input less the expert output the policy keeps."""
+    normed copies), the MoE's normed stream, its gathered tokens, the router's and the rank's rows (without ep; the
+    combine's input is the expert output the policy keeps)."""
     m, t = config.model, dims.tp
     if not m.is_moe or t == 1:
         return 0.0
@@ -227,7 +227,7 @@ def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int) -> float:
     kv = m.kv_heads * m.head_dim
     attention = w * h + w * h / t + (2 if m.qk_norm else 1) * w * (h + kv) / t
     rows = w * k * h / t if dims.ep == 1 else 0.0
-    moe = (stream + w) * h / t + w * h + 4 * m.n_experts + 8 * k + rows + w * k * h - w * k * h / t
+    moe = (stream + w) * h / t + w * h + 4 * m.n_experts + 8 * k + rows
     return attention + moe
 
 

@@ -32,10 +32,10 @@ What runs where, and why the gradients come out exact:
   t, tp + t, ...) and dispatches those copies over its ep group exactly as expert parallelism
   does (ExpertParallelExperts' all_to_all / allgather), including its 1/ep gradient scaling.
 
-Costs besides the experts' own: each tp rank sorts all T k token copies (the other ranks' copies
-into one trailing group it skips) with the fused permute op, reads its row count on the host (a
-device sync, as expert parallelism's dispatch does), and its combine keeps all T k rows for
-backward (the skipped ones as zeros).
+Costs besides the experts' own: each tp rank sorts all T k token copies' expert ids (the other
+ranks' copies into one trailing group), reads its row count on the host (a device sync, as expert
+parallelism's dispatch does), and gathers and combines its own rows only: the other ranks' copies
+are zero rows that are never built (their slots' router weights take no gradient on this rank).
 
 Weights stay DTensors of the single-device shapes and names (`experts.w_gate_up`, `experts.w_down`),
 so DCP checkpoints reshard to and from any layout, tp=1 included.
@@ -122,22 +122,17 @@ class TensorParallelExperts(ExpertParallelExperts):
         column_id = torch.div(block, self.tp, rounding_mode="floor") * self.n_local + torch.remainder(
             expert_ids, self.n_local)
         ids = torch.where(mine, column_id, torch.full_like(expert_ids, n_column))
-        rows, order, counts = ops.permute_tokens(tokens, ids, n_column + 1, impl=impl)
-        # the one host read here (a device sync on GPUs): how many sorted rows are this column's
-        n_mine = sum(counts.tolist()[:n_column])
-        total, column_counts = rows.shape[0], counts[:n_column]
-        # the expert op keeps its input rows for the backward: a slice would keep all T k sorted copies alive to
-        # the end of the backward (w k h per token and layer); a copy of this rank's rows keeps 1 / tp of them
-        mine_rows = rows[:n_mine].clone() if self.ep == 1 else rows[:n_mine]
-        del rows
+        # only this column's rows are gathered (the one host read here, a device sync on GPUs: how many they are),
+        # and combined: the other ranks' copies count as zero rows, never built
+        rows, order, counts = ops.permute_tokens(tokens, ids, n_column + 1, impl=impl, groups_kept=n_column)
+        column_counts = counts[:n_column]
         if self.ep == 1:
-            computed = self._compute(mine_rows, column_counts)
+            computed = self._compute(rows, column_counts)
         elif self.dispatch == "all_to_all":
-            computed = self._forward_all_to_all(mine_rows, column_counts)
+            computed = self._forward_all_to_all(rows, column_counts)
         else:
-            computed = self._forward_allgather(mine_rows, column_counts)
-        others = computed.new_zeros(total - n_mine, computed.shape[1])
-        return ops.unpermute_tokens(torch.cat([computed, others]), order, weights, impl=impl)
+            computed = self._forward_allgather(rows, column_counts)
+        return ops.unpermute_tokens(computed, order, weights, impl=impl)
 
     def split_over_ep(self, ep_mesh: DeviceMesh, dispatch: str) -> "TensorParallelExperts":
         """These experts split over (ep, tp): expert parallelism applied after tensor parallelism."""

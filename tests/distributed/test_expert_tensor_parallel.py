@@ -113,8 +113,8 @@ def test_tp_2_moe_layer_matches_one_process_and_splits_the_expert_work():
 
 def _saved_rows_bytes(rank: int, world: int) -> dict:
     """Bytes autograd saves for one forward of the tp-split experts (parameters aside), every expert given the same
-    token copies, beside what activation_split's t > 1 expert term counts: the rank's rows (w k h / t) and their
-    gate/up (2 w k fe / t), and the combine's input over all T k rows (w k h)."""
+    token copies, beside what activation_split's t > 1 expert term counts: the rank's rows (w k h / t), their
+    gate/up (2 w k fe / t) and their output, the combine's input (w k h / t)."""
     from optimus.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 
     tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -124,12 +124,13 @@ def _saved_rows_bytes(rank: int, world: int) -> dict:
     tokens, k, h, fe = 64, config.top_k, config.d_model, config.expert_ffn_hidden
     saved = experts_saved_bytes(experts, tokens, h, k, config.n_experts)
     w = 4
-    return {"saved": saved, "formula": tokens * (w * k * (h + 2 * fe) / world + w * k * h)}
+    return {"saved": saved, "formula": tokens * w * k * (2 * h + 2 * fe) / world}
 
 
 def test_tp_experts_keep_their_own_rows_not_all_the_sorted_copies():
-    """The expert op keeps its input rows for the backward: given a slice of all T k sorted copies it kept them all
-    (w k h per token and layer, not w k h / tp: tp 2 at seq 2,048, 32 MiB a layer); it is given a copy of its own."""
+    """The expert op keeps its input rows for the backward, and the combine its input: given a slice of all T k
+    sorted copies the one kept them all, and the combine kept all T k rows, the other ranks' as zeros (each w k h
+    per token and layer, not w k h / tp: tp 2 at seq 2,048, 32 MiB a layer). Both keep the rank's own rows now."""
     for result in run_distributed(_saved_rows_bytes, 2):
         assert result["saved"] == pytest.approx(result["formula"], rel=0.05), result
 

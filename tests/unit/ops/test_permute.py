@@ -42,6 +42,36 @@ def test_unpermute_matches_reference(shape, routing, dtype):
     check_against_reference(unpermute_tokens, unpermute_tokens_reference, inputs, ("rows", "weights"), dtype, shape)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups_kept", [0, 1, 3, 5])
+def test_first_groups_only_match_zero_padded_reference(groups_kept, dtype):
+    """The tensor-parallel experts' path: gather and combine only the first experts' rows, the rest as zeros."""
+    inputs = _routing_inputs(SHAPES["top2"], "skewed", dtype)
+    n_experts = SHAPES["top2"][2]
+    rows, order, counts = permute_tokens(inputs["x"], inputs["expert_ids"], n_experts, groups_kept=groups_kept)
+    ref_rows, ref_order, ref_counts = permute_tokens_reference(inputs["x"], inputs["expert_ids"], n_experts)
+    n_kept = sum(counts.tolist()[:groups_kept])
+    assert torch.equal(order, ref_order) and torch.equal(counts, ref_counts)
+    assert rows.shape[0] == n_kept <= ref_rows.shape[0] and torch.equal(rows, ref_rows[:n_kept])
+    scaled = (rows * 1.5).detach().requires_grad_()
+    weights = inputs["weights"]
+    out = unpermute_tokens(scaled, order, weights)
+    padded = torch.cat([scaled, scaled.new_zeros(order.numel() - n_kept, scaled.shape[1])])
+    ref_out = unpermute_tokens_reference(padded, order, weights)
+    assert_close(out, ref_out, dtype, "combine")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = torch.autograd.grad(out, (scaled, weights), grad)
+    want = torch.autograd.grad(ref_out, (scaled, weights), grad)
+    assert_close(got[0], want[0], dtype, "d rows")
+    assert_close(got[1], want[1], dtype, "d weights")
+    dropped = ~torch.isin(torch.arange(order.numel()), order[:n_kept]).view_as(weights)
+    assert torch.all(got[1][dropped] == 0)  # slots of rows another rank computes take no gradient here
+    grad_rows = torch.randn(rows.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    (grad_x,) = torch.autograd.grad(rows, inputs["x"], grad_rows)
+    (ref_grad_x,) = torch.autograd.grad(ref_rows[:n_kept], inputs["x"], grad_rows)
+    assert_close(grad_x, ref_grad_x, dtype, "dx")
+
+
 def test_round_trip_is_identity_with_unit_weights():
     inputs = moe_inputs(9, 8, 4, 4, 2, "skewed")
     rows, order, _ = permute_tokens(inputs["x"], inputs["expert_ids"], 4)
