@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, write_json  # noqa: E402
-from benchmarks.plan_vs_measured import BASE, LAYOUTS, ROOT, _measured_steps, _rss  # noqa: E402
+from benchmarks.plan_vs_measured import BASE, LAYOUTS, ROOT, _measured_steps, _metrics, _rss  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
@@ -51,7 +51,8 @@ def _run(name: str, steps: int, warmup: int, reuse: bool, model: list[str] = ())
         overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}", f"--run.dir={tmp}/run"]
         config = load_config(config_path, overrides)
         peaks = run_distributed(_train_rank, ranks, config_path, overrides, reuse, timeout=900.0)
-        measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
+        tokens_per_step = config.train.global_batch_size * config.train.seq_len
+        measured = _measured_steps(_metrics(Path(tmp) / "run"), warmup, tokens_per_step)
     return statistics.median(measured), max(peaks)
 
 

@@ -200,10 +200,34 @@ def _train_rank(rank: int, world: int, config_path: str, overrides: list[str], p
     return result
 
 
-def _measured_steps(run_dir: Path, warmup: int, tokens_per_step: int) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list[float]:
     steps = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > warmup]
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
+
+
+def routing_imbalance(rows: list[dict], expert_blocks: int, per_layer: bool) -> float | None:
+    """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
+    step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
+    contiguous blocks (ep x tp ranks, as the trainer places them): over the layers summed (what every layer's kept
+    activations see) or in the worst layer (`per_layer`: a recomputed block, one at a time). The largest over the
+    logged steps; None without expert counts or split experts. The counts are global: where ep is smaller than the
+    data-parallel ranks a rank's own exchange group may differ."""
+    worst = None
+    for counts in (r["expert_counts"] for r in rows if r.get("expert_counts")):
+        if expert_blocks == 1:
+            return None
+        layers = [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
+                   for b in range(expert_blocks)] for layer in counts]
+        if per_layer:
+            share = max(max(blocks) * expert_blocks / sum(blocks) for blocks in layers if sum(blocks))
+        else:
+            share = max(map(sum, zip(*layers))) * expert_blocks / sum(map(sum, layers))
+        worst = share if worst is None else max(worst, share)
+    return worst
 
 
 def in_fresh_process(fn, *args):
@@ -217,19 +241,33 @@ def in_fresh_process(fn, *args):
         return pool.apply(fn, args)
 
 
+def _layout(config_path: str, ranks: int, overrides: list[str]):
+    from optimus.parallel.validate import validate_layout
+
+    return validate_layout(load_config(config_path, overrides), ranks)
+
+
+def predicted_memory_bytes(layout, routing_imbalance: float = 1.0) -> float:
+    """The planner's largest rank of the first and last pipeline stage, its loss head as the CPU runs it."""
+    from optimus.plan.memory import ModelShape, stage_memory
+
+    shape = ModelShape.of(layout.config)
+    return max(sum(stage_memory(layout.config, layout.dims, shape, s, True, routing_imbalance).values())
+               for s in {0, layout.dims.pp - 1})
+
+
 def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool,
             threads: int = 1) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout on `here`, each rank on
     `threads` threads; with `calibrate`, the op classes are timed at this layout's shapes and threads first (as
     `optimus plan --calibrate` does)."""
-    from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes
     from optimus.plan.here import here_cluster, machine
-    from optimus.plan.memory import ModelShape, stage_memory
+    from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     entry = machine(cache_file, cpu_cache)
-    layout = validate_layout(load_config(config_path, overrides), ranks)
+    layout = _layout(config_path, ranks, overrides)
     if calibrate:  # the op classes at this layout's shapes, and the cores' share now (others may be using them)
         from optimus.plan.calibrate import measure_share
 
@@ -241,9 +279,7 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
     cluster = here_cluster(entry, ranks, threads)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
-    # the largest rank of the first and last pipeline stage, its loss head as the CPU runs it
-    memory = max(sum(stage_memory(layout.config, layout.dims, shape, s, loss_on_cpu=True).values())
-                 for s in {0, layout.dims.pp - 1})
+    memory = predicted_memory_bytes(layout)
     extras = host_extras(layout.config)
     return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": extras,
             "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
@@ -252,7 +288,7 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
                 profile_memory: bool = False, threads: int = 1) -> tuple[list[float], list[dict], float]:
-    """One short training run: its measured step times, each rank's memory, its wall time."""
+    """One short training run: its measured step times, each rank's memory, its wall time, its metrics."""
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
         run_overrides = [*overrides, f"--run.dir={tmp}/run"]
         config = load_config(config_path, run_overrides)
@@ -260,8 +296,9 @@ def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
         ranks_out = run_distributed(_train_rank, ranks, config_path, run_overrides, profile_memory, threads,
                                     timeout=900.0)
         wall = time.perf_counter() - start
-        measured = _measured_steps(Path(tmp) / "run", warmup, config.train.global_batch_size * config.train.seq_len)
-    return measured, ranks_out, wall
+        metrics = _metrics(Path(tmp) / "run")
+        measured = _measured_steps(metrics, warmup, config.train.global_batch_size * config.train.seq_len)
+    return measured, ranks_out, wall, metrics
 
 
 def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
@@ -276,26 +313,36 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     timed = {}
     if runs:
         fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
-        measured, _, wall = runs[fastest]
+        measured, _, wall, _ = runs[fastest]
         step = statistics.median(measured)
         timed = {"measured_step_s": step, "measured_steps_s": measured, "predicted_step_s": predicted["step_s"],
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
                  "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs]}
     # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
     # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
-    profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)[1]
+    profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)
                 for _ in range(memory_runs)]
     timed_peaks = [max(r["growth"] for r in run[1]) for run in runs]
     key = "allocator_peak" if profiled else "growth"
-    candidates = profiled or [run[1] for run in runs]
-    peaks = [max(r[key] for r in run) for run in candidates]
-    ranks_out = candidates[min(range(len(candidates)), key=peaks.__getitem__)]
-    memory = min(peaks)
+    candidates = profiled or runs
+    peaks = [max(r[key] for r in run[1]) for run in candidates]
+    least = min(range(len(candidates)), key=peaks.__getitem__)
+    ranks_out, memory = candidates[least][1], peaks[least]
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
+    # what the memory model gives at the routing this run had (the prediction above assumes balanced routing)
+    routing = {}
+    layout = _layout(config_path, ranks, overrides)
+    if layout.config.model.is_moe:
+        recompute_one_block = layout.config.train.activation_checkpointing in ("full", "selective")
+        imbalance = routing_imbalance(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block)
+        if imbalance is not None:
+            at_routing = predicted_memory_bytes(layout, imbalance) + predicted["host_extras"]
+            routing = {"routing_imbalance": imbalance, "predicted_memory_at_routing_bytes": at_routing,
+                       "memory_error_at_routing": at_routing / memory - 1}
     return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, **timed,
             "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
-            "memory_error": predicted_memory / memory - 1, "rank_rss": ranks_out,
+            "memory_error": predicted_memory / memory - 1, **routing, "rank_rss": ranks_out,
             "memory_measure": "allocator peak" if profiled else "resident set", "timed_rss_bytes": timed_peaks,
             "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"]}
 

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--efficiency", type=float, default=None,
                       help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
                            "efficiency block)")
+    plan.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
+                      help="MoE: plan for the busiest expert-holding rank receiving X times its balanced share of "
+                           "token copies (default 1: balanced routing; a random router at initialization gave "
+                           "1.1-1.7x on a tiny MoE): its activations and its expert GEMMs' time")
     plan.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 

@@ -26,18 +26,27 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError(f"--top must be at least 1 (got {args.top})")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UsageError(f"--efficiency must be in (0, 1] (got {args.efficiency:g})")
+    if not 1 <= args.moe_imbalance < math.inf:
+        raise UsageError(f"--moe-imbalance is the busiest rank's token copies over its balanced share: a number of "
+                         f"at least 1 (got {args.moe_imbalance:g})")
     check_plan_outputs(args)
     config = _config_to_plan(args.config, overrides)
+    if args.moe_imbalance != 1 and not config.model.is_moe:
+        raise UsageError(f"--moe-imbalance prices an MoE's routing: this config's model is dense (model.n_experts "
+                         f"is 0); drop the flag")
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
     efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
-    candidates = plan(config, cluster, args.devices, efficiency, only)
+    candidates = plan(config, cluster, args.devices, efficiency, only, args.moe_imbalance)
     if not candidates and only:
         raise UsageError(f"no layout of {args.devices} devices within --only {' '.join(args.only)} passes "
                          f"validate_layout for this config: allow more values, or check train.global_batch_size")
     if not candidates:
         raise UsageError(f"no layout of {args.devices} devices passes validate_layout for this config: "
                          f"check train.global_batch_size (it must divide over the data-parallel ranks)")
+    if args.moe_imbalance != 1:
+        print(f"priced for MoE routing that sends the busiest expert-holding rank {args.moe_imbalance:g}x its "
+              f"balanced share of token copies (--moe-imbalance)")
     if only:
         print(f"searched only layouts with {'; '.join(f'{k} in {{{sorted_values(v)}}}' for k, v in only.items())}")
     print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
@@ -46,10 +55,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
     if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
-        hint_setting(best, cluster, efficiency, section="train", field="compile", value=True, min_speedup=1.1,
+        hint_setting(best, cluster, efficiency, args.moe_imbalance, section="train", field="compile", value=True,
+                     min_speedup=1.1,
                      why="compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")
     if best.fits and config.parallel.grad_reduce_dtype == "fp32" and best.dims().dp > 1:
-        hint_setting(best, cluster, efficiency, section="parallel", field="grad_reduce_dtype", value="bf16",
+        hint_setting(best, cluster, efficiency, args.moe_imbalance, section="parallel", field="grad_reduce_dtype",
+                     value="bf16",
                      min_speedup=1.05,
                      why="its gradients cross the data-parallel ranks in half the bytes, each sum rounded to bf16")
     if not best.fits:
@@ -105,7 +116,8 @@ def _config_to_plan(path: str, overrides: list[str]):
         return config
 
 
-def hint_setting(best, cluster, efficiency, *, section: str, field: str, value, min_speedup: float, why: str) -> None:
+def hint_setting(best, cluster, efficiency, routing_imbalance: float, *, section: str, field: str, value,
+                 min_speedup: float, why: str) -> None:
     """Say what setting config.<section>.<field> to `value` would give the best layout, where the planner prices it
     at least `min_speedup` times faster (train.compile: a tenth or more; bf16 gradient reduction: a twentieth)."""
     from optimus.parallel.validate import resolve_batch
@@ -116,7 +128,8 @@ def hint_setting(best, cluster, efficiency, *, section: str, field: str, value, 
     config = best.config.model_copy(update={section: changed})
     dims = best.dims()
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
-    faster = step_time(config, dims, ModelShape.of(config), cluster, efficiency, micro_batches).step_s
+    faster = step_time(config, dims, ModelShape.of(config), cluster, efficiency, micro_batches,
+                       routing_imbalance).step_s
     if faster < best.step_s / min_speedup:
         flag = f"--{section}.{field}={str(value).lower()}"
         print(f"with {flag} the best layout is predicted {faster:.3f} s a step ({best.step_s / faster:.2f}x faster): "

@@ -16,16 +16,16 @@ from optimus.parallel.validate import BatchLayout, resolve_batch
 
 
 def activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
-                     loss_on_cpu: bool = False) -> float:
+                     loss_on_cpu: bool = False, routing_imbalance: float = 1.0) -> float:
     """Activation bytes one rank keeps for one micro-batch alone: activation_split's two parts."""
-    return sum(activation_split(config, dims, layers, has_loss_head, loss_on_cpu))
+    return sum(activation_split(config, dims, layers, has_loss_head, loss_on_cpu, routing_imbalance))
 
 
 def rank_activation_bytes(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool, in_flight: float,
-                          loss_on_cpu: bool = False) -> float:
+                          loss_on_cpu: bool = False, routing_imbalance: float = 1.0) -> float:
     """Activation bytes of a rank holding `in_flight` micro-batches: each keeps its saved tensors, but only one is
     in its backward at a time, so the recompute working set and the loss head's buffers exist once."""
-    kept, once = activation_split(config, dims, layers, has_loss_head, loss_on_cpu)
+    kept, once = activation_split(config, dims, layers, has_loss_head, loss_on_cpu, routing_imbalance)
     head = head_kept_bytes(config, dims, loss_on_cpu) if has_loss_head else 0.0
     # the LM head runs in the last (virtual) stage only: one micro-batch at a time there, as forward and backward
     # alternate, except under GPipe, whose forwards all run before the first backward
@@ -74,9 +74,13 @@ def loss_head_bytes(config: Config, dims: ParallelDims, tokens: int, loss_on_cpu
 
 
 def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_head: bool,
-                     loss_on_cpu: bool = False) -> tuple[float, float]:
+                     loss_on_cpu: bool = False, routing_imbalance: float = 1.0) -> tuple[float, float]:
     """(bytes each micro-batch in flight keeps, bytes a rank needs once whatever its micro-batches in flight:
     the block being recomputed, the loss head's buffers) (estimate; formula below).
+
+    routing_imbalance: the token copies the busiest rank's experts receive, as a multiple of its balanced share
+    (n k per token over the ranks that split the experts), where ep or tp split them; 1 is balanced routing. Every
+    term below that follows a rank's expert rows is scaled by it (a dropless MoE keeps what its routing sends).
 
     Bytes saved for backward per token and layer, with w = activation width (2 for bf16, 4 for
     fp32), h = d_model, kv = KV width, f = ffn width, k = top_k, fe = expert width, E = experts,
@@ -95,8 +99,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
                     rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
                     returned rows for the combine) + 8 k x 4 (all_to_all) or 3 (allgather) int64 row
-                    orders, at balanced routing (a rank given more than its n k rows keeps more: the
-                    tiny MoE's random router at init gave one rank 1.06-1.26x over its layers); with
+                    orders, times routing_imbalance (the tiny MoE's random router at init gave one
+                    rank 1.06-1.26x its balanced rows over its layers, up to 1.66x in one); with
                     t > 1 the tp ranks split the experts and gather and combine only their own rows:
                     w k (2h + 2fe) / t (the rank's rows in, or dispatched, gate/up, and the rows out
                     its combine keeps), plus ep's row orders
@@ -154,22 +158,24 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     attn_selective = w * (2 * h + 2 * kv) / t + w * h + scattered
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
+        # the busiest rank's share of the routed rows, where ranks split the experts (each computes its own)
+        rows = routing_imbalance if dims.ep > 1 or t > 1 else 1.0
         # the exchange's int64 row orders: the dispatch's sort and its inverse, and the received rows' grouping by
         # expert and its inverse (all_to_all) or their index into the gathered rows (allgather)
         ep_orders = 8 * k * (4 if config.parallel.ep_dispatch == "all_to_all" else 3)
         if t == 1:  # the fused op (its row order in int64), or the rows ep exchanges; the router: fp32
             # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
-            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else w * k * (2 * h + 2 * fe) + ep_orders
+            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else rows * (w * k * (2 * h + 2 * fe) + ep_orders)
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
         else:  # expert_tensor_parallel: this rank's rows in (dispatched under ep), gate/up, and out (combined)
-            experts = w * k * (2 * h + 2 * fe) / t + (ep_orders / t if dims.ep > 1 else 0)
+            experts = rows * (w * k * (2 * h + 2 * fe) + (ep_orders if dims.ep > 1 else 0)) / t
             mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k
         else:  # the rank's rows (expert_mlp): their output and gate/up; and the ep exchanges' outputs, the
             # dispatched and returned rows (all_to_all) or the combine's reduce-scattered rows (allgather)
             exchanges = 0 if dims.ep == 1 else 2 if config.parallel.ep_dispatch == "all_to_all" else 1
-            experts_kept = w * k * (h + 2 * fe + exchanges * h) / t
+            experts_kept = rows * w * k * (h + 2 * fe + exchanges * h) / t
         mlp_selective = experts_kept + w * m.n_experts + scattered
     else:
         mlp_full = (stream_norm(2) if t == 1 else norm(h) / t + gathered) + 4 * w * m.ffn_hidden / t
@@ -187,10 +193,10 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         per_token = layers * kept
     elif mode == "selective_ops":
         per_token = layers * (attn_selective + mlp_selective + block_input)
-        working = _tp_moe_replay(config, dims, stream)
+        working = _tp_moe_replay(config, dims, stream, routing_imbalance)
     else:
         per_token = layers * (attn_full + mlp_full)
-    working += _tp_moe_backward(config, dims)
+    working += _tp_moe_backward(config, dims, routing_imbalance)
     kept_bytes, once = (per_token + first_input) * tokens, working * tokens
     if t == 1:  # rotary cos and sin, [seq_len, head_dim] each in the stream's width, shared by every layer
         kept_bytes += 2 * stream * m.head_dim * config.train.seq_len
@@ -202,20 +208,20 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     return kept_bytes, once
 
 
-def _tp_moe_backward(config: Config, dims: ParallelDims) -> float:
+def _tp_moe_backward(config: Config, dims: ParallelDims, routing_imbalance: float = 1.0) -> float:
     """Bytes per token the backward of a tensor-parallel MoE layer's combine holds at once beyond what the block
     keeps (t > 1; 0 otherwise): the stream's gradient (w h / t), the block output's gradient gathered over tp (w h),
-    the gradient of the rank's combined rows (w k h / t), and the larger of the replayed forward's combine (the
+    the gradient of the rank's combined rows (w k h / t, times routing_imbalance), and the larger of the replayed forward's combine (the
     gathered input and the combined output, 2 w h) and the router's fp32 gradients (8 E). Attributed tensor by
     tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30; the combine over all T k rows then)."""
     m, t = config.model, dims.tp
     if not m.is_moe or t == 1:
         return 0.0
     w, h = (2 if config.train.dtype == "bf16" else 4), m.d_model
-    return w * h / t + w * h + w * m.top_k * h / t + max(2 * w * h, 8 * m.n_experts)
+    return w * h / t + w * h + routing_imbalance * w * m.top_k * h / t + max(2 * w * h, 8 * m.n_experts)
 
 
-def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int) -> float:
+def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int, routing_imbalance: float = 1.0) -> float:
     """Bytes per token selective_ops replays of a tensor-parallel MoE block in its backward, beyond what its
     policy keeps (t > 1; 0 otherwise): the attention's gathered input, normed input and q/k (with QK-norm, their
     normed copies), the MoE's normed stream, its gathered tokens, the router's and the rank's rows (without ep; the
@@ -226,7 +232,7 @@ def _tp_moe_replay(config: Config, dims: ParallelDims, stream: int) -> float:
     w, h, k = (2 if config.train.dtype == "bf16" else 4), m.d_model, m.top_k
     kv = m.kv_heads * m.head_dim
     attention = w * h + w * h / t + (2 if m.qk_norm else 1) * w * (h + kv) / t
-    rows = w * k * h / t if dims.ep == 1 else 0.0
+    rows = routing_imbalance * w * k * h / t if dims.ep == 1 else 0.0
     moe = (stream + w) * h / t + w * h + 4 * m.n_experts + 8 * k + rows
     return attention + moe
 

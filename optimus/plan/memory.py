@@ -175,9 +175,10 @@ def _ceil_div(a: float, b: int) -> float:
 
 
 def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: int,
-                 loss_on_cpu: bool = False) -> dict[str, float]:
+                 loss_on_cpu: bool = False, routing_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one rank of pipeline stage `stage` holds, by term (config: validated, micro-batch resolved);
-    `loss_on_cpu`: the devices are CPUs, whose loss head holds other buffers (activation_memory.loss_head_bytes)."""
+    `loss_on_cpu`: the devices are CPUs, whose loss head holds other buffers (activation_memory.loss_head_bytes);
+    `routing_imbalance`: the busiest rank's routed rows over its balanced share (activation_split)."""
     width = 2 if config.train.dtype in ("bf16", "auto") else 4
     layers = _ceil_div(shape.n_layers, dims.pp)
     first, last = stage == 0, stage == dims.pp - 1
@@ -207,7 +208,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     if config.train.dtype == "auto":  # as the dry run: accelerators compute bf16 natively
         act_config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
     in_flight = micro_batches_in_flight(act_config, dims, stage)
-    held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu)
+    held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu,
+                                                routing_imbalance)
     held["bf16 weight copies (autocast)"] = autocast_weight_copy_bytes(act_config, dims, layers, last, loss_on_cpu)
     mode = config.parallel.shard_mode
     fsdp = mode == "fsdp" and "FSDP transient" in held
@@ -266,7 +268,8 @@ def _bucket_sizes(numel: float, large: list[float], bucket: int) -> list[int]:
     return sizes + [bucket] * full + ([tail] if tail else [])
 
 
-def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False) -> float:
+def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False,
+                routing_imbalance: float = 1.0) -> float:
     """The largest per-rank total over the first and last pipeline stage, in bytes."""
     stages = {0, dims.pp - 1}
-    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu).values()) for s in stages)
+    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu, routing_imbalance).values()) for s in stages)

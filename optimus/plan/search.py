@@ -158,11 +158,13 @@ def _variants(config: Config, devices: int, cluster: Cluster):
 
 
 def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None,
-         only: dict[str, frozenset[str]] | None = None) -> list[Candidate]:
+         only: dict[str, frozenset[str]] | None = None, routing_imbalance: float = 1.0) -> list[Candidate]:
     """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
 
     efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
     only: restrictions from parse_only (none: the whole space).
+    routing_imbalance: an MoE's busiest expert-holding rank's token copies over its balanced share (1: balanced),
+    priced in its activations and its expert GEMMs' time.
     """
     if devices < 1:
         raise ConfigError(f"--devices must be at least 1 (got {devices})")
@@ -185,8 +187,9 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
             layout = validate_layout(candidate, devices)
         except LayoutError:
             continue
-        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu)
-        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches)
+        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu, routing_imbalance)
+        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches,
+                         routing_imbalance)
         out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
                              time.parts))
     out.sort(key=lambda c: (not c.fits, c.step_s))

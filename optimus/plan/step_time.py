@@ -363,10 +363,12 @@ def _tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, 
 
 
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
-              efficiency: Efficiency | None = None, micro_batches: int = 1) -> StepTime:
+              efficiency: Efficiency | None = None, micro_batches: int = 1, routing_imbalance: float = 1.0) -> StepTime:
     """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`.
 
     efficiency: per op class; None takes the cluster's (its preset's defaults, or the calibration here).
+    routing_imbalance: the busiest rank's routed rows over its balanced share where ep or tp split the experts; the
+    step waits for that rank's expert GEMMs (its exchanges are priced at the balanced volume).
     """
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
@@ -397,7 +399,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
-    expert_s = max(flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
+    busiest = routing_imbalance if dims.ep * dims.tp > 1 else 1.0
+    expert_s = max(busiest * flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
     hbm_eff = hbm * efficiency.memory_bound
     # eager operators move more than the fused count (each its own kernel, fp32 upcasts written out); compiled

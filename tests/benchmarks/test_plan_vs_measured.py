@@ -67,9 +67,10 @@ def test_the_fastest_repeat_counts_and_memory_is_the_profiled_allocator_peak(loa
     the profiled runs, the timed runs' resident peaks kept beside it."""
     script = load_benchmark("plan_vs_measured")
     _fake_runs(script, monkeypatch,
-               timed=[([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0), ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 250}], 5.0)],
-               memory=[([4.0], [{"rank": 0, "growth": 400, "allocator_peak": 220}], 9.0),
-                       ([4.0], [{"rank": 0, "growth": 100, "allocator_peak": 210}], 9.0)])
+               timed=[([2.0, 3.0, 2.5], [{"rank": 0, "growth": 300}], 9.0, []),
+                      ([1.0, 1.5, 1.2], [{"rank": 0, "growth": 250}], 5.0, [])],
+               memory=[([4.0], [{"rank": 0, "growth": 400, "allocator_peak": 220}], 9.0, []),
+                       ([4.0], [{"rank": 0, "growth": 100, "allocator_peak": 210}], 9.0, [])])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
                             repeats=2, memory_runs=2)
     assert row["run_medians_s"] == [2.5, 1.2] and row["measured_step_s"] == 1.2 and row["wall_s"] == 5.0
@@ -80,7 +81,8 @@ def test_the_fastest_repeat_counts_and_memory_is_the_profiled_allocator_peak(loa
 def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmark, machine_cache, monkeypatch):
     script = load_benchmark("plan_vs_measured")
     _fake_runs(script, monkeypatch,
-               timed=[([2.0], [{"rank": 0, "growth": 300}], 9.0), ([1.0], [{"rank": 0, "growth": 250}], 5.0)], memory=[])
+               timed=[([2.0], [{"rank": 0, "growth": 300}], 9.0, []), ([1.0], [{"rank": 0, "growth": 250}], 5.0, [])],
+               memory=[])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
                             repeats=2, memory_runs=0)
     assert row["measured_memory_bytes"] == 250 and row["memory_measure"] == "resident set"
@@ -96,7 +98,7 @@ def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_bench
 
     def train_once(*args, profile_memory=False, threads=1):
         threads_seen.append(threads)
-        return [1.0], [{"rank": 0, "growth": 100, "allocator_peak": 100}], 1.0
+        return [1.0], [{"rank": 0, "growth": 100, "allocator_peak": 100}], 1.0, []
 
     monkeypatch.setattr(script, "_train_once", train_once)
     rows = {name: script.run_layout(name, 1, 1, machine_cache, (None, ""), calibrate=False,
@@ -106,6 +108,31 @@ def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_bench
     assert threads_seen == [1, 1, cores(), cores()]  # the timed and the profiled run of each
     if cores() > 1:  # the fixture's machine: 2e10 FLOP/s on one thread, 3.6e10 on both cores
         assert rows["dense-1-all-cores"]["predicted_step_s"] < rows["dense-1"]["predicted_step_s"]
+
+
+def test_routing_imbalance_is_the_busiest_expert_block_over_its_share(load_benchmark):
+    script = load_benchmark("plan_vs_measured")
+    # two layers of 4 experts; 2 blocks of 2 experts: layer 0 gives block 0 30 of 40 rows, layer 1 10 of 40
+    steps = [{"step": 1, "expert_counts": [[10, 20, 5, 5], [5, 5, 10, 20]]}, {"step": 2}]
+    assert script.routing_imbalance(steps, 2, per_layer=True) == pytest.approx(1.5)  # 30 of a balanced 20
+    assert script.routing_imbalance(steps, 2, per_layer=False) == pytest.approx(1.0)  # 40 of 80 over both layers
+    assert script.routing_imbalance(steps, 4, per_layer=True) == pytest.approx(2.0)  # 20 of a balanced 10
+    assert script.routing_imbalance(steps, 1, per_layer=True) is None  # experts not split: nothing to skew
+    assert script.routing_imbalance([{"step": 1}], 2, per_layer=False) is None
+
+
+def test_moe_rows_are_also_predicted_at_the_routing_they_had(load_benchmark, machine_cache, monkeypatch):
+    """A row whose experts ep splits carries the measured routing's imbalance and the memory model's prediction at
+    it: more rows on the busiest rank, more bytes predicted."""
+    script = load_benchmark("plan_vs_measured")
+    metrics = [{"step": 1, "expert_counts": [[30, 30, 10, 10]]}]  # block 0: 60 of 80 rows, 1.5x its share
+    _fake_runs(script, monkeypatch, timed=[],
+               memory=[([4.0], [{"rank": r, "growth": 1, "allocator_peak": 2**30} for r in range(2)], 9.0, metrics)])
+    row = script.run_layout("moe-fsdp2-ep2", 1, 1, machine_cache, (None, ""), calibrate=False,
+                            model=[*SMALL_MODEL.split(","), "--model.n_experts=4", "--model.top_k=2"], repeats=0)
+    assert row["routing_imbalance"] == pytest.approx(1.5)
+    assert row["predicted_memory_at_routing_bytes"] > row["predicted_memory_bytes"]
+    assert row["memory_error_at_routing"] == pytest.approx(row["predicted_memory_at_routing_bytes"] / 2**30 - 1)
 
 
 def test_bf16_rows_are_skipped_where_bf16_is_emulated(load_benchmark, machine_cache, tmp_path, capsys):

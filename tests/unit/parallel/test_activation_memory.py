@@ -299,3 +299,22 @@ def test_autocast_weight_copies_only_where_fp32_weights_compute_in_bf16():
     assert copies(two, "ddp") == blocks  # whole fp32 replicas
     assert copies(one, compile=True) == 0 and copies(one, dtype="fp32") == 0
     assert copies(one, activation_checkpointing="full") == pytest.approx(blocks / 4)  # the block recomputed
+
+
+@pytest.mark.parametrize("ep, tp", [(2, 1), (1, 2), (2, 2)])
+def test_a_skewed_routing_scales_the_split_experts_rows_only(ep, tp):
+    """routing_imbalance: the busiest rank's token copies over its balanced share. Where ep or tp split the experts,
+    every term that follows the rank's rows grows with it (kept, and a tp block's backward); where one rank holds
+    every expert, and for a dense model, it changes nothing."""
+    moe = build_config({"model": {"preset": "mula-7b-a1b"}, "train": {**TRAIN, "activation_checkpointing": "none"}})
+    dims = ParallelDims(ep=ep, tp=tp, dp_shard=ep, world_size=ep * tp)
+    balanced = activation_split(moe, dims, 16, has_loss_head=False)
+    skewed = activation_split(moe, dims, 16, has_loss_head=False, routing_imbalance=1.5)
+    assert skewed[0] > balanced[0] and skewed[1] >= balanced[1]
+    k, h, fe = moe.model.top_k, moe.model.d_model, moe.model.expert_ffn_hidden
+    rows_kept = 16 * 2 * k * (2 * h + 2 * fe) / tp * 4096  # bf16 rows in (or dispatched), gate/up, rows out
+    assert skewed[0] - balanced[0] >= 0.5 * rows_kept  # at least the rows' own bytes, half again
+    alone = ParallelDims(world_size=1)
+    assert activation_split(moe, alone, 16, False, routing_imbalance=1.5) == activation_split(moe, alone, 16, False)
+    dense = build_config({"model": {"preset": "mula-1b"}, "train": TRAIN})
+    assert activation_split(dense, dims, 16, False, routing_imbalance=1.5) == activation_split(dense, dims, 16, False)

@@ -104,3 +104,38 @@ def test_tune_replaces_an_earlier_search_only_with_overwrite(tmp_path):
     best, records = search(overwrite=True)
     assert best is None and "earlier" not in (tmp_path / "trials.jsonl").read_text()
     assert not (tmp_path / "best.yaml").exists()  # no stale best beside the new trials
+
+
+@pytest.mark.parametrize("value, config, message", [
+    ("0.5", "mula-tiny-moe.yaml", "--moe-imbalance is the busiest rank's token copies over its balanced share: a "
+                                  "number of at least 1 (got 0.5)"),
+    ("nan", "mula-tiny-moe.yaml", "a number of at least 1 (got nan)"),
+    ("1.5", "mula-tiny-dense.yaml", "--moe-imbalance prices an MoE's routing: this config's model is dense"),
+])
+def test_plan_refuses_a_routing_imbalance_it_cannot_price(value, config, message, no_search, capsys):
+    argv = ["plan", str(CONFIGS / config), "--cluster", "h100", "--devices", "8", "--moe-imbalance", value]
+    assert main(argv) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_plan_prices_the_routing_imbalance_it_is_given(tmp_path, capsys):
+    """The busiest rank's extra token copies cost its activations and its expert GEMMs' time, where ep or tp split
+    the experts (not its peak where a recompute replays the experts after the loss head's larger buffers are
+    freed); layouts whose ranks hold every expert are unchanged."""
+    runs = {}
+    for imbalance in ("1", "1.5"):
+        out = tmp_path / f"plan-{imbalance}.json"
+        assert main([*PLAN, "--moe-imbalance", imbalance, "--json", str(out)]) == 0
+        runs[imbalance] = {json.dumps(e["layout"], sort_keys=True): e for e in json.loads(out.read_text())}
+    assert "busiest expert-holding rank 1.5x" in capsys.readouterr().out
+    grew, held = {"memory_gib": 0, "step_time_s": 0}, 0
+    for key, balanced in runs["1"].items():
+        skewed, layout = runs["1.5"][key], balanced["layout"]
+        for field in grew:
+            if layout["ep"] * layout["tp"] > 1:
+                assert skewed[field] >= balanced[field], (layout, field)
+                grew[field] += skewed[field] > balanced[field]
+            else:
+                assert skewed[field] == balanced[field], (layout, field)
+        held += layout["ep"] * layout["tp"] == 1
+    assert grew["memory_gib"] > 100 and grew["step_time_s"] > 100 and held, (grew, held)

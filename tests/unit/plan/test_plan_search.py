@@ -118,12 +118,12 @@ def test_plan_says_what_bf16_gradient_reduction_would_give(capsys):
     # zero1 reduce-scatters its gradients at the step, where nothing hides them
     best = next(c for c in plan(config, cluster, 64) if c.fits and c.config.parallel.shard_mode == "zero1")
     bf16 = dict(section="parallel", field="grad_reduce_dtype", value="bf16", why="half the bytes")
-    hint_setting(best, cluster, None, min_speedup=1.0, **bf16)
+    hint_setting(best, cluster, None, 1.0, min_speedup=1.0, **bf16)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("with --parallel.grad_reduce_dtype=bf16 the best layout is predicted ")
     faster = float(line.split("(")[1].split("x faster")[0])
     assert faster > 1.0 and line.endswith("half the bytes")
-    hint_setting(best, cluster, None, min_speedup=faster + 0.01, **bf16)
+    hint_setting(best, cluster, None, 1.0, min_speedup=faster + 0.01, **bf16)
     assert capsys.readouterr().out == ""  # below the speedup asked for: nothing said
 
 
