@@ -13,7 +13,9 @@ metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes 
 `--repeats` runs and the fastest of those medians (on a shared machine a run slowed by other work says nothing
 about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
-when there is none), and each rank's memory with the planner's stage_memory of the first and last stage.
+when there is none), and each rank's memory with the planner's stage_memory of the first and last stage. The
+planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
+share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it.
 
 `--repeats 0` measures memory alone (no step time compared), e.g. at a longer sequence: `--repeats 0
 --no-calibrate --model=--train.seq_len=2048`.
@@ -396,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         timed = (f"{row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%}"
                  if "step_error" in row else f"{'-':>10} {'-':>11} {'-':>7}")
+        routing = (f"  (routing {row['routing_imbalance']:.2f}x: {row['predicted_memory_at_routing_bytes'] / 2**20:.0f}"
+                   f" MiB, {row['memory_error_at_routing']:+.1%})" if "routing_imbalance" in row else "")
         print(f"{name:<26} {row['ranks']:>5} {timed} {row['measured_memory_bytes'] / 2**20:>9.0f} "
-              f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}", flush=True)
+              f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}{routing}", flush=True)
     memory_within = sum(abs(r["memory_error"]) <= 0.10 for r in rows)
     if args.repeats:
         print(f"step time within 15%: {sum(abs(r['step_error']) <= 0.15 for r in rows)}/{len(rows)}; ", end="")
