@@ -106,8 +106,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     its combine keeps), plus ep's row orders
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
     at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
-    A tensor-parallel MoE block's backward holds its combine's gradients over all T k rows on top, in every mode
-    (_tp_moe_backward), and selective_ops what it replays of the block (_tp_moe_replay).
+    A block's backward holds gradients on top, in every mode: a dense MLP its gate and up outputs'
+    (_dense_mlp_backward), a tensor-parallel MoE block its combine's (_tp_moe_backward); selective_ops what it
+    replays (_tp_moe_replay).
     Selective (the train.recompute mask): a recomputed sub-module keeps only its input, the others
     their full terms above: "norms" turns each norm(h)/t into w h / t (and QK-norm into w (h + kv) / t
     unless attention is recomputed), "attention" turns the attention terms after its norm into w h,
@@ -196,7 +197,7 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         working = _tp_moe_replay(config, dims, stream, routing_imbalance)
     else:
         per_token = layers * (attn_full + mlp_full)
-    working += _tp_moe_backward(config, dims, routing_imbalance)
+    working += _tp_moe_backward(config, dims, routing_imbalance) + _dense_mlp_backward(config, dims)
     kept_bytes, once = (per_token + first_input) * tokens, working * tokens
     if t == 1:  # rotary cos and sin, [seq_len, head_dim] each in the stream's width, shared by every layer
         kept_bytes += 2 * stream * m.head_dim * config.train.seq_len
@@ -208,12 +209,24 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     return kept_bytes, once
 
 
+def _dense_mlp_backward(config: Config, dims: ParallelDims) -> float:
+    """Bytes per token a dense SwiGLU MLP's backward holds at once beyond what the block keeps: the gradients of the
+    gate and up outputs (2 w f / t) while the product's gradient is being freed. A rank peaks there when no loss head
+    runs on it (a pipeline stage before the last): tiny dense model, pp 2 at seq 2,048, the first stage's peak is
+    the first backward's MLP (BENCHMARKS.md, stop 31). 0 for an MoE (its backward: _tp_moe_backward)."""
+    m = config.model
+    if m.is_moe:
+        return 0.0
+    return 2 * (2 if config.train.dtype == "bf16" else 4) * m.ffn_hidden / dims.tp
+
+
 def _tp_moe_backward(config: Config, dims: ParallelDims, routing_imbalance: float = 1.0) -> float:
     """Bytes per token the backward of a tensor-parallel MoE layer's combine holds at once beyond what the block
     keeps (t > 1; 0 otherwise): the stream's gradient (w h / t), the block output's gradient gathered over tp (w h),
-    the gradient of the rank's combined rows (w k h / t, times routing_imbalance), and the larger of the replayed forward's combine (the
-    gathered input and the combined output, 2 w h) and the router's fp32 gradients (8 E). Attributed tensor by
-    tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30; the combine over all T k rows then)."""
+    the gradient of the rank's combined rows (w k h / t, times routing_imbalance), and the larger of the replayed
+    forward's combine (the gathered input and the combined output, 2 w h) and the router's fp32 gradients (8 E).
+    Attributed tensor by tensor on the tiny MoE at tp 2, seq 2,048 (BENCHMARKS.md, stop 30; the combine over all
+    T k rows then)."""
     m, t = config.model, dims.tp
     if not m.is_moe or t == 1:
         return 0.0
