@@ -211,25 +211,36 @@ def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def routing_imbalance(rows: list[dict], expert_blocks: int, per_layer: bool) -> float | None:
+def routing_imbalance(rows: list[dict], expert_blocks: int, per_layer: bool,
+                      layers: list[int] | None = None) -> float | None:
     """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
     step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
-    contiguous blocks (ep x tp ranks, as the trainer places them): over the layers summed (what every layer's kept
-    activations see) or in the worst layer (`per_layer`: a recomputed block, one at a time). The largest over the
-    logged steps; None without expert counts or split experts. The counts are global: where ep is smaller than the
-    data-parallel ranks a rank's own exchange group may differ."""
+    contiguous blocks (ep x tp ranks, as the trainer places them), over `layers` (a pipeline stage's; default
+    all): summed over them (what every layer's kept activations see) or in the worst one (`per_layer`: a
+    recomputed block, one at a time). The largest over the logged steps; None without expert counts or split
+    experts. The counts are global: where ep is smaller than the data-parallel ranks a rank's own exchange group
+    may differ."""
     worst = None
     for counts in (r["expert_counts"] for r in rows if r.get("expert_counts")):
         if expert_blocks == 1:
             return None
-        layers = [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
-                   for b in range(expert_blocks)] for layer in counts]
+        blocks = [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
+                   for b in range(expert_blocks)] for i, layer in enumerate(counts) if layers is None or i in layers]
         if per_layer:
-            share = max(max(blocks) * expert_blocks / sum(blocks) for blocks in layers if sum(blocks))
+            share = max(max(layer) * expert_blocks / sum(layer) for layer in blocks if sum(layer))
         else:
-            share = max(map(sum, zip(*layers))) * expert_blocks / sum(map(sum, layers))
+            share = max(map(sum, zip(*blocks))) * expert_blocks / sum(map(sum, blocks))
         worst = share if worst is None else max(worst, share)
     return worst
+
+
+def stage_layers(layout, stage: int) -> list[int]:
+    """The layers pipeline rank `stage` holds (its virtual stages' contiguous chunks: parallel/pipeline.py)."""
+    from optimus.parallel.pipeline import split_layers
+
+    pp, virtual = layout.dims.pp, layout.config.parallel.pp_virtual_stages if layout.dims.pp > 1 else 1
+    keys = split_layers(layout.config.model.n_layers, pp * virtual)
+    return [int(key) for chunk in range(stage, pp * virtual, pp) for key in keys[chunk]]
 
 
 def in_fresh_process(fn, *args):
@@ -249,13 +260,14 @@ def _layout(config_path: str, ranks: int, overrides: list[str]):
     return validate_layout(load_config(config_path, overrides), ranks)
 
 
-def predicted_memory_bytes(layout, routing_imbalance: float = 1.0) -> float:
-    """The planner's largest rank of the first and last pipeline stage, its loss head as the CPU runs it."""
+def predicted_memory_bytes(layout, routing_imbalance: float = 1.0, stages: list[int] | None = None) -> float:
+    """The planner's largest rank of `stages` (default: the first and last pipeline stage), its loss head as the
+    CPU runs it."""
     from optimus.plan.memory import ModelShape, stage_memory
 
     shape = ModelShape.of(layout.config)
     return max(sum(stage_memory(layout.config, layout.dims, shape, s, True, routing_imbalance).values())
-               for s in {0, layout.dims.pp - 1})
+               for s in (stages or {0, layout.dims.pp - 1}))
 
 
 def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool,
@@ -334,12 +346,14 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     # what the memory model gives at the routing this run had (the prediction above assumes balanced routing)
     routing = {}
     layout = _layout(config_path, ranks, overrides)
-    if layout.config.model.is_moe:
+    if layout.config.model.is_moe:  # each stage at the routing of its own layers
         recompute_one_block = layout.config.train.activation_checkpointing in ("full", "selective")
-        imbalance = routing_imbalance(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block)
-        if imbalance is not None:
-            at_routing = predicted_memory_bytes(layout, imbalance) + predicted["host_extras"]
-            routing = {"routing_imbalance": imbalance, "predicted_memory_at_routing_bytes": at_routing,
+        stages = {s: routing_imbalance(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block,
+                                       stage_layers(layout, s)) for s in {0, layout.dims.pp - 1}}
+        if None not in stages.values():
+            at_routing = max(predicted_memory_bytes(layout, imbalance, [s]) for s, imbalance in stages.items())
+            at_routing += predicted["host_extras"]
+            routing = {"routing_imbalance": max(stages.values()), "predicted_memory_at_routing_bytes": at_routing,
                        "memory_error_at_routing": at_routing / memory - 1}
     return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, **timed,
             "measured_memory_bytes": memory,

@@ -119,6 +119,19 @@ def test_routing_imbalance_is_the_busiest_expert_block_over_its_share(load_bench
     assert script.routing_imbalance(steps, 4, per_layer=True) == pytest.approx(2.0)  # 20 of a balanced 10
     assert script.routing_imbalance(steps, 1, per_layer=True) is None  # experts not split: nothing to skew
     assert script.routing_imbalance([{"step": 1}], 2, per_layer=False) is None
+    assert script.routing_imbalance(steps, 2, per_layer=False, layers=[0]) == pytest.approx(1.5)  # a stage's own
+
+
+def test_stage_layers_follow_the_pipeline_split(load_benchmark):
+    script = load_benchmark("plan_vs_measured")
+
+    def layers(name, stage):
+        config_path, ranks, extra = script.LAYOUTS[name]
+        return script.stage_layers(script._layout(str(script.ROOT / config_path), ranks, [*script.BASE, *extra]), stage)
+
+    assert layers("moe-fsdp2-ep2", 0) == [0, 1, 2, 3]
+    assert layers("moe-pp2-ep2", 0) == [0, 1] and layers("moe-pp2-ep2", 1) == [2, 3]
+    assert layers("moe-tp2-pp2-interleaved", 0) == [0, 2] and layers("moe-tp2-pp2-interleaved", 1) == [1, 3]
 
 
 def test_moe_rows_are_also_predicted_at_the_routing_they_had(load_benchmark, machine_cache, monkeypatch):
