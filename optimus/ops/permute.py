@@ -132,7 +132,8 @@ class _UnpermuteTokens(torch.autograd.Function):
             return combine_rows(rows, routing.row_of_slot, weights, backend)
         if rows.shape[0] == 0:
             return rows.new_zeros(routing.n_tokens, rows.shape[1])
-        # the rows not given are zero: their slots read row 0 with weight 0 (no zero-padded [T k, D] buffer)
+        # the rows not given are zero: their slots read row 0 with weight 0 (no zero-padded [T k, D] buffer; a
+        # non-finite row 0 would spread, where the step is already lost to its own tokens' non-finite output)
         slots, kept = _kept_slots(routing, rows.shape[0])
         return combine_rows(rows, slots, torch.where(kept, weights, 0), backend)
 

@@ -160,23 +160,24 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
     if m.is_moe:
         k, fe = m.top_k, m.expert_ffn_hidden
         # the busiest rank's share of the routed rows, where ranks split the experts (each computes its own)
-        rows = routing_imbalance if dims.ep > 1 or t > 1 else 1.0
+        busiest = routing_imbalance if dims.ep > 1 or t > 1 else 1.0
         # the exchange's int64 row orders: the dispatch's sort and its inverse, and the received rows' grouping by
         # expert and its inverse (all_to_all) or their index into the gathered rows (allgather)
         ep_orders = 8 * k * (4 if config.parallel.ep_dispatch == "all_to_all" else 3)
         if t == 1:  # the fused op (its row order in int64), or the rows ep exchanges; the router: fp32
             # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
-            experts = w * k * (2 * fe + 1) + 8 * k if dims.ep == 1 else rows * (w * k * (2 * h + 2 * fe) + ep_orders)
+            experts = (w * k * (2 * fe + 1) + 8 * k if dims.ep == 1
+                       else busiest * (w * k * (2 * h + 2 * fe) + ep_orders))
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
         else:  # expert_tensor_parallel: this rank's rows in (dispatched under ep), gate/up, and out (combined)
-            experts = rows * (w * k * (2 * h + 2 * fe) + (ep_orders if dims.ep > 1 else 0)) / t
+            experts = busiest * (w * k * (2 * h + 2 * fe) + (ep_orders if dims.ep > 1 else 0)) / t
             mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k
         else:  # the rank's rows (expert_mlp): their output and gate/up; and the ep exchanges' outputs, the
             # dispatched and returned rows (all_to_all) or the combine's reduce-scattered rows (allgather)
             exchanges = 0 if dims.ep == 1 else 2 if config.parallel.ep_dispatch == "all_to_all" else 1
-            experts_kept = rows * w * k * (h + 2 * fe + exchanges * h) / t
+            experts_kept = busiest * w * k * (h + 2 * fe + exchanges * h) / t
         mlp_selective = experts_kept + w * m.n_experts + scattered
     else:
         mlp_full = (stream_norm(2) if t == 1 else norm(h) / t + gathered) + 4 * w * m.ffn_hidden / t
@@ -213,7 +214,8 @@ def _dense_mlp_backward(config: Config, dims: ParallelDims) -> float:
     """Bytes per token a dense SwiGLU MLP's backward holds at once beyond what the block keeps: the gradients of the
     gate and up outputs (2 w f / t) while the product's gradient is being freed. A rank peaks there when no loss head
     runs on it (a pipeline stage before the last): tiny dense model, pp 2 at seq 2,048, the first stage's peak is
-    the first backward's MLP (BENCHMARKS.md, stop 31). 0 for an MoE (its backward: _tp_moe_backward)."""
+    the first backward's MLP (BENCHMARKS.md, stop 31). 0 for an MoE: its block's backward is _tp_moe_backward's
+    under tp; at tp 1 its stages' peaks measured within 5% without a backward term (pp 2 x ep 2 at seq 2k)."""
     m = config.model
     if m.is_moe:
         return 0.0
