@@ -211,7 +211,7 @@ def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def routing_imbalance(rows: list[dict], expert_blocks: int, per_layer: bool,
+def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
                       layers: list[int] | None = None) -> float | None:
     """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
     step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
@@ -300,8 +300,8 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
             "share": entry["machine"].get("share")}
 
 
-def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
-                profile_memory: bool = False, threads: int = 1) -> tuple[list[float], list[dict], float]:
+def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int, profile_memory: bool = False,
+                threads: int = 1) -> tuple[list[float], list[dict], float, list[dict]]:
     """One short training run: its measured step times, each rank's memory, its wall time, its metrics."""
     with tempfile.TemporaryDirectory(prefix="optimus-pvm-") as tmp:
         run_overrides = [*overrides, f"--run.dir={tmp}/run"]
@@ -348,7 +348,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     layout = _layout(config_path, ranks, overrides)
     if layout.config.model.is_moe:  # each stage at the routing of its own layers
         recompute_one_block = layout.config.train.activation_checkpointing in ("full", "selective")
-        stages = {s: routing_imbalance(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block,
+        stages = {s: busiest_share(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block,
                                        stage_layers(layout, s)) for s in {0, layout.dims.pp - 1}}
         if None not in stages.values():
             at_routing = max(predicted_memory_bytes(layout, imbalance, [s]) for s, imbalance in stages.items())

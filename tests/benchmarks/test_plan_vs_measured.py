@@ -110,16 +110,16 @@ def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_bench
         assert rows["dense-1-all-cores"]["predicted_step_s"] < rows["dense-1"]["predicted_step_s"]
 
 
-def test_routing_imbalance_is_the_busiest_expert_block_over_its_share(load_benchmark):
+def test_busiest_share_is_the_busiest_expert_block_over_its_share(load_benchmark):
     script = load_benchmark("plan_vs_measured")
     # two layers of 4 experts; 2 blocks of 2 experts: layer 0 gives block 0 30 of 40 rows, layer 1 10 of 40
     steps = [{"step": 1, "expert_counts": [[10, 20, 5, 5], [5, 5, 10, 20]]}, {"step": 2}]
-    assert script.routing_imbalance(steps, 2, per_layer=True) == pytest.approx(1.5)  # 30 of a balanced 20
-    assert script.routing_imbalance(steps, 2, per_layer=False) == pytest.approx(1.0)  # 40 of 80 over both layers
-    assert script.routing_imbalance(steps, 4, per_layer=True) == pytest.approx(2.0)  # 20 of a balanced 10
-    assert script.routing_imbalance(steps, 1, per_layer=True) is None  # experts not split: nothing to skew
-    assert script.routing_imbalance([{"step": 1}], 2, per_layer=False) is None
-    assert script.routing_imbalance(steps, 2, per_layer=False, layers=[0]) == pytest.approx(1.5)  # a stage's own
+    assert script.busiest_share(steps, 2, per_layer=True) == pytest.approx(1.5)  # 30 of a balanced 20
+    assert script.busiest_share(steps, 2, per_layer=False) == pytest.approx(1.0)  # 40 of 80 over both layers
+    assert script.busiest_share(steps, 4, per_layer=True) == pytest.approx(2.0)  # 20 of a balanced 10
+    assert script.busiest_share(steps, 1, per_layer=True) is None  # experts not split: nothing to skew
+    assert script.busiest_share([{"step": 1}], 2, per_layer=False) is None
+    assert script.busiest_share(steps, 2, per_layer=False, layers=[0]) == pytest.approx(1.5)  # a stage's own
 
 
 def test_stage_layers_follow_the_pipeline_split(load_benchmark):
