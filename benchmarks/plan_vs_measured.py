@@ -236,11 +236,11 @@ def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
 
 def stage_layers(layout, stage: int) -> list[int]:
     """The layers pipeline rank `stage` holds (its virtual stages' contiguous chunks: parallel/pipeline.py)."""
-    from optimus.parallel.pipeline import split_layers
+    from optimus.parallel.pipeline import rank_layer_keys
 
-    pp, virtual = layout.dims.pp, layout.config.parallel.pp_virtual_stages if layout.dims.pp > 1 else 1
-    keys = split_layers(layout.config.model.n_layers, pp * virtual)
-    return [int(key) for chunk in range(stage, pp * virtual, pp) for key in keys[chunk]]
+    virtual = layout.config.parallel.pp_virtual_stages if layout.dims.pp > 1 else 1
+    _, stage_keys = rank_layer_keys(layout.config.model.n_layers, layout.dims.pp, virtual, stage)
+    return [int(key) for keys in stage_keys for key in keys]
 
 
 def in_fresh_process(fn, *args):
@@ -270,9 +270,8 @@ def predicted_memory_bytes(layout, routing_imbalance: float = 1.0, stages: list[
                for s in (stages or {0, layout.dims.pp - 1}))
 
 
-def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path, cpu_cache, calibrate: bool,
-            threads: int = 1) -> dict:
-    """The planner's step time (and its parts) and per-rank memory for this layout on `here`, each rank on
+def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1) -> dict:
+    """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
     `threads` threads; with `calibrate`, the op classes are timed at this layout's shapes and threads first (as
     `optimus plan --calibrate` does)."""
     from optimus.plan.calibrate import calibrate_op_classes
@@ -281,7 +280,6 @@ def predict(config_path: str, ranks: int, overrides: list[str], cache_file: Path
     from optimus.plan.step_time import step_time
 
     entry = machine(cache_file, cpu_cache)
-    layout = _layout(config_path, ranks, overrides)
     if calibrate:  # the op classes at this layout's shapes, and the cores' share now (others may be using them)
         from optimus.plan.calibrate import measure_share
 
@@ -323,7 +321,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     threads = layout_threads(name)
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
-    predicted = predict(config_path, ranks, overrides, cache_file, cpu_cache, calibrate and bool(runs), threads)
+    layout = _layout(config_path, ranks, overrides)
+    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads)
     timed = {}
     if runs:
         fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
@@ -345,7 +344,6 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
     # what the memory model gives at the routing this run had (the prediction above assumes balanced routing)
     routing = {}
-    layout = _layout(config_path, ranks, overrides)
     if layout.config.model.is_moe:  # each stage at the routing of its own layers
         recompute_one_block = layout.config.train.activation_checkpointing in ("full", "selective")
         stages = {s: busiest_share(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block,

@@ -49,6 +49,13 @@ class _InjectAuxLoss(torch.autograd.Function):
         return grad, torch.full((), aux_scale, device=grad.device), torch.full((), z_scale, device=grad.device), None, None
 
 
+def rank_layer_keys(n_layers: int, pp: int, virtual_stages: int, rank: int) -> tuple[list[int], list[list[str]]]:
+    """(the stages pipeline rank `rank` runs, in loop order: rank, rank + pp, ...; their layer keys)."""
+    keys = split_layers(n_layers, pp * virtual_stages)
+    stage_ids = [rank + k * pp for k in range(virtual_stages)]
+    return stage_ids, [keys[s] for s in stage_ids]
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[list[str]]:
     """Layer keys per stage, contiguous and as even as possible (earlier stages take the remainder)."""
     if n_stages > n_layers:
@@ -275,10 +282,9 @@ def apply_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str = "1f1
     device = torch.device(device) if device is not None else None  # None: the weights' device at the first step
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * virtual_stages
-    keys = split_layers(model.config.n_layers, n_stages)
-    stage_ids = [rank + k * pp for k in range(virtual_stages)]
-    stages = [PipelineStageModule(model, keys[s], s == 0, s == n_stages - 1) for s in stage_ids]
-    mine = {key for s in stage_ids for key in keys[s]}
+    stage_ids, stage_keys = rank_layer_keys(model.config.n_layers, pp, virtual_stages, rank)
+    stages = [PipelineStageModule(model, keys, s == 0, s == n_stages - 1) for s, keys in zip(stage_ids, stage_keys)]
+    mine = {key for keys in stage_keys for key in keys}
     for key in list(model.layers.keys()):
         if key not in mine:
             del model.layers[key]
