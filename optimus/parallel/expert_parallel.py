@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from optimus import ops
 from optimus.models.moe import GroupedExperts, MoE
+from optimus.ops.routing import inverse_permutation
 from optimus.parallel.collective_ops import all_gather_rows, all_to_all_rows, reduce_scatter_rows
 
 EP_DISPATCH_STYLES = ("all_to_all", "allgather")
@@ -124,7 +125,7 @@ class ExpertParallelExperts(nn.Module):
         computed = self._compute(received.index_select(0, order), recv_counts.sum(0))
         # back by a gather through the inverse order: autograd keeps only the index (index_copy's backward would
         # keep `computed` itself, [rows, D] per layer, to the end of the backward)
-        restored = computed.index_select(0, _inverse_permutation(order))
+        restored = computed.index_select(0, inverse_permutation(order))
         return all_to_all_rows(restored, in_splits, out_splits, group)
 
     def _forward_allgather(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -149,13 +150,6 @@ class ExpertParallelExperts(nn.Module):
         # (index_put_: its backward keeps the index alone, index_copy's would keep `computed` too)
         placed = torch.zeros_like(gathered).index_put_((index,), computed)
         return reduce_scatter_rows(placed, group)[: rows.shape[0]]
-
-
-def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inverse[order[i]] = i, so that x.index_select(0, inverse) puts row i of x at row order[i]."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return inverse
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_to_all") -> nn.Module:
