@@ -211,8 +211,14 @@ def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
+def _block_rows(counts: list[list[int]], expert_blocks: int, layers: list[int] | None) -> list[list[int]]:
+    """One step's token copies per layer (of `layers`; default all) and contiguous block of experts."""
+    return [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
+             for b in range(expert_blocks)] for i, layer in enumerate(counts) if layers is None or i in layers]
+
+
 def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
-                      layers: list[int] | None = None) -> float | None:
+                  layers: list[int] | None = None) -> float | None:
     """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
     step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
     contiguous blocks (ep x tp ranks, as the trainer places them), over `layers` (a pipeline stage's; default
@@ -224,14 +230,26 @@ def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
     for counts in (r["expert_counts"] for r in rows if r.get("expert_counts")):
         if expert_blocks == 1:
             return None
-        blocks = [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
-                   for b in range(expert_blocks)] for i, layer in enumerate(counts) if layers is None or i in layers]
+        blocks = _block_rows(counts, expert_blocks, layers)
         if per_layer:
             share = max(max(layer) * expert_blocks / sum(layer) for layer in blocks if sum(layer))
         else:
             share = max(map(sum, zip(*blocks))) * expert_blocks / sum(map(sum, blocks))
         worst = share if worst is None else max(worst, share)
     return worst
+
+
+def paced_share(rows: list[dict], expert_blocks: int, warmup: int, layers: list[int] | None = None) -> float | None:
+    """What the step time waits for: each layer's exchange or tensor-parallel sum waits for its busiest rank, so a
+    step's expert GEMMs take the layers' mean of their busiest block's share (over `layers`, default all); the
+    median over the measured steps (after `warmup`), as the measured step time is. None as busiest_share."""
+    shares = []
+    for counts in (r["expert_counts"] for r in rows if r.get("expert_counts") and r.get("step", 0) > warmup):
+        if expert_blocks == 1:
+            return None
+        blocks = [layer for layer in _block_rows(counts, expert_blocks, layers) if sum(layer)]
+        shares.append(statistics.mean(max(layer) * expert_blocks / sum(layer) for layer in blocks))
+    return statistics.median(shares) if shares else None
 
 
 def stage_layers(layout, stage: int) -> list[int]:
@@ -270,10 +288,12 @@ def predicted_memory_bytes(layout, routing_imbalance: float = 1.0, stages: list[
                for s in (stages or {0, layout.dims.pp - 1}))
 
 
-def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1) -> dict:
+def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
+            routing_imbalance: float | None = None) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
     `threads` threads; with `calibrate`, the op classes are timed at this layout's shapes and threads first (as
-    `optimus plan --calibrate` does)."""
+    `optimus plan --calibrate` does). With `routing_imbalance` (the busiest rank's share each layer waits for), the
+    step time at it too."""
     from optimus.plan.calibrate import calibrate_op_classes
     from optimus.plan.here import here_cluster, machine
     from optimus.plan.memory import ModelShape
@@ -291,9 +311,13 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     cluster = here_cluster(entry, ranks, threads)
     shape = ModelShape.of(layout.config)
     time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
+    at_routing = {}
+    if routing_imbalance is not None:
+        at_routing = {"step_at_routing_s": step_time(layout.config, layout.dims, shape, cluster, None,
+                                                     layout.batch.micro_batches, routing_imbalance).step_s}
     memory = predicted_memory_bytes(layout)
     extras = host_extras(layout.config)
-    return {"step_s": time_.step_s, "parts": time_.parts, "memory_bytes": memory, "host_extras": extras,
+    return {"step_s": time_.step_s, "parts": time_.parts, **at_routing, "memory_bytes": memory, "host_extras": extras,
             "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
             "share": entry["machine"].get("share")}
 
@@ -322,15 +346,21 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     threads = layout_threads(name)
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     layout = _layout(config_path, ranks, overrides)
-    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads)
+    fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0])) if runs else None
+    # the routing the fastest run's layers waited for (the pipeline's pace is its last stage's)
+    paced = (paced_share(runs[fastest][3], layout.dims.ep * layout.dims.tp, warmup,
+                         stage_layers(layout, layout.dims.pp - 1)) if runs and layout.config.model.is_moe else None)
+    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced)
     timed = {}
     if runs:
-        fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0]))
         measured, _, wall, _ = runs[fastest]
         step = statistics.median(measured)
         timed = {"measured_step_s": step, "measured_steps_s": measured, "predicted_step_s": predicted["step_s"],
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
                  "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs]}
+        if paced is not None:
+            timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": predicted["step_at_routing_s"],
+                          "step_error_at_routing": predicted["step_at_routing_s"] / step - 1})
     # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
     # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
     profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)
@@ -412,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                  if "step_error" in row else f"{'-':>10} {'-':>11} {'-':>7}")
         routing = (f"  (routing {row['routing_imbalance']:.2f}x: {row['predicted_memory_at_routing_bytes'] / 2**20:.0f}"
                    f" MiB, {row['memory_error_at_routing']:+.1%})" if "routing_imbalance" in row else "")
+        if "paced_routing_imbalance" in row:
+            routing += (f"  (time at routing {row['paced_routing_imbalance']:.2f}x: "
+                        f"{row['predicted_step_at_routing_s']:.3f} s, {row['step_error_at_routing']:+.1%})")
         print(f"{name:<26} {row['ranks']:>5} {timed} {row['measured_memory_bytes'] / 2**20:>9.0f} "
               f"{row['predicted_memory_bytes'] / 2**20:>9.0f} {row['memory_error']:>+7.1%}{routing}", flush=True)
     memory_within = sum(abs(r["memory_error"]) <= 0.10 for r in rows)

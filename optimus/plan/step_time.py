@@ -368,7 +368,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
 
     efficiency: per op class; None takes the cluster's (its preset's defaults, or the calibration here).
     routing_imbalance: the busiest rank's routed rows over its balanced share where ep or tp split the experts; the
-    step waits for that rank's expert GEMMs (its exchanges are priced at the balanced volume).
+    step waits for that rank's expert GEMMs (its exchanges are priced at the balanced volume), beyond what shared
+    cores absorb where ranks outnumber them.
     """
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
@@ -399,7 +400,9 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
-    busiest = routing_imbalance if dims.ep * dims.tp > 1 else 1.0
+    # where ranks outnumber cores (`here`: core_share < 1) the ranks that wait for the busiest one give it their
+    # cores' time (work-conserving, as the pipeline's idle stages do below): only what exceeds that share shows
+    busiest = max(1.0, routing_imbalance * cluster.core_share) if dims.ep * dims.tp > 1 else 1.0
     expert_s = max(busiest * flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
     hbm_eff = hbm * efficiency.memory_bound

@@ -122,6 +122,33 @@ def test_busiest_share_is_the_busiest_expert_block_over_its_share(load_benchmark
     assert script.busiest_share(steps, 2, per_layer=False, layers=[0]) == pytest.approx(1.5)  # a stage's own
 
 
+def test_paced_share_is_the_layers_mean_of_their_busiest_block(load_benchmark):
+    """Each layer waits for its busiest rank: the step's expert GEMMs take the mean over layers of that share (not
+    the share of the summed layers, which evens out), the median over the steps after the warm-up."""
+    script = load_benchmark("plan_vs_measured")
+    steps = [{"step": 1, "expert_counts": [[40, 0, 0, 0], [40, 0, 0, 0]]},  # warm-up: not counted
+             {"step": 2, "expert_counts": [[10, 20, 5, 5], [5, 5, 10, 20]]},  # 1.5x in each layer (blocks differ)
+             {"step": 3, "expert_counts": [[10, 10, 10, 10], [15, 15, 5, 5]]},  # 1.0x and 1.5x: 1.25
+             {"step": 4, "expert_counts": [[10, 10, 10, 10], [10, 10, 10, 10]]}]  # balanced
+    assert script.paced_share(steps, 2, warmup=1) == pytest.approx(1.25)
+    assert script.paced_share(steps, 2, warmup=1, layers=[1]) == pytest.approx(1.5)
+    assert script.paced_share(steps, 1, warmup=1) is None
+    assert script.paced_share([{"step": 2}], 2, warmup=1) is None
+
+
+def test_timed_moe_rows_are_also_predicted_at_the_routing_they_waited_for(load_benchmark, machine_cache,
+                                                                          monkeypatch):
+    script = load_benchmark("plan_vs_measured")
+    metrics = [{"step": 2, "expert_counts": [[30, 30, 10, 10]]}]  # 1.5x on the busier rank, after the warm-up
+    run = ([4.0], [{"rank": r, "growth": 1, "allocator_peak": 2**30} for r in range(2)], 9.0, metrics)
+    _fake_runs(script, monkeypatch, timed=[run], memory=[run])
+    row = script.run_layout("moe-fsdp2-ep2", 1, 1, machine_cache, (None, ""), calibrate=False,
+                            model=[*SMALL_MODEL.split(","), "--model.n_experts=4", "--model.top_k=2"], repeats=1)
+    assert row["paced_routing_imbalance"] == pytest.approx(1.5)
+    assert row["predicted_step_at_routing_s"] > row["predicted_step_s"]  # the busier rank's GEMMs take longer
+    assert row["step_error_at_routing"] == pytest.approx(row["predicted_step_at_routing_s"] / 4.0 - 1)
+
+
 def test_stage_layers_follow_the_pipeline_split(load_benchmark):
     script = load_benchmark("plan_vs_measured")
 

@@ -113,6 +113,26 @@ def test_ranks_that_outnumber_the_cores_absorb_the_pipeline_bubble():
     assert shared.parts["bubble"] < 0.1 * whole_cores.parts["bubble"]
 
 
+def test_ranks_that_outnumber_the_cores_absorb_the_busiest_expert_ranks_extra_rows():
+    """The busiest expert-holding rank paces the step on cores of its own; where ranks share cores, the ranks that
+    wait give it their cores' time: at half a core per rank it runs alone at twice its priced speed, so up to 2x
+    its balanced rows cost nothing more, and only the excess beyond shows."""
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.seq_len=128",
+                                                            "--train.global_batch_size=8", "--parallel.dp_shard=2",
+                                                            "--parallel.ep=2"])
+    layout = validate_layout(config, 2)
+
+    def step(cluster: Cluster, imbalance: float) -> float:
+        return step_time(layout.config, layout.dims, ModelShape.of(layout.config), cluster, None,
+                         layout.batch.micro_batches, imbalance).step_s
+
+    slow_compute = dict(measured_peak_flops={"fp32": 1e9, "bf16": 1e9})  # GEMMs above the weights' roofline
+    whole, shared = _host(**slow_compute), _host(**slow_compute, core_share=0.5)
+    assert step(whole, 1.5) > step(whole, 1.0)
+    assert step(shared, 1.5) == step(shared, 2.0) == step(shared, 1.0)
+    assert step(shared, 3.0) == pytest.approx(step(whole, 1.5) - step(whole, 1.0) + step(shared, 1.0))
+
+
 def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
     host = _host(comm_overlaps_compute=False)
     two = ["--parallel.dp_shard=2", "--train.micro_batch_size=2"]  # 2 micro-batches per rank
