@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import machine_info, prediction_accuracy  # noqa: E402
 from optimus.config import load_config  # noqa: E402
+from optimus.train.metrics import busiest_block_share  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,45 +212,39 @@ def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def _block_rows(counts: list[list[int]], expert_blocks: int, layers: list[int] | None) -> list[list[int]]:
-    """One step's token copies per layer (of `layers`; default all) and contiguous block of experts."""
-    return [[sum(layer[b * len(layer) // expert_blocks:(b + 1) * len(layer) // expert_blocks])
-             for b in range(expert_blocks)] for i, layer in enumerate(counts) if layers is None or i in layers]
+def _layer_counts(row: dict, layers: list[int] | None) -> torch.Tensor:
+    """One logged step's token copies per expert, [layers, experts], of `layers` (default all)."""
+    counts = torch.tensor(row["expert_counts"], dtype=torch.float64)
+    return counts if layers is None else counts[layers]
 
 
 def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
                   layers: list[int] | None = None) -> float | None:
     """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
     step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
-    contiguous blocks (ep x tp ranks, as the trainer places them), over `layers` (a pipeline stage's; default
-    all): summed over them (what every layer's kept activations see) or in the worst one (`per_layer`: a
-    recomputed block, one at a time). The largest over the logged steps; None without expert counts or split
-    experts. The counts are global: where ep is smaller than the data-parallel ranks a rank's own exchange group
-    may differ."""
-    worst = None
-    for counts in (r["expert_counts"] for r in rows if r.get("expert_counts")):
-        if expert_blocks == 1:
-            return None
-        blocks = _block_rows(counts, expert_blocks, layers)
-        if per_layer:
-            share = max(max(layer) * expert_blocks / sum(layer) for layer in blocks if sum(layer))
-        else:
-            share = max(map(sum, zip(*blocks))) * expert_blocks / sum(map(sum, blocks))
-        worst = share if worst is None else max(worst, share)
-    return worst
+    contiguous blocks (ep x tp ranks, as the trainer places them: train/metrics.busiest_block_share), over `layers`
+    (a pipeline stage's; default all): summed over them (what every layer's kept activations see) or in the worst
+    one (`per_layer`: a recomputed block, one at a time). The largest over the logged steps; None without expert
+    counts or split experts. The counts are global: where ep is smaller than the data-parallel ranks a rank's own
+    exchange group may differ."""
+    logged = [r for r in rows if r.get("expert_counts")]
+    if expert_blocks == 1 or not logged:
+        return None
+    shares = [busiest_block_share(counts if per_layer else counts.sum(dim=0, keepdim=True), expert_blocks).max()
+              for counts in (_layer_counts(r, layers) for r in logged)]
+    return max(shares).item()
 
 
 def paced_share(rows: list[dict], expert_blocks: int, warmup: int, layers: list[int] | None = None) -> float | None:
     """What the step time waits for: each layer's exchange or tensor-parallel sum waits for its busiest rank, so a
-    step's expert GEMMs take the layers' mean of their busiest block's share (over `layers`, default all); the
-    median over the measured steps (after `warmup`), as the measured step time is. None as busiest_share."""
-    shares = []
-    for counts in (r["expert_counts"] for r in rows if r.get("expert_counts") and r.get("step", 0) > warmup):
-        if expert_blocks == 1:
-            return None
-        blocks = [layer for layer in _block_rows(counts, expert_blocks, layers) if sum(layer)]
-        shares.append(statistics.mean(max(layer) * expert_blocks / sum(layer) for layer in blocks))
-    return statistics.median(shares) if shares else None
+    step's expert GEMMs take the layers' mean of their busiest block's share (over `layers`, default all; the
+    trainer logs it as expert_rank_load_mean); the median over the measured steps (after `warmup`), as the
+    measured step time is. None as busiest_share."""
+    logged = [r for r in rows if r.get("expert_counts") and r.get("step", 0) > warmup]
+    if expert_blocks == 1 or not logged:
+        return None
+    return statistics.median(busiest_block_share(_layer_counts(r, layers), expert_blocks).mean().item()
+                             for r in logged)
 
 
 def stage_layers(layout, stage: int) -> list[int]:

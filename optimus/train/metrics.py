@@ -62,6 +62,20 @@ def expert_load_summary(expert_counts: torch.Tensor) -> dict[str, float]:
     return {"expert_load_max": relative.max().item(), "expert_load_min": relative.min().item()}
 
 
+def busiest_block_share(expert_counts: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Per MoE layer ([L] from counts [L, E]): the token copies routed to the busiest of `blocks` contiguous blocks
+    of experts over an even split's share (1.0 where a layer routed none). The ranks that split the experts own
+    such blocks (rank (ep i, tp t) the block i x tp + t: parallel/expert_tensor_parallel.py), and each layer's
+    exchange or tensor-parallel sum waits for the busiest; `optimus plan --moe-imbalance` prices that share."""
+    counts = expert_counts.to(torch.float64)
+    layers, experts = counts.shape
+    if experts % blocks:
+        raise ValueError(f"{experts} experts do not split into {blocks} equal blocks")
+    per_block = counts.view(layers, blocks, experts // blocks).sum(dim=2)
+    total = counts.sum(dim=1)
+    return torch.where(total > 0, per_block.amax(dim=1) * blocks / total.clamp(min=1e-9), 1.0)
+
+
 def expert_counts_record(expert_counts: torch.Tensor) -> list[list[int]]:
     """Tokens routed to each expert of each MoE layer ([layers][experts] ints) for a metrics record."""
     return expert_counts.detach().round().long().cpu().tolist()

@@ -4,13 +4,14 @@ peak was obtained, once), each rank's peak memory, and the routers' load per MoE
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from optimus.train.callbacks.base import Callback
-from optimus.train.metrics import Throughput, expert_counts_record, expert_load_summary, peak_memory_bytes
+from optimus.train.metrics import (Throughput, busiest_block_share, expert_counts_record, expert_load_summary,
+                                   peak_memory_bytes)
 
 if TYPE_CHECKING:
     from optimus.train.trainer import Trainer
@@ -88,11 +89,37 @@ class MemoryMetrics(Callback):
 
 class ExpertLoadMetrics(Callback):
     """MoE models: expert_load_max / expert_load_min (over all layers, relative to an even split) and
-    expert_counts, the tokens routed to each expert of each MoE layer in the step's global batch."""
+    expert_counts, the tokens routed to each expert of each MoE layer in the step's global batch. Where ep or tp
+    split the experts between ranks (`expert_blocks` = ep x tp > 1), also the busiest rank's share of each layer's
+    token copies over an even split's: expert_rank_load_max (its worst layer) and expert_rank_load_mean (the
+    layers' mean: what a step's expert GEMMs wait for); at the end of the run, `say` gives the mean over the logged
+    steps beside the planner's flag that prices it (the planner and the memory check assume even routing)."""
+
+    def __init__(self, expert_blocks: int = 1, say: Callable[[str], None] | None = None):
+        self.expert_blocks = expert_blocks
+        self.say = say
+        self._rank_loads: list[tuple[float, float]] = []  # (mean, max) of each logged step
 
     def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
         if result.expert_counts is None:
             return
-        counts = result.expert_counts.detach().cpu()  # one copy off the device for both fields
+        counts = result.expert_counts.detach().cpu()  # one copy off the device for every field
         record.update(expert_load_summary(counts))
         record["expert_counts"] = expert_counts_record(counts)
+        if self.expert_blocks > 1:
+            shares = busiest_block_share(counts, self.expert_blocks)
+            mean, worst = shares.mean().item(), shares.max().item()
+            record.update(expert_rank_load_mean=round(mean, 4), expert_rank_load_max=round(worst, 4))
+            self._rank_loads.append((mean, worst))
+
+    def on_error(self, error: BaseException) -> None:
+        self.say = None  # a failed run ends on its error line alone
+
+    def on_train_end(self, step: int) -> None:
+        if self.say is None or not self._rank_loads:
+            return
+        mean = sum(m for m, _ in self._rank_loads) / len(self._rank_loads)
+        worst = max(w for _, w in self._rank_loads)
+        self.say(f"routing: the busiest of the {self.expert_blocks} expert-holding ranks received {mean:.2f}x its "
+                 f"even share of a layer's token copies (mean over {len(self._rank_loads)} logged steps; "
+                 f"{worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that")
