@@ -15,7 +15,9 @@ about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart),
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
 when there is none), and each rank's memory with the planner's stage_memory of the first and last stage. The
 planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
-share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it.
+share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it, and
+the share each layer's busiest rank had in the timed run (paced_routing_imbalance: what its expert GEMMs waited
+for) and the step time at it.
 
 `--repeats 0` measures memory alone (no step time compared), e.g. at a longer sequence: `--repeats 0
 --no-calibrate --model=--train.seq_len=2048`.
@@ -448,6 +450,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory within 10%: {memory_within}/{len(rows)}")
     if args.repeats:
         print(prediction_accuracy([r["step_error"] for r in rows]))
+    routed = [r for r in rows if "step_error_at_routing" in r or "memory_error_at_routing" in r]
+    if routed:  # the MoE rows with split experts, each at the routing its run had
+        timed = [r for r in routed if "step_error_at_routing" in r]
+        sized = [r for r in routed if "memory_error_at_routing" in r]
+        print(f"at each run's routing ({len(routed)} MoE rows with split experts): " +
+              (f"step time within 15%: {sum(abs(r['step_error_at_routing']) <= 0.15 for r in timed)}/{len(timed)} "
+               f"(balanced: {sum(abs(r['step_error']) <= 0.15 for r in timed)}); " if timed else "") +
+              f"memory within 10%: {sum(abs(r['memory_error_at_routing']) <= 0.10 for r in sized)}/{len(sized)} "
+              f"(balanced: {sum(abs(r['memory_error']) <= 0.10 for r in sized)})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,

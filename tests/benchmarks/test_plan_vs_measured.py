@@ -260,6 +260,23 @@ def test_nothing_to_measure_is_one_line_and_exit_2(load_benchmark, capsys):
     assert capsys.readouterr().err.strip().startswith("--repeats and --memory-runs: counts of 0 or more, not both 0")
 
 
+def test_the_summary_counts_the_moe_rows_at_their_routing(load_benchmark, machine_cache, tmp_path, monkeypatch,
+                                                           capsys):
+    script = load_benchmark("plan_vs_measured")
+    row = dict(ranks=2, measured_step_s=1.0, predicted_step_s=0.8, step_error=-0.2, measured_memory_bytes=2**20,
+               predicted_memory_bytes=2**20, memory_error=0.0)
+    routed = dict(routing_imbalance=1.4, predicted_memory_at_routing_bytes=2**20, memory_error_at_routing=0.0,
+                  paced_routing_imbalance=1.3, predicted_step_at_routing_s=0.9, step_error_at_routing=-0.1)
+    rows = {"dense-1": row, "moe-fsdp2-ep2": {**row, **routed}}
+    monkeypatch.setattr(script, "run_layout", lambda name, *args: {"layout": name, **rows[name]})
+    assert script.main(["--only", "dense-1,moe-fsdp2-ep2", "--cache", str(machine_cache),
+                        "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(time at routing 1.30x: 0.900 s, -10.0%)" in out
+    assert ("at each run's routing (1 MoE rows with split experts): step time within 15%: 1/1 (balanced: 0); "
+            "memory within 10%: 1/1 (balanced: 1)") in out
+
+
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
     script = load_benchmark("plan_vs_measured")
     assert script.main(["--only", "dense-9"]) == 2
