@@ -356,8 +356,9 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
                  "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs]}
         if paced is not None:
-            timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": predicted["step_at_routing_s"],
-                          "step_error_at_routing": predicted["step_at_routing_s"] / step - 1})
+            at_routing = predicted["step_at_routing_s"]
+            timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": at_routing,
+                          "step_error_at_routing": at_routing / step - 1})
     # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
     # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
     profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)

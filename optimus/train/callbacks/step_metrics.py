@@ -120,6 +120,6 @@ class ExpertLoadMetrics(Callback):
             return
         mean = sum(m for m, _ in self._rank_loads) / len(self._rank_loads)
         worst = max(w for _, w in self._rank_loads)
-        self.say(f"routing: the busiest of the {self.expert_blocks} expert-holding ranks received {mean:.2f}x its "
-                 f"even share of a layer's token copies (mean over {len(self._rank_loads)} logged steps; "
+        self.say(f"routing: the busiest of the {self.expert_blocks} expert shards (ep x tp) received {mean:.2f}x "
+                 f"its even share of a layer's token copies (mean over {len(self._rank_loads)} logged steps; "
                  f"{worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that")

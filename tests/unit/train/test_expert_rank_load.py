@@ -36,8 +36,8 @@ def test_a_run_whose_ranks_split_the_experts_logs_the_busiest_ones_share_and_say
     assert first["expert_rank_load_max"] == 1.5 and first["expert_rank_load_mean"] == 1.25
     assert second["expert_rank_load_max"] == 1.0 and "expert_counts" in second
     callback.on_train_end(2)
-    assert said == ["routing: the busiest of the 2 expert-holding ranks received 1.12x its even share of a layer's "
-                    "token copies (mean over 2 logged steps; 1.50x in the worst layer); "
+    assert said == ["routing: the busiest of the 2 expert shards (ep x tp) received 1.12x its even share of "
+                    "a layer's token copies (mean over 2 logged steps; 1.50x in the worst layer); "
                     "`optimus plan --moe-imbalance 1.12` prices that"]
 
 
