@@ -13,7 +13,8 @@ metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes 
 `--repeats` runs and the fastest of those medians (on a shared machine a run slowed by other work says nothing
 about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
-when there is none), and each rank's memory with the planner's stage_memory of the first and last stage. The
+when there is none; the op classes timed at the layout's shapes before its runs and after them, the faster of the
+two counting, as the faster run does), and each rank's memory with the planner's stage_memory of the first and last stage. The
 planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
 share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it, and
 the share each layer's busiest rank had in the timed run (paced_routing_imbalance: what its expert GEMMs waited
@@ -285,29 +286,43 @@ def predicted_memory_bytes(layout, routing_imbalance: float = 1.0, stages: list[
                for s in (stages or {0, layout.dims.pp - 1}))
 
 
+def calibrated_entry(layout, cache_file: Path, cpu_cache, threads: int = 1) -> dict:
+    """This host's machine entry with the op classes timed at this layout's shapes and threads (as `optimus plan
+    --calibrate` does) and the cores' share now (others may be using them)."""
+    from optimus.plan.calibrate import calibrate_op_classes, measure_share
+    from optimus.plan.here import machine
+
+    entry = machine(cache_file, cpu_cache)
+    entry = {**entry, "machine": {**entry["machine"], "share": measure_share()}}
+    if threads == 1:
+        entry.update(calibrate_op_classes(layout.config, entry))
+    else:
+        entry.update(in_fresh_process(calibrate_op_classes, layout.config, entry, threads))
+    return entry
+
+
 def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
-            routing_imbalance: float | None = None) -> dict:
+            routing_imbalance: float | None = None, earlier: dict | None = None) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
-    `threads` threads; with `calibrate`, the op classes are timed at this layout's shapes and threads first (as
-    `optimus plan --calibrate` does). With `routing_imbalance` (the busiest rank's share each layer waits for), the
-    step time at it too."""
-    from optimus.plan.calibrate import calibrate_op_classes
+    `threads` threads; with `calibrate`, from the op classes timed now (calibrated_entry), or from `earlier`'s (a
+    calibration before the timed runs) where that gives the shorter step: the host's other work slows a calibration
+    as it slows a run, and the measured time is the fastest run's, so the prediction takes the faster of the two
+    moments too (each whole: a calibration's efficiencies are fractions of its own peak reading). With
+    `routing_imbalance` (the busiest rank's share each layer waits for), the step time at it too."""
     from optimus.plan.here import here_cluster, machine
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
-    entry = machine(cache_file, cpu_cache)
-    if calibrate:  # the op classes at this layout's shapes, and the cores' share now (others may be using them)
-        from optimus.plan.calibrate import measure_share
-
-        entry = {**entry, "machine": {**entry["machine"], "share": measure_share()}}
-        if threads == 1:
-            entry.update(calibrate_op_classes(layout.config, entry))
-        else:
-            entry.update(in_fresh_process(calibrate_op_classes, layout.config, entry, threads))
-    cluster = here_cluster(entry, ranks, threads)
     shape = ModelShape.of(layout.config)
-    time_ = step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches)
+
+    def priced(entry: dict):
+        cluster = here_cluster(entry, ranks, threads)
+        return step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches), cluster, entry
+
+    entries = [calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate
+               else machine(cache_file, cpu_cache)] + ([earlier] if earlier is not None else [])
+    candidates = [priced(entry) for entry in entries]
+    time_, cluster, entry = min(candidates, key=lambda c: c[0].step_s)
     at_routing = {}
     if routing_imbalance is not None:
         at_routing = {"step_at_routing_s": step_time(layout.config, layout.dims, shape, cluster, None,
@@ -316,7 +331,7 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     extras = host_extras(layout.config)
     return {"step_s": time_.step_s, "parts": time_.parts, **at_routing, "memory_bytes": memory, "host_extras": extras,
             "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
-            "share": entry["machine"].get("share")}
+            "share": entry["machine"].get("share"), "calibrations_step_s": [c[0].step_s for c in candidates]}
 
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int, profile_memory: bool = False,
@@ -341,20 +356,23 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     threads = layout_threads(name)
-    runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     layout = _layout(config_path, ranks, overrides)
+    # the op classes timed before the runs too: predict takes the faster of this and its own calibration after them
+    earlier = calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate and repeats else None
+    runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0])) if runs else None
     # the routing the fastest run's layers waited for (the pipeline's pace is its last stage's)
     paced = (paced_share(runs[fastest][3], layout.dims.ep * layout.dims.tp, warmup,
                          stage_layers(layout, layout.dims.pp - 1)) if runs and layout.config.model.is_moe else None)
-    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced)
+    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced, earlier)
     timed = {}
     if runs:
         measured, _, wall, _ = runs[fastest]
         step = statistics.median(measured)
         timed = {"measured_step_s": step, "measured_steps_s": measured, "predicted_step_s": predicted["step_s"],
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
-                 "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs]}
+                 "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs],
+                 "calibrations_step_s": predicted["calibrations_step_s"]}
         if paced is not None:
             at_routing = predicted["step_at_routing_s"]
             timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": at_routing,
