@@ -13,8 +13,8 @@ metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes 
 `--repeats` runs and the fastest of those medians (on a shared machine a run slowed by other work says nothing
 about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
-when there is none; the op classes timed at the layout's shapes before its runs and after them, the faster of the
-two counting, as the faster run does), and each rank's memory with the planner's stage_memory of the first and last stage. The
+when there is none; the op classes timed at the layout's shapes before its runs and after them, the mean of the
+two predictions counting: a calibration moves by up to 18% minutes apart on a shared host), and each rank's memory with the planner's stage_memory of the first and last stage. The
 planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
 share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it, and
 the share each layer's busiest rank had in the timed run (paced_routing_imbalance: what its expert GEMMs waited
@@ -304,34 +304,33 @@ def calibrated_entry(layout, cache_file: Path, cpu_cache, threads: int = 1) -> d
 def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
             routing_imbalance: float | None = None, earlier: dict | None = None) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
-    `threads` threads; with `calibrate`, from the op classes timed now (calibrated_entry), or from `earlier`'s (a
-    calibration before the timed runs) where that gives the shorter step: the host's other work slows a calibration
-    as it slows a run, and the measured time is the fastest run's, so the prediction takes the faster of the two
-    moments too (each whole: a calibration's efficiencies are fractions of its own peak reading). With
-    `routing_imbalance` (the busiest rank's share each layer waits for), the step time at it too."""
+    `threads` threads; with `calibrate`, from the op classes timed now (calibrated_entry), and with `earlier` (a
+    calibration before the timed runs) the mean of the two predictions: the host's other work moves a calibration
+    by up to 18% minutes apart, and two readings halve that noise (the faster of the two, tried first, read the
+    table 5.6% fast on average: BENCHMARKS.md, stop 32). Each is priced whole: a calibration's efficiencies are
+    fractions of its own peak reading. With `routing_imbalance` (the busiest rank's share each layer waits for),
+    the step time at it too."""
     from optimus.plan.here import here_cluster, machine
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     shape = ModelShape.of(layout.config)
-
-    def priced(entry: dict):
-        cluster = here_cluster(entry, ranks, threads)
-        return step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches), cluster, entry
-
     entries = [calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate
                else machine(cache_file, cpu_cache)] + ([earlier] if earlier is not None else [])
-    candidates = [priced(entry) for entry in entries]
-    time_, cluster, entry = min(candidates, key=lambda c: c[0].step_s)
+    clusters = [here_cluster(entry, ranks, threads) for entry in entries]
+    times = [step_time(layout.config, layout.dims, shape, c, None, layout.batch.micro_batches) for c in clusters]
+    parts = {key: statistics.mean(t.parts[key] for t in times) for key in times[0].parts}
     at_routing = {}
     if routing_imbalance is not None:
-        at_routing = {"step_at_routing_s": step_time(layout.config, layout.dims, shape, cluster, None,
-                                                     layout.batch.micro_batches, routing_imbalance).step_s}
+        at_routing = {"step_at_routing_s": statistics.mean(
+            step_time(layout.config, layout.dims, shape, c, None, layout.batch.micro_batches,
+                      routing_imbalance).step_s for c in clusters)}
     memory = predicted_memory_bytes(layout)
     extras = host_extras(layout.config)
-    return {"step_s": time_.step_s, "parts": time_.parts, **at_routing, "memory_bytes": memory, "host_extras": extras,
-            "calibrated": "efficiency" in entry, "efficiency": cluster.efficiency.to_dict(),
-            "share": entry["machine"].get("share"), "calibrations_step_s": [c[0].step_s for c in candidates]}
+    return {"step_s": statistics.mean(t.step_s for t in times), "parts": parts, **at_routing, "memory_bytes": memory,
+            "host_extras": extras, "calibrated": "efficiency" in entries[0],
+            "efficiency": clusters[0].efficiency.to_dict(), "share": entries[0]["machine"].get("share"),
+            "calibrations_step_s": [t.step_s for t in times]}
 
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int, profile_memory: bool = False,
@@ -357,7 +356,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     threads = layout_threads(name)
     layout = _layout(config_path, ranks, overrides)
-    # the op classes timed before the runs too: predict takes the faster of this and its own calibration after them
+    # the op classes timed before the runs too: predict takes the mean of this and its own calibration after them
     earlier = calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate and repeats else None
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0])) if runs else None
