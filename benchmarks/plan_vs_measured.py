@@ -14,8 +14,8 @@ metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes 
 about the layout: the same layout measured 2.16 s and 2.73 s six minutes apart), and compares it with
 `step_time` for the `here` cluster of that many ranks (from `optimus plan --calibrate`'s cache, measured first
 when there is none; the op classes timed at the layout's shapes before its runs and after them, the mean of the
-two predictions counting: a calibration moves by up to 18% minutes apart on a shared host), and each rank's memory with the planner's stage_memory of the first and last stage. The
-planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
+two predictions counting: a calibration moves by up to 18% minutes apart on a shared host), and each rank's
+memory with the planner's stage_memory of the first and last stage. The planner assumes balanced routing; where ep or tp split an MoE's experts, each row also gives the busiest rank's
 share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it, and
 the share each layer's busiest rank had in the timed run (paced_routing_imbalance: what its expert GEMMs waited
 for) and the step time at it.
