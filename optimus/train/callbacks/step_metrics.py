@@ -98,7 +98,8 @@ class ExpertLoadMetrics(Callback):
     def __init__(self, expert_blocks: int = 1, say: Callable[[str], None] | None = None):
         self.expert_blocks = expert_blocks
         self.say = say
-        self._rank_loads: list[tuple[float, float]] = []  # (mean, max) of each logged step
+        # over the logged steps (a running total: a long run logs hundreds of thousands of steps)
+        self._logged, self._mean_sum, self._worst = 0, 0.0, 0.0
 
     def on_log(self, step: int, result: Any, record: dict[str, Any]) -> None:
         if result.expert_counts is None:
@@ -110,16 +111,15 @@ class ExpertLoadMetrics(Callback):
             shares = busiest_block_share(counts, self.expert_blocks)
             mean, worst = shares.mean().item(), shares.max().item()
             record.update(expert_rank_load_mean=round(mean, 4), expert_rank_load_max=round(worst, 4))
-            self._rank_loads.append((mean, worst))
+            self._logged, self._mean_sum, self._worst = self._logged + 1, self._mean_sum + mean, max(self._worst, worst)
 
     def on_error(self, error: BaseException) -> None:
         self.say = None  # a failed run ends on its error line alone
 
     def on_train_end(self, step: int) -> None:
-        if self.say is None or not self._rank_loads:
+        if self.say is None or not self._logged:
             return
-        mean = sum(m for m, _ in self._rank_loads) / len(self._rank_loads)
-        worst = max(w for _, w in self._rank_loads)
+        mean = self._mean_sum / self._logged
         self.say(f"routing: the busiest of the {self.expert_blocks} expert shards (ep x tp) received {mean:.2f}x "
-                 f"its even share of a layer's token copies (mean over {len(self._rank_loads)} logged steps; "
-                 f"{worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that")
+                 f"its even share of a layer's token copies (mean over {self._logged} logged steps; "
+                 f"{self._worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that")
