@@ -215,48 +215,34 @@ def _measured_steps(rows: list[dict], warmup: int, tokens_per_step: int) -> list
     return [tokens_per_step / r["tokens_per_s"] for r in steps]
 
 
-def _layer_counts(row: dict, layers: list[int] | None) -> torch.Tensor:
-    """One logged step's token copies per expert, [layers, experts], of `layers` (default all)."""
-    counts = torch.tensor(row["expert_counts"], dtype=torch.float64)
-    return counts if layers is None else counts[layers]
+def logged_routing(rows: list[dict]):
+    """The run's routing as `optimus plan --moe-routing` reads it (plan/routing.LoggedRouting: its logged expert
+    counts, each step's [layer][expert] summed over the data-parallel ranks), or None without expert counts."""
+    from optimus.plan.routing import LoggedRouting
 
-
-def busiest_share(rows: list[dict], expert_blocks: int, per_layer: bool,
-                  layers: list[int] | None = None) -> float | None:
-    """The busiest rank's token copies over its balanced share, read from the run's logged expert counts (each
-    step's [layer][expert], summed over the data-parallel ranks) with the experts split into `expert_blocks`
-    contiguous blocks (ep x tp ranks, as the trainer places them: train/metrics.busiest_block_share), over `layers`
-    (a pipeline stage's; default all): summed over them (what every layer's kept activations see) or in the worst
-    one (`per_layer`: a recomputed block, one at a time). The largest over the logged steps; None without expert
-    counts or split experts. The counts are global: where ep is smaller than the data-parallel ranks a rank's own
-    exchange group may differ."""
-    logged = [r for r in rows if r.get("expert_counts")]
-    if expert_blocks == 1 or not logged:
-        return None
-    shares = [busiest_block_share(counts if per_layer else counts.sum(dim=0, keepdim=True), expert_blocks).max()
-              for counts in (_layer_counts(r, layers) for r in logged)]
-    return max(shares).item()
+    return LoggedRouting.of_records(rows, "the measured run")
 
 
 def paced_share(rows: list[dict], expert_blocks: int, warmup: int, layers: list[int] | None = None) -> float | None:
     """What the step time waits for: each layer's exchange or tensor-parallel sum waits for its busiest rank, so a
     step's expert GEMMs take the layers' mean of their busiest block's share (over `layers`, default all; the
     trainer logs it as expert_rank_load_mean); the median over the measured steps (after `warmup`), as the
-    measured step time is. None as busiest_share."""
+    measured step time is (the planner's --moe-routing takes the mean: a run's time is the sum of its steps).
+    None without expert counts or split experts."""
     logged = [r for r in rows if r.get("expert_counts") and r.get("step", 0) > warmup]
     if expert_blocks == 1 or not logged:
         return None
-    return statistics.median(busiest_block_share(_layer_counts(r, layers), expert_blocks).mean().item()
-                             for r in logged)
+    counts = torch.tensor([r["expert_counts"] for r in logged], dtype=torch.float64)
+    counts = counts if layers is None else counts[:, layers]
+    return statistics.median(busiest_block_share(counts, expert_blocks).mean(dim=1).tolist())
 
 
 def stage_layers(layout, stage: int) -> list[int]:
     """The layers pipeline rank `stage` holds (its virtual stages' contiguous chunks: parallel/pipeline.py)."""
-    from optimus.parallel.pipeline import rank_layer_keys
+    from optimus.parallel.pipeline import rank_layers
 
     virtual = layout.config.parallel.pp_virtual_stages if layout.dims.pp > 1 else 1
-    _, stage_keys = rank_layer_keys(layout.config.model.n_layers, layout.dims.pp, virtual, stage)
-    return [int(key) for keys in stage_keys for key in keys]
+    return rank_layers(layout.config.model.n_layers, layout.dims.pp, virtual, stage)
 
 
 def in_fresh_process(fn, *args):
@@ -276,14 +262,11 @@ def _layout(config_path: str, ranks: int, overrides: list[str]):
     return validate_layout(load_config(config_path, overrides), ranks)
 
 
-def predicted_memory_bytes(layout, routing_imbalance: float = 1.0, stages: list[int] | None = None) -> float:
-    """The planner's largest rank of `stages` (default: the first and last pipeline stage), its loss head as the
-    CPU runs it."""
-    from optimus.plan.memory import ModelShape, stage_memory
+def predicted_memory_bytes(layout, routing_imbalance: float | dict[int, float] = 1.0) -> float:
+    """The planner's largest rank of the first and last pipeline stage, its loss head as the CPU runs it."""
+    from optimus.plan.memory import ModelShape, peak_memory
 
-    shape = ModelShape.of(layout.config)
-    return max(sum(stage_memory(layout.config, layout.dims, shape, s, True, routing_imbalance).values())
-               for s in (stages or {0, layout.dims.pp - 1}))
+    return peak_memory(layout.config, layout.dims, ModelShape.of(layout.config), True, routing_imbalance)
 
 
 def calibrated_entry(layout, cache_file: Path, cpu_cache, threads: int = 1) -> dict:
@@ -389,15 +372,12 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
     # what the memory model gives at the routing this run had (the prediction above assumes balanced routing)
     routing = {}
-    if layout.config.model.is_moe:  # each stage at the routing of its own layers
-        recompute_one_block = layout.config.train.activation_checkpointing in ("full", "selective")
-        stages = {s: busiest_share(candidates[least][3], layout.dims.ep * layout.dims.tp, recompute_one_block,
-                                       stage_layers(layout, s)) for s in {0, layout.dims.pp - 1}}
-        if None not in stages.values():
-            at_routing = max(predicted_memory_bytes(layout, imbalance, [s]) for s, imbalance in stages.items())
-            at_routing += predicted["host_extras"]
-            routing = {"routing_imbalance": max(stages.values()), "predicted_memory_at_routing_bytes": at_routing,
-                       "memory_error_at_routing": at_routing / memory - 1}
+    logged = logged_routing(candidates[least][3]) if layout.dims.ep * layout.dims.tp > 1 else None
+    if logged is not None:  # each stage at the routing of its own layers, as `optimus plan --moe-routing` prices it
+        stages = logged.shares(layout.config, layout.dims)[0]
+        at_routing = predicted_memory_bytes(layout, stages) + predicted["host_extras"]
+        routing = {"routing_imbalance": max(stages.values()), "predicted_memory_at_routing_bytes": at_routing,
+                   "memory_error_at_routing": at_routing / memory - 1}
     return {"layout": name, "ranks": ranks, "threads": threads, "overrides": extra, **timed,
             "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],

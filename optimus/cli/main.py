@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MoE: plan for the busiest expert-holding rank receiving X times its balanced share of "
                            "token copies (default 1: balanced routing; a random router at initialization gave "
                            "1.1-1.7x on a tiny MoE): its activations and its expert GEMMs' time")
+    plan.add_argument("--moe-routing", default=None, metavar="RUN",
+                      help="MoE: plan at the routing the run RUN logged (a run folder or its metrics.jsonl, of the "
+                           "same model shape), each layout at its own split of the experts over ep x tp ranks")
     plan.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 

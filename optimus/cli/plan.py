@@ -7,13 +7,18 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optimus.cli.errors import UsageError, output_location
+
+if TYPE_CHECKING:  # the CLI imports torch only for the command it runs
+    from optimus.plan.routing import LoggedRouting, Routing
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import format_table, write_best_config, write_json
+    from optimus.plan.routing import LoggedRouting
     from optimus.plan.search import parse_only, plan
 
     only = parse_only(args.only or [])
@@ -29,15 +34,22 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if not 1 <= args.moe_imbalance < math.inf:
         raise UsageError(f"--moe-imbalance is the busiest rank's token copies over its balanced share: a number of "
                          f"at least 1 (got {args.moe_imbalance:g})")
+    if args.moe_routing is not None and args.moe_imbalance != 1:
+        raise UsageError("--moe-routing and --moe-imbalance both price the routing: give one (the run's logged "
+                         "routing, or one figure for every layout)")
     check_plan_outputs(args)
     config = _config_to_plan(args.config, overrides)
     if args.moe_imbalance != 1 and not config.model.is_moe:
         raise UsageError(f"--moe-imbalance prices an MoE's routing: this config's model is dense (model.n_experts "
                          f"is 0); drop the flag")
+    routing: Routing = args.moe_imbalance
+    if args.moe_routing is not None:
+        routing = LoggedRouting.read(args.moe_routing)
+        routing.check_model(config)
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
     efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
-    candidates = plan(config, cluster, args.devices, efficiency, only, args.moe_imbalance)
+    candidates = plan(config, cluster, args.devices, efficiency, only, routing)
     if not candidates and only:
         raise UsageError(f"no layout of {args.devices} devices within --only {' '.join(args.only)} passes "
                          f"validate_layout for this config: allow more values, or check train.global_batch_size")
@@ -47,6 +59,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.moe_imbalance != 1:
         print(f"priced for MoE routing that sends the busiest expert-holding rank {args.moe_imbalance:g}x its "
               f"balanced share of token copies (--moe-imbalance)")
+    if isinstance(routing, LoggedRouting):
+        print(describe_routing(routing, candidates[0]))
     if only:
         print(f"searched only layouts with {'; '.join(f'{k} in {{{sorted_values(v)}}}' for k, v in only.items())}")
     print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
@@ -55,11 +69,11 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_json(args.json, candidates, cluster, args.tokens)
     best = candidates[0]
     if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
-        hint_setting(best, cluster, efficiency, args.moe_imbalance, section="train", field="compile", value=True,
+        hint_setting(best, cluster, efficiency, routing, section="train", field="compile", value=True,
                      min_speedup=1.1,
                      why="compiled blocks fuse the eager norms, RoPE and activations and launch fewer kernels")
     if best.fits and config.parallel.grad_reduce_dtype == "fp32" and best.dims().dp > 1:
-        hint_setting(best, cluster, efficiency, args.moe_imbalance, section="parallel", field="grad_reduce_dtype",
+        hint_setting(best, cluster, efficiency, routing, section="parallel", field="grad_reduce_dtype",
                      value="bf16",
                      min_speedup=1.05,
                      why="its gradients cross the data-parallel ranks in half the bytes, each sum rounded to bf16")
@@ -70,6 +84,19 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
+
+
+def describe_routing(routing: LoggedRouting, best) -> str:
+    """What the logged routing gives the best layout (each layout is priced at its own expert split)."""
+    dims = best.dims()
+    kept, paced = routing.shares(best.config, dims)
+    said = (f"priced at the routing {routing.source} logged (its last {routing.steps} logged steps), split as each "
+            f"layout splits the experts; ")
+    if dims.ep * dims.tp == 1:
+        return said + "the best layout's ranks each hold every expert (ep x tp = 1): none waits for another's"
+    return said + (f"the busiest of the best layout's {dims.ep * dims.tp} expert shards (ep x tp) {paced:.2f}x its "
+                   f"even share of a layer's token copies on average, its activations at {max(kept.values()):.2f}x "
+                   f"in the worst step")
 
 
 def check_plan_outputs(args: argparse.Namespace) -> None:
@@ -116,12 +143,13 @@ def _config_to_plan(path: str, overrides: list[str]):
         return config
 
 
-def hint_setting(best, cluster, efficiency, routing_imbalance: float, *, section: str, field: str, value,
+def hint_setting(best, cluster, efficiency, routing: Routing, *, section: str, field: str, value,
                  min_speedup: float, why: str) -> None:
     """Say what setting config.<section>.<field> to `value` would give the best layout, where the planner prices it
     at least `min_speedup` times faster (train.compile: a tenth or more; bf16 gradient reduction: a twentieth)."""
     from optimus.parallel.validate import resolve_batch
     from optimus.plan.memory import ModelShape
+    from optimus.plan.routing import layout_imbalance
     from optimus.plan.step_time import step_time
 
     changed = getattr(best.config, section).model_copy(update={field: value})
@@ -129,7 +157,7 @@ def hint_setting(best, cluster, efficiency, routing_imbalance: float, *, section
     dims = best.dims()
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
     faster = step_time(config, dims, ModelShape.of(config), cluster, efficiency, micro_batches,
-                       routing_imbalance).step_s
+                       layout_imbalance(routing, config, dims)[1]).step_s
     if faster < best.step_s / min_speedup:
         flag = f"--{section}.{field}={str(value).lower()}"
         print(f"with {flag} the best layout is predicted {faster:.3f} s a step ({best.step_s / faster:.2f}x faster): "

@@ -56,6 +56,11 @@ def rank_layer_keys(n_layers: int, pp: int, virtual_stages: int, rank: int) -> t
     return stage_ids, [keys[s] for s in stage_ids]
 
 
+def rank_layers(n_layers: int, pp: int, virtual_stages: int, rank: int) -> list[int]:
+    """The indices of the layers pipeline rank `rank` holds (its virtual stages' contiguous chunks)."""
+    return [int(key) for keys in rank_layer_keys(n_layers, pp, virtual_stages, rank)[1] for key in keys]
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[list[str]]:
     """Layer keys per stage, contiguous and as even as possible (earlier stages take the remainder)."""
     if n_stages > n_layers:

@@ -269,7 +269,9 @@ def _bucket_sizes(numel: float, large: list[float], bucket: int) -> list[int]:
 
 
 def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False,
-                routing_imbalance: float = 1.0) -> float:
-    """The largest per-rank total over the first and last pipeline stage, in bytes."""
+                routing_imbalance: float | dict[int, float] = 1.0) -> float:
+    """The largest per-rank total over the first and last pipeline stage, in bytes; `routing_imbalance`: one figure
+    for every stage, or one per stage (plan/routing.py: a run's logged routing, each stage's layers)."""
     stages = {0, dims.pp - 1}
-    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu, routing_imbalance).values()) for s in stages)
+    imbalance = routing_imbalance if isinstance(routing_imbalance, dict) else dict.fromkeys(stages, routing_imbalance)
+    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu, imbalance[s]).values()) for s in stages)

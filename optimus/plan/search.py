@@ -28,6 +28,7 @@ from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
 from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
 from optimus.plan.memory import ModelShape, peak_memory
+from optimus.plan.routing import Routing, layout_imbalance
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.step_time import step_time
 
@@ -47,6 +48,8 @@ class Candidate:
     tokens_per_s: float
     mfu: float
     parts: dict[str, float]
+    # MoE: the busiest expert shard's share priced (its activations' in the worst pipeline stage, its GEMMs')
+    moe_imbalance: tuple[float, float] | None = None
 
     def layout(self) -> dict[str, Any]:
         """The layout keys of the JSON entry."""
@@ -65,6 +68,8 @@ class Candidate:
         out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
                                "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                                "step_parts_s": self.parts, "placement": placement(self.dims(), cluster)}
+        if self.moe_imbalance is not None:
+            out["moe_imbalance"] = dict(zip(("memory", "step_time"), self.moe_imbalance))
         if tokens:
             out.update(run_cost(cluster, self.config_world(), self.tokens_per_s, tokens))
         return out
@@ -158,13 +163,14 @@ def _variants(config: Config, devices: int, cluster: Cluster):
 
 
 def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None,
-         only: dict[str, frozenset[str]] | None = None, routing_imbalance: float = 1.0) -> list[Candidate]:
+         only: dict[str, frozenset[str]] | None = None, routing: Routing = 1.0) -> list[Candidate]:
     """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
 
     efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
     only: restrictions from parse_only (none: the whole space).
-    routing_imbalance: an MoE's busiest expert-holding rank's token copies over its balanced share (1: balanced),
-    priced in its activations and its expert GEMMs' time.
+    routing: an MoE's busiest expert shard's token copies over its balanced share (1: balanced), or a run's logged
+    routing split as each layout splits the experts (plan/routing.py), priced in its activations and its expert
+    GEMMs' time.
     """
     if devices < 1:
         raise ConfigError(f"--devices must be at least 1 (got {devices})")
@@ -177,6 +183,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     config = cluster.resolved(config)  # train.dtype "auto" as the trainer resolves it on this cluster's devices
     shape = ModelShape.of(config)
     budget = cluster.memory_bytes * HEADROOM
+    is_moe = config.model.is_moe
     out: list[Candidate] = []
     for parallel, train in _variants(config, devices, cluster):
         if only and not within(only, parallel, train, config.train.global_batch_size):
@@ -187,10 +194,11 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
             layout = validate_layout(candidate, devices)
         except LayoutError:
             continue
-        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu, routing_imbalance)
-        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches,
-                         routing_imbalance)
+        kept, paced = layout_imbalance(routing, layout.config, layout.dims)
+        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
+        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches, paced)
+        priced = (max(kept.values()) if isinstance(kept, dict) else kept, paced) if is_moe else None
         out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
-                             time.parts))
+                             time.parts, priced))
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out

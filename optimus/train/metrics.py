@@ -63,17 +63,18 @@ def expert_load_summary(expert_counts: torch.Tensor) -> dict[str, float]:
 
 
 def busiest_block_share(expert_counts: torch.Tensor, blocks: int) -> torch.Tensor:
-    """Per MoE layer ([L] from counts [L, E]): the token copies routed to the busiest of `blocks` contiguous blocks
-    of experts over an even split's share (1.0 where a layer routed none). The ranks that split the experts own
-    such blocks (rank (ep i, tp t) the block i x tp + t: parallel/expert_tensor_parallel.py), and each layer's
-    exchange or tensor-parallel sum waits for the busiest; `optimus plan --moe-imbalance` prices that share."""
+    """Per MoE layer ([L] from counts [L, E]; [..., L] from [..., L, E], e.g. a run's logged steps): the token
+    copies routed to the busiest of `blocks` contiguous blocks of experts over an even split's share (1.0 where a
+    layer routed none). The ranks that split the experts own such blocks (rank (ep i, tp t) the block i x tp + t:
+    parallel/expert_tensor_parallel.py), and each layer's exchange or tensor-parallel sum waits for the busiest;
+    `optimus plan --moe-imbalance` prices that share."""
     counts = expert_counts.to(torch.float64)
-    layers, experts = counts.shape
+    experts = counts.shape[-1]
     if experts % blocks:
         raise ValueError(f"{experts} experts do not split into {blocks} equal blocks")
-    per_block = counts.view(layers, blocks, experts // blocks).sum(dim=2)
-    total = counts.sum(dim=1)
-    return torch.where(total > 0, per_block.amax(dim=1) * blocks / total.clamp(min=1e-9), 1.0)
+    per_block = counts.unflatten(-1, (blocks, experts // blocks)).sum(dim=-1)
+    total = counts.sum(dim=-1)
+    return torch.where(total > 0, per_block.amax(dim=-1) * blocks / total.clamp(min=1e-9), 1.0)
 
 
 def expert_counts_record(expert_counts: torch.Tensor) -> list[list[int]]:

@@ -126,7 +126,7 @@ class Trainer:
         self.checkpointing = Checkpointing(self)
         side: list[Callback] = [
             self.straggler_report, ThroughputMetrics(self), MemoryMetrics(self.device, self.planned_peak_bytes),
-            ExpertLoadMetrics(self.dims.ep * self.dims.tp, self._say),
+            ExpertLoadMetrics(self.dims.ep * self.dims.tp, self._say, self.run_dir),
             SkippedSteps(self.consecutive_skips, self.spike_guard),
         ]
         if r.checkpoint_on_signal:

@@ -130,16 +130,13 @@ def test_two_calibrations_price_the_step_at_their_mean(load_benchmark, machine_c
     assert sum(both["parts"].values()) == pytest.approx(both["step_s"], rel=1e-9)
 
 
-def test_busiest_share_is_the_busiest_expert_block_over_its_share(load_benchmark):
+def test_the_memory_reading_takes_the_runs_routing_as_plan_moe_routing_does(load_benchmark):
     script = load_benchmark("plan_vs_measured")
     # two layers of 4 experts; 2 blocks of 2 experts: layer 0 gives block 0 30 of 40 rows, layer 1 10 of 40
     steps = [{"step": 1, "expert_counts": [[10, 20, 5, 5], [5, 5, 10, 20]]}, {"step": 2}]
-    assert script.busiest_share(steps, 2, per_layer=True) == pytest.approx(1.5)  # 30 of a balanced 20
-    assert script.busiest_share(steps, 2, per_layer=False) == pytest.approx(1.0)  # 40 of 80 over both layers
-    assert script.busiest_share(steps, 4, per_layer=True) == pytest.approx(2.0)  # 20 of a balanced 10
-    assert script.busiest_share(steps, 1, per_layer=True) is None  # experts not split: nothing to skew
-    assert script.busiest_share([{"step": 1}], 2, per_layer=False) is None
-    assert script.busiest_share(steps, 2, per_layer=False, layers=[0]) == pytest.approx(1.5)  # a stage's own
+    routing = script.logged_routing(steps)
+    assert routing.steps == 1 and script.logged_routing([{"step": 1}]) is None
+    assert routing.counts.tolist() == [steps[0]["expert_counts"]]
 
 
 def test_paced_share_is_the_layers_mean_of_their_busiest_block(load_benchmark):

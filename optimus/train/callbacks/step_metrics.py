@@ -4,6 +4,7 @@ peak was obtained, once), each rank's peak memory, and the routers' load per MoE
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -92,12 +93,15 @@ class ExpertLoadMetrics(Callback):
     expert_counts, the tokens routed to each expert of each MoE layer in the step's global batch. Where ep or tp
     split the experts between ranks (`expert_blocks` = ep x tp > 1), also the busiest rank's share of each layer's
     token copies over an even split's: expert_rank_load_max (its worst layer) and expert_rank_load_mean (the
-    layers' mean: what a step's expert GEMMs wait for); at the end of the run, `say` gives the mean over the logged
-    steps beside the planner's flag that prices it (the planner and the memory check assume even routing)."""
+    layers' mean: what a step's expert GEMMs wait for). At the end of the run, `say` gives the mean over the logged
+    steps beside the planner's flag that prices it, and the flag that prices any layout's split at the counts this
+    run logged in `run_dir` (the planner and the memory check assume even routing)."""
 
-    def __init__(self, expert_blocks: int = 1, say: Callable[[str], None] | None = None):
+    def __init__(self, expert_blocks: int = 1, say: Callable[[str], None] | None = None,
+                 run_dir: Path | None = None):
         self.expert_blocks = expert_blocks
         self.say = say
+        self.run_dir = run_dir
         # over the logged steps (a running total: a long run logs hundreds of thousands of steps)
         self._logged, self._mean_sum, self._worst = 0, 0.0, 0.0
 
@@ -107,11 +111,12 @@ class ExpertLoadMetrics(Callback):
         counts = result.expert_counts.detach().cpu()  # one copy off the device for every field
         record.update(expert_load_summary(counts))
         record["expert_counts"] = expert_counts_record(counts)
+        self._logged += 1
         if self.expert_blocks > 1:
             shares = busiest_block_share(counts, self.expert_blocks)
             mean, worst = shares.mean().item(), shares.max().item()
             record.update(expert_rank_load_mean=round(mean, 4), expert_rank_load_max=round(worst, 4))
-            self._logged, self._mean_sum, self._worst = self._logged + 1, self._mean_sum + mean, max(self._worst, worst)
+            self._mean_sum, self._worst = self._mean_sum + mean, max(self._worst, worst)
 
     def on_error(self, error: BaseException) -> None:
         self.say = None  # a failed run ends on its error line alone
@@ -119,7 +124,14 @@ class ExpertLoadMetrics(Callback):
     def on_train_end(self, step: int) -> None:
         if self.say is None or not self._logged:
             return
+        other_splits = f"`--moe-routing {self.run_dir}`" if self.run_dir is not None else None
+        if self.expert_blocks == 1:
+            if other_splits:
+                self.say(f"routing: `optimus plan CONFIG --moe-routing {self.run_dir}` prices every layout at the "
+                         f"expert counts this run logged (each at its own split of the experts over ep x tp ranks)")
+            return
         mean = self._mean_sum / self._logged
         self.say(f"routing: the busiest of the {self.expert_blocks} expert shards (ep x tp) received {mean:.2f}x "
                  f"its even share of a layer's token copies (mean over {self._logged} logged steps; "
-                 f"{self._worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that")
+                 f"{self._worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that"
+                 + (f" ({other_splits}: each layout at its own split)" if other_splits else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -56,3 +57,20 @@ def test_one_rank_holding_every_expert_logs_no_rank_share_and_a_failed_run_says_
     assert record == {"loss": 1.0}  # no counts, no fields
     dense.on_train_end(1)
     assert said == []
+
+
+def test_the_end_of_run_line_names_the_run_whose_counts_price_other_splits():
+    """`optimus plan --moe-routing RUN` prices every layout's split at the counts RUN logged: a run says so, also
+    where one rank held every expert (a one-process pilot run)."""
+    said = []
+    split = ExpertLoadMetrics(expert_blocks=2, say=said.append, run_dir=Path("runs/pilot"))
+    _log(split, 1, [[10, 20, 5, 5]])
+    split.on_train_end(1)
+    whole = ExpertLoadMetrics(expert_blocks=1, say=said.append, run_dir=Path("runs/pilot"))
+    _log(whole, 1, [[10, 20, 5, 5]])
+    whole.on_train_end(1)
+    assert said == ["routing: the busiest of the 2 expert shards (ep x tp) received 1.50x its even share of a layer's "
+                    "token copies (mean over 1 logged steps; 1.50x in the worst layer); `optimus plan --moe-imbalance "
+                    "1.50` prices that (`--moe-routing runs/pilot`: each layout at its own split)",
+                    "routing: `optimus plan CONFIG --moe-routing runs/pilot` prices every layout at the expert counts "
+                    "this run logged (each at its own split of the experts over ep x tp ranks)"]
