@@ -1,4 +1,4 @@
-"""`optimus plan --moe-routing RUN`: the expert counts a run logged, priced at each layout's own split of the experts."""
+"""`optimus plan --moe-routing RUN`: the expert counts a run logged, priced at each layout's own expert split."""
 
 from __future__ import annotations
 
