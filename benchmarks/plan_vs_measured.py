@@ -228,10 +228,14 @@ def paced_share(rows: list[dict], expert_blocks: int, warmup: int, layers: list[
     step's expert GEMMs take the layers' mean of their busiest block's share (over `layers`, default all; the
     trainer logs it as expert_rank_load_mean); the median over the measured steps (after `warmup`), as the
     measured step time is (the planner's --moe-routing takes the mean: a run's time is the sum of its steps).
+    Over all layers, the trainer's own reading where it logged one (expert_rank_load_mean: the slowest
+    expert-exchange group's, from the group's own tokens, where the data-parallel ranks form several groups).
     None without expert counts or split experts."""
     logged = [r for r in rows if r.get("expert_counts") and r.get("step", 0) > warmup]
     if expert_blocks == 1 or not logged:
         return None
+    if layers is None and all("expert_rank_load_mean" in r for r in logged):
+        return statistics.median(r["expert_rank_load_mean"] for r in logged)
     counts = torch.tensor([r["expert_counts"] for r in logged], dtype=torch.float64)
     counts = counts if layers is None else counts[:, layers]
     return statistics.median(busiest_block_share(counts, expert_blocks).mean(dim=1).tolist())
@@ -344,8 +348,9 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0])) if runs else None
     # the routing the fastest run's layers waited for (the pipeline's pace is its last stage's)
-    paced = (paced_share(runs[fastest][3], layout.dims.ep * layout.dims.tp, warmup,
-                         stage_layers(layout, layout.dims.pp - 1)) if runs and layout.config.model.is_moe else None)
+    last_stage = stage_layers(layout, layout.dims.pp - 1) if layout.dims.pp > 1 else None
+    paced = (paced_share(runs[fastest][3], layout.dims.ep * layout.dims.tp, warmup, last_stage)
+             if runs and layout.config.model.is_moe else None)
     predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced, earlier)
     timed = {}
     if runs:

@@ -17,7 +17,9 @@ its own split would have had, over the last LOGGED_STEPS logged steps (the route
             expert_rank_load_mean): a run's time is the sum of its steps
 
 The counts are global: where ep is smaller than the data-parallel ranks a rank's own exchange group sees only its
-group's tokens, which this cannot tell apart.
+group's tokens, which this cannot tell apart (a sum evens out what differs between groups, so it reads low). The
+trainer reads the groups apart for the run's own layout (expert_rank_load_mean, and the `--moe-imbalance` its last
+line gives).
 """
 
 from __future__ import annotations

@@ -37,8 +37,11 @@ class StepResult:
     grad_norm: float
     tokens: int
     skipped: bool  # the optimizer step was not applied; skip_reason says why
-    expert_counts: torch.Tensor | None  # [moe layers, n_experts], summed over micro-batches
+    expert_counts: torch.Tensor | None  # [moe layers, n_experts], summed over micro-batches and data-parallel ranks
     skip_reason: SkipReason | None = None
+    # this data-parallel rank's own expert_counts (its batch alone): its expert-exchange group's sum tells which
+    # group's busiest rank paced the step (train/callbacks/step_metrics.ExpertLoadMetrics)
+    rank_expert_counts: torch.Tensor | None = None
 
 
 def autocast_context(device: torch.device, dtype: str):
@@ -196,6 +199,7 @@ def train_step(
                                        pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     # --- end pipeline parallel path ---
     # the pp path's sums are already equal on every stage; averaged over dp they are the global batch's
+    rank_expert_counts = sums.get("expert_counts")
     if dp_mesh is not None and dp_mesh.size() > 1:
         sums = average_over_dp(sums, dp_mesh)
     # every loss term in one device-to-host copy, before the update: read after it, each would make the host wait
@@ -223,4 +227,5 @@ def train_step(
         skipped=skip_reason is not None,
         expert_counts=sums.get("expert_counts"),
         skip_reason=skip_reason,
+        rank_expert_counts=rank_expert_counts,
     )

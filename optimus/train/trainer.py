@@ -126,7 +126,7 @@ class Trainer:
         self.checkpointing = Checkpointing(self)
         side: list[Callback] = [
             self.straggler_report, ThroughputMetrics(self), MemoryMetrics(self.device, self.planned_peak_bytes),
-            ExpertLoadMetrics(self.dims.ep * self.dims.tp, self._say, self.run_dir),
+            ExpertLoadMetrics(self.dims.ep * self.dims.tp, self._say, self.run_dir, self._exchange_groups()),
             SkippedSteps(self.consecutive_skips, self.spike_guard),
         ]
         if r.checkpoint_on_signal:
@@ -180,6 +180,16 @@ class Trainer:
         precision = choose_precision(requested, self.device, cpu)
         peak, source = device_peak_flops(self.device, precision.dtype, cpu)
         return precision, peak, source
+
+    def _exchange_groups(self):
+        """(the ep mesh, the expert_dp mesh) where an MoE's split experts are exchanged in several groups of
+        data-parallel ranks, whose routing ExpertLoadMetrics reads group by group; else None (one group: the
+        global counts are its own)."""
+        if self.mesh is None or not self.config.model.is_moe or self.dims.ep * self.dims.tp == 1:
+            return None
+        if self.mesh.size("expert_dp") == 1:
+            return None
+        return self.mesh["ep"], self.mesh["expert_dp"]
 
     def _say(self, line: str, warning: bool = False) -> None:
         """One line from rank 0: information on stdout, a warning on stderr (beside events and errors)."""

@@ -151,6 +151,10 @@ def test_paced_share_is_the_layers_mean_of_their_busiest_block(load_benchmark):
     assert script.paced_share(steps, 2, warmup=1, layers=[1]) == pytest.approx(1.5)
     assert script.paced_share(steps, 1, warmup=1) is None
     assert script.paced_share([{"step": 2}], 2, warmup=1) is None
+    # the trainer's own reading where it logged one (the slowest exchange group's, where there are several)
+    logged = [dict(row, expert_rank_load_mean=1.0 + row["step"] / 10) for row in steps]
+    assert script.paced_share(logged, 2, warmup=1) == pytest.approx(1.3)
+    assert script.paced_share(logged, 2, warmup=1, layers=[1]) == pytest.approx(1.5)  # a stage's: from the counts
 
 
 def test_timed_moe_rows_are_also_predicted_at_the_routing_they_waited_for(load_benchmark, machine_cache,

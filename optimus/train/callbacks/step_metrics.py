@@ -15,6 +15,8 @@ from optimus.train.metrics import (Throughput, busiest_block_share, expert_count
                                    peak_memory_bytes)
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from optimus.train.trainer import Trainer
 
 GIB = 2**30
@@ -95,13 +97,21 @@ class ExpertLoadMetrics(Callback):
     token copies over an even split's: expert_rank_load_max (its worst layer) and expert_rank_load_mean (the
     layers' mean: what a step's expert GEMMs wait for). At the end of the run, `say` gives the mean over the logged
     steps beside the planner's flag that prices it, and the flag that prices any layout's split at the counts this
-    run logged in `run_dir` (the planner and the memory check assume even routing)."""
+    run logged in `run_dir` (the planner and the memory check assume even routing).
+
+    Where the data-parallel ranks form several expert-exchange groups (`exchange_groups`: the ep mesh, whose ranks
+    exchange tokens, and the expert_dp mesh, one rank of each group), each group's ranks wait for the group's
+    busiest, on the group's own tokens, and the groups for the slowest at the gradient sync: the shares are then
+    the slowest group's (its layers' mean; the worst group and layer), each group summing its ranks' own counts.
+    The global counts would even out what differs between groups (two groups each sending all their copies to
+    another half of the experts read 1.0x globally, 2.0x in each group). Every rank calls on_log (collectives)."""
 
     def __init__(self, expert_blocks: int = 1, say: Callable[[str], None] | None = None,
-                 run_dir: Path | None = None):
+                 run_dir: Path | None = None, exchange_groups: tuple[DeviceMesh, DeviceMesh] | None = None):
         self.expert_blocks = expert_blocks
         self.say = say
         self.run_dir = run_dir
+        self.exchange_groups = exchange_groups
         # over the logged steps (a running total: a long run logs hundreds of thousands of steps)
         self._logged, self._mean_sum, self._worst = 0, 0.0, 0.0
 
@@ -113,10 +123,26 @@ class ExpertLoadMetrics(Callback):
         record["expert_counts"] = expert_counts_record(counts)
         self._logged += 1
         if self.expert_blocks > 1:
-            shares = busiest_block_share(counts, self.expert_blocks)
-            mean, worst = shares.mean().item(), shares.max().item()
+            if self.exchange_groups is not None and result.rank_expert_counts is not None:
+                mean, worst = self._slowest_group(result.rank_expert_counts)
+            else:
+                shares = busiest_block_share(counts, self.expert_blocks)
+                mean, worst = shares.mean().item(), shares.max().item()
             record.update(expert_rank_load_mean=round(mean, 4), expert_rank_load_max=round(worst, 4))
             self._mean_sum, self._worst = self._mean_sum + mean, max(self._worst, worst)
+
+    def _slowest_group(self, rank_counts: torch.Tensor) -> tuple[float, float]:
+        """(the slowest exchange group's layers' mean of its busiest block share, the largest of any group's
+        layer): the group's counts summed over its ep ranks, the two figures' maxima over the groups."""
+        ep_mesh, groups_mesh = self.exchange_groups
+        group_counts = rank_counts.detach().to(torch.float64)
+        if ep_mesh.size() > 1:
+            dist.all_reduce(group_counts, group=ep_mesh.get_group())
+        shares = busiest_block_share(group_counts, self.expert_blocks)
+        slowest = torch.stack([shares.mean(), shares.max()])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=groups_mesh.get_group())
+        mean, worst = slowest.tolist()
+        return mean, worst
 
     def on_error(self, error: BaseException) -> None:
         self.say = None  # a failed run ends on its error line alone
@@ -131,7 +157,9 @@ class ExpertLoadMetrics(Callback):
                          f"expert counts this run logged (each at its own split of the experts over ep x tp ranks)")
             return
         mean = self._mean_sum / self._logged
-        self.say(f"routing: the busiest of the {self.expert_blocks} expert shards (ep x tp) received {mean:.2f}x "
-                 f"its even share of a layer's token copies (mean over {self._logged} logged steps; "
+        where = (f" (in the slowest of the {self.exchange_groups[1].size()} exchange groups each step)"
+                 if self.exchange_groups is not None else "")
+        self.say(f"routing: the busiest of the {self.expert_blocks} expert shards (ep x tp){where} received "
+                 f"{mean:.2f}x its even share of a layer's token copies (mean over {self._logged} logged steps; "
                  f"{self._worst:.2f}x in the worst layer); `optimus plan --moe-imbalance {mean:.2f}` prices that"
                  + (f" ({other_splits}: each layout at its own split)" if other_splits else ""))
