@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--moe-routing", default=None, metavar="RUN",
                       help="MoE: plan at the routing the run RUN logged (a run folder or its metrics.jsonl, of the "
                            "same model shape), each layout at its own split of the experts over ep x tp ranks")
+    plan.add_argument("--scaling-from", type=int, default=None, metavar="M",
+                      help="also plan M devices (fewer, whole nodes) and print each layout's scaling efficiency "
+                           "against that smaller run's best: tokens/s per device over its (JSON: scaling_efficiency)")
+    plan.add_argument("--scaling", choices=("strong", "weak"), default=None,
+                      help="with --scaling-from: strong (default) keeps the global batch on the smaller run, weak "
+                           "cuts it by M / devices (the same sequences per device)")
     plan.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 

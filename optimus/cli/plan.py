@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # the CLI imports torch only for the command it runs
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
-    from optimus.plan.report import format_table, write_best_config, write_json
+    from optimus.plan.report import describe_scaling, format_table, write_best_config, write_json
     from optimus.plan.routing import LoggedRouting
+    from optimus.plan.scaling import smaller_config, smaller_run
     from optimus.plan.search import parse_only, plan
 
     only = parse_only(args.only or [])
@@ -34,6 +35,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if not 1 <= args.moe_imbalance < math.inf:
         raise UsageError(f"--moe-imbalance is the busiest rank's token copies over its balanced share: a number of "
                          f"at least 1 (got {args.moe_imbalance:g})")
+    if args.scaling is not None and args.scaling_from is None:
+        raise UsageError(f"--scaling {args.scaling} says how to scale from a smaller run: give its devices with "
+                         f"--scaling-from M")
     if args.moe_routing is not None and args.moe_imbalance != 1:
         raise UsageError("--moe-routing and --moe-imbalance both price the routing: give one (the run's logged "
                          "routing, or one figure for every layout)")
@@ -46,8 +50,15 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.moe_routing is not None:
         routing = LoggedRouting.read(args.moe_routing)
         routing.check_model(config)
+    scaling = args.scaling or "strong"
+    if args.scaling_from is not None:
+        smaller_config(config, args.devices, args.scaling_from, scaling)  # a batch the smaller run cannot split
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
+    # (`here` is one machine whatever its ranks: fewer of them are the smaller run)
+    if args.scaling_from is not None and args.cluster != "here" and args.scaling_from % cluster.devices_per_node:
+        raise UsageError(f"--scaling-from {args.scaling_from} is not a multiple of the {cluster.devices_per_node} "
+                         f"devices per {cluster.name} node: compare whole nodes")
     efficiency = cluster.efficiency.with_gemm(args.efficiency) if args.efficiency is not None else None
     candidates = plan(config, cluster, args.devices, efficiency, only, routing)
     if not candidates and only:
@@ -64,10 +75,17 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if only:
         print(f"searched only layouts with {'; '.join(f'{k} in {{{sorted_values(v)}}}' for k, v in only.items())}")
     print(format_table(candidates, cluster, args.devices, args.top, args.tokens))
+    best = candidates[0]
+    baseline = None
+    if args.scaling_from is not None:
+        smaller_cluster = cluster if args.cluster != "here" else _here_cluster(config, args.scaling_from, False,
+                                                                              args.config, quiet=True)
+        baseline = smaller_run(config, smaller_cluster, args.devices, args.scaling_from, scaling, efficiency, only,
+                               routing)
+        print(describe_scaling(baseline, best, args.devices))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.json, candidates, cluster, args.tokens)
-    best = candidates[0]
+        write_json(args.json, candidates, cluster, args.tokens, args.devices, baseline)
     if best.fits and not config.train.compile and not cluster.host_cpu:  # measured on a GPU only
         hint_setting(best, cluster, efficiency, routing, section="train", field="compile", value=True,
                      min_speedup=1.1,
@@ -172,9 +190,11 @@ def here_cache_files() -> tuple[Path, tuple[Path, str]]:
     return cpu_file.parent / "plan_here.json", (cpu_file, kernel_env)
 
 
-def _here_cluster(config, devices: int, calibrate: bool, config_path: str, environ: dict[str, str] | None = None):
+def _here_cluster(config, devices: int, calibrate: bool, config_path: str, environ: dict[str, str] | None = None,
+                  quiet: bool = False):
     """The measured `here` cluster for `devices` ranks, each with the threads the job's environment `environ` (this
-    process's by default) gives it; with `calibrate`, measure everything again first."""
+    process's by default) gives it; with `calibrate`, measure everything again first; `quiet`: without the notes
+    on what the cache lacks (said once, for the planned job)."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes, describe
     from optimus.plan.here import here_cluster, machine, rank_threads, threads_phrase, write_cache
@@ -196,6 +216,8 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
         write_cache(cache_file, entry)
         print("\n".join(describe(entry)))
         print(f"stored in {cache_file}; later `optimus plan ... --cluster here` runs use it")
+    elif quiet:
+        pass
     elif "efficiency" not in entry:
         print("here: op-class efficiencies are CPU defaults, not measured: run `optimus plan CONFIG --cluster here "
               "--devices N --calibrate` once", file=sys.stderr)

@@ -8,6 +8,7 @@ from pathlib import Path
 from optimus.config import Config, save_config
 from optimus.plan.cluster import Cluster
 from optimus.plan.energy import energy_table
+from optimus.plan.scaling import SmallerRun
 from optimus.plan.search import Candidate
 
 DISPATCH_LABEL = {"all_to_all": "a2a", "allgather": "ag", "none": "-"}  # parallel.ep_dispatch, short
@@ -52,10 +53,37 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, candidates: list[Candidate], cluster: Cluster, tokens: float | None) -> None:
-    """The ranked list, one entry per layout (see Candidate.entry)."""
+def write_json(path: str | Path, candidates: list[Candidate], cluster: Cluster, tokens: float | None,
+               devices: int | None = None, baseline: SmallerRun | None = None) -> None:
+    """The ranked list, one entry per layout (see Candidate.entry); with a smaller run to scale from, each entry's
+    `scaling_efficiency` against it (its tokens/s per device over the smaller run's best)."""
     entries = [c.entry(cluster, tokens) for c in candidates]
+    if baseline is not None and baseline.best is not None and devices:
+        for entry, candidate in zip(entries, candidates):
+            entry["scaling_efficiency"] = baseline.efficiency(candidate, devices)
     Path(path).write_text(json.dumps(entries, indent=1))
+
+
+def layout_summary(candidate: Candidate) -> str:
+    """A layout in one phrase: its degrees, micro-batch, checkpointing, shard mode and schedule."""
+    lay = candidate.layout()
+    degrees = " x ".join(f"{key} {lay[key]}" for key in ("dp_replicate", "dp_shard", "tp", "pp", "ep") if lay[key] > 1)
+    schedule = f", {lay['pp_schedule']}" if lay["pp"] > 1 else ""
+    shard = f", {lay['shard_mode']}" if lay["dp_replicate"] * lay["dp_shard"] > 1 else ""  # nothing to shard over
+    return (f"{degrees or 'one device'} (mbs {lay['micro_batch_size']}, AC {lay['activation_checkpointing']}"
+            f"{shard}{schedule})")
+
+
+def describe_scaling(baseline: SmallerRun, best: Candidate, devices: int) -> str:
+    """One line: the best layout's scaling efficiency over the smaller run, or why there is none."""
+    held = "global batch held at" if baseline.scaling == "strong" else "global batch scaled to"
+    if baseline.best is None:
+        return (f"scaling: no layout of {baseline.devices} devices fits ({held} {baseline.global_batch_size} "
+                f"sequences): no smaller run to compare with")
+    mine, theirs = best.tokens_per_s / devices, baseline.best.tokens_per_s / baseline.devices
+    return (f"{baseline.scaling} scaling from {baseline.devices} to {devices} devices: {mine / theirs:.1%} of linear "
+            f"({mine:,.0f} against {theirs:,.0f} tokens/s per device; {held} {baseline.global_batch_size} sequences "
+            f"on {baseline.devices}, whose best layout is {layout_summary(baseline.best)})")
 
 
 def write_best_config(path: str | Path, best: Candidate, original: Config) -> None:
