@@ -77,6 +77,8 @@ def layout_summary(candidate: Candidate) -> str:
 def describe_scaling(baseline: SmallerRun, best: Candidate, devices: int) -> str:
     """One line: the best layout's scaling efficiency over the smaller run, or why there is none."""
     held = "global batch held at" if baseline.scaling == "strong" else "global batch scaled to"
+    if best is not None and not best.fits:
+        return f"scaling: no layout of {devices} devices fits: none to score against a smaller run"
     if baseline.best is None:
         return (f"scaling: no layout of {baseline.devices} devices fits ({held} {baseline.global_batch_size} "
                 f"sequences): no smaller run to compare with")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,6 +58,9 @@ def test_a_smaller_run_that_fits_nowhere_is_said_not_scored():
     line = describe_scaling(SmallerRun(8, "strong", 3072, None), best=None, devices=64)
     assert line == ("scaling: no layout of 8 devices fits (global batch held at 3072 sequences): no smaller run to "
                     "compare with")
+    unfit = SimpleNamespace(fits=False)
+    assert describe_scaling(SmallerRun(8, "strong", 3072, unfit), best=unfit, devices=64) == (
+        "scaling: no layout of 64 devices fits: none to score against a smaller run")
 
 
 @pytest.mark.parametrize("flags, message", [
