@@ -52,7 +52,7 @@ class LoggedRouting:
     @classmethod
     def read(cls, run: str | Path) -> LoggedRouting:
         """The routing of `run` (a run folder or its metrics.jsonl), or RoutingError."""
-        from optimus.train.callbacks.jsonl import read_metrics
+        from optimus.train.callbacks.jsonl import last_records
 
         path = Path(run)
         if not path.exists():
@@ -62,7 +62,7 @@ class LoggedRouting:
         if not metrics.is_file():
             raise RoutingError(f"--moe-routing {run}: no {metrics} (give a run folder `optimus train` wrote, or its "
                                f"metrics.jsonl)")
-        routing = cls.of_records(read_metrics(metrics), str(run))
+        routing = cls.of_records(last_records(metrics, LOGGED_STEPS, '"expert_counts"'), str(run))
         if routing is None:
             raise RoutingError(f"--moe-routing {run}: {metrics} logged no expert counts (a dense model's run, or one "
                                f"stopped before its first logged step): give an MoE run's folder")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,29 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if skipped:
         print(f"warning: {path}: skipped {len(skipped)} unreadable line(s) ({skipped[0]}): they are left out; "
               "remove or fix them to silence this warning", file=sys.stderr)
+    return records
+
+
+def last_records(path: str | Path, count: int, marker: str) -> list[dict[str, Any]]:
+    """The last `count` records of a metrics.jsonl whose line holds `marker` (e.g. a field's quoted name), in order.
+
+    Line by line, keeping only `count` lines: a long run's log (an MoE's expert counts every step, for hundreds of
+    thousands of steps) is gigabytes, more than read_metrics should hold at once. Lines that are not JSON objects
+    are skipped, as read_metrics skips them (without its warning: only the kept lines are parsed)."""
+    kept: deque[bytes] = deque(maxlen=count)
+    needle = marker.encode("utf-8")
+    with Path(path).open("rb") as handle:
+        for line in handle:
+            if needle in line:
+                kept.append(line)
+    records = []
+    for line in kept:
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

@@ -6,6 +6,7 @@ import json
 
 from optimus.report.panels import RunRecords
 from optimus.train.callbacks import JsonlMetrics, read_metrics
+from optimus.train.callbacks.jsonl import last_records
 
 STEP_1 = json.dumps({"step": 1, "loss": 10.0})
 STEP_2 = json.dumps({"step": 2, "loss": 9.0})
@@ -48,3 +49,15 @@ def test_resume_keeps_the_readable_records_of_a_damaged_file(tmp_path):
     logger.on_train_start(start_step=1, max_steps=4)
     logger.on_train_end(1)
     assert [r["step"] for r in read_metrics(path)] == [1]
+
+
+def test_the_last_records_with_a_field_are_read_line_by_line_past_damage(tmp_path):
+    """What `optimus plan --moe-routing` reads of a long run's log: only the last lines that hold the field, parsed;
+    a damaged or torn one among them is skipped."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "expert_counts": [[s]]}) for s in range(1, 6)]
+    lines.insert(2, json.dumps({"eval_loss": 1.0}))  # no such field: passed over
+    lines.insert(4, '{"step": 9, "expert_counts": [[9')  # damaged
+    path.write_text("\n".join(lines) + '\n{"expert_counts": [[1')  # torn last line
+    assert [r["step"] for r in last_records(path, 4, '"expert_counts"')] == [4, 5]
+    assert [r["step"] for r in last_records(path, 10, '"expert_counts"')] == [1, 2, 3, 4, 5]
