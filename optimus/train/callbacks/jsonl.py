@@ -77,8 +77,11 @@ class JsonlMetrics(Callback):
 
     def on_train_start(self, start_step: int, max_steps: int) -> None:
         # Steps after the checkpoint we resume from will be computed again: drop their old records.
+        from optimus.checkpoint.integrity import write_json_durably
+
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # a new file renamed over the old: a run killed while rewinding keeps its whole history
+        write_json_durably(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.handle = self.path.open("a")
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from optimus.report.panels import RunRecords
 from optimus.train.callbacks import JsonlMetrics, read_metrics
 from optimus.train.callbacks.jsonl import last_records
@@ -61,3 +63,16 @@ def test_the_last_records_with_a_field_are_read_line_by_line_past_damage(tmp_pat
     path.write_text("\n".join(lines) + '\n{"expert_counts": [[1')  # torn last line
     assert [r["step"] for r in last_records(path, 4, '"expert_counts"')] == [4, 5]
     assert [r["step"] for r in last_records(path, 10, '"expert_counts"')] == [1, 2, 3, 4, 5]
+
+
+def test_a_run_killed_while_rewinding_its_log_keeps_the_whole_history(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{STEP_2}\n")
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        JsonlMetrics(path).on_train_start(start_step=1, max_steps=4)
+    assert path.read_text() == f"{STEP_1}\n{STEP_2}\n"  # the rewind to step 1 never half-happened
