@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 from optimus.cli.errors import UsageError, output_location
 
 if TYPE_CHECKING:  # the CLI imports torch only for the command it runs
-    from optimus.plan.routing import LoggedRouting, Routing
+    from optimus.plan.routing import Routing
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
-    from optimus.plan.report import describe_scaling, format_table, write_best_config, write_json
+    from optimus.plan.report import (describe_routing, describe_scaling, format_table, write_best_config,
+                                     write_json)
     from optimus.plan.routing import LoggedRouting
     from optimus.plan.scaling import smaller_config, smaller_run
     from optimus.plan.search import parse_only, plan
@@ -102,19 +103,6 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         write_best_config(args.write_config, best, config)
         print(f"best layout written to {args.write_config}")
     return 0
-
-
-def describe_routing(routing: LoggedRouting, best) -> str:
-    """What the logged routing gives the best layout (each layout is priced at its own expert split)."""
-    dims = best.dims()
-    kept, paced = routing.shares(best.config, dims)
-    said = (f"priced at the routing {routing.source} logged (its last {routing.steps} logged steps), split as each "
-            f"layout splits the experts; ")
-    if dims.ep * dims.tp == 1:
-        return said + "the best layout's ranks each hold every expert (ep x tp = 1): none waits for another's"
-    return said + (f"the busiest of the best layout's {dims.ep * dims.tp} expert shards (ep x tp) {paced:.2f}x its "
-                   f"even share of a layer's token copies on average, its activations at {max(kept.values()):.2f}x "
-                   f"in the worst step")
 
 
 def check_plan_outputs(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from optimus.config import Config, save_config
 from optimus.plan.cluster import Cluster
 from optimus.plan.energy import energy_table
+from optimus.plan.routing import LoggedRouting
 from optimus.plan.scaling import SmallerRun
 from optimus.plan.search import Candidate
 
@@ -99,3 +100,16 @@ def write_best_config(path: str | Path, best: Candidate, original: Config) -> No
             "micro_batch_size": t.micro_batch_size, "activation_checkpointing": t.activation_checkpointing}),
     })
     save_config(config, path)
+
+
+def describe_routing(routing: LoggedRouting, best: Candidate) -> str:
+    """What the logged routing gives the best layout (each layout is priced at its own expert split)."""
+    dims = best.dims()
+    kept, paced = routing.shares(best.config, dims)
+    said = (f"priced at the routing {routing.source} logged (its last {routing.steps} logged steps), split as each "
+            f"layout splits the experts; ")
+    if dims.ep * dims.tp == 1:
+        return said + "the best layout's ranks each hold every expert (ep x tp = 1): none waits for another's"
+    return said + (f"the busiest of the best layout's {dims.ep * dims.tp} expert shards (ep x tp) {paced:.2f}x its "
+                   f"even share of a layer's token copies on average, its activations at {max(kept.values()):.2f}x "
+                   f"in the worst step")

@@ -135,7 +135,7 @@ class ExpertLoadMetrics(Callback):
         """(the slowest exchange group's layers' mean of its busiest block share, the largest of any group's
         layer): the group's counts summed over its ep ranks, the two figures' maxima over the groups."""
         ep_mesh, groups_mesh = self.exchange_groups
-        group_counts = rank_counts.detach().to(torch.float64)
+        group_counts = rank_counts.detach().to(torch.float64, copy=True)  # summed in place: not the step's own
         if ep_mesh.size() > 1:
             dist.all_reduce(group_counts, group=ep_mesh.get_group())
         shares = busiest_block_share(group_counts, self.expert_blocks)
