@@ -19,9 +19,10 @@ from typing import Any
 import yaml
 
 from optimus.report.panels import (
-    RunRecords, checkpoint_panel, downstream_panel, expert_load_data, expert_load_panels, grad_norm_panel, loss_panel,
+    checkpoint_panel, downstream_panel, expert_load_data, expert_load_panels, grad_norm_panel, loss_panel,
     memory_panel, skipped_steps_table, stragglers_table, throughput_panel,
 )
+from optimus.report.records import RunRecords
 
 REPORT_FILE = "report.html"
 

@@ -1,4 +1,4 @@
-"""The report's panels: metrics.jsonl read into records, each panel drawn as a PNG (base64) with
+"""The report's panels: the records of metrics.jsonl (records.py), each panel drawn as a PNG (base64) with
 matplotlib's object API and the Agg canvas (no pyplot state); a panel whose metrics the run did not
 log returns None and is left out of the page."""
 
@@ -8,34 +8,9 @@ import base64
 import html
 import io
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from optimus.train.callbacks.jsonl import read_metrics
-
-MAX_HEATMAP_COLUMNS = 120  # logged steps drawn per heatmap: a long run is sampled evenly (last step kept)
-
-
-@dataclass
-class RunRecords:
-    """metrics.jsonl split by kind of record."""
-
-    steps: list[dict[str, Any]] = field(default_factory=list)  # one per logged training step
-    evals: list[dict[str, Any]] = field(default_factory=list)  # held-out loss and downstream accuracies
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # save timings
-
-    @classmethod
-    def read(cls, metrics_path: Path) -> RunRecords:
-        records = cls()
-        for record in read_metrics(metrics_path):
-            if "loss" in record:
-                records.steps.append(record)
-            elif "eval_loss" in record or "downstream" in record:
-                records.evals.append(record)
-            elif "checkpoint_save_s" in record:
-                records.checkpoints.append(record)
-        return records
+from optimus.report.records import MAX_RANKS_DRAWN, RunRecords, relative_loads
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -162,22 +137,13 @@ def skipped_steps_table(records: RunRecords) -> str:
 
 
 def expert_load_data(records: RunRecords) -> dict[str, Any] | None:
-    """What the heatmap draws: the logged steps (sampled to MAX_HEATMAP_COLUMNS) and their expert_counts,
-    as `counts[layer][column][expert]`."""
-    logged = [r for r in records.steps if r.get("expert_counts")]
-    if not logged:
+    """What the heatmap draws: the sampled logged steps and their expert_counts, as `counts[layer][column][expert]`."""
+    loads = records.expert_loads
+    if loads is None:
         return None
-    if len(logged) > MAX_HEATMAP_COLUMNS:
-        picks = sorted({round(i * (len(logged) - 1) / (MAX_HEATMAP_COLUMNS - 1)) for i in range(MAX_HEATMAP_COLUMNS)})
-        logged = [logged[i] for i in picks]
-    layers = len(logged[0]["expert_counts"])
-    return {"steps": [r["step"] for r in logged],
-            "counts": [[r["expert_counts"][layer] for r in logged] for layer in range(layers)]}
-
-
-def _relative(row: list[float]) -> list[float]:
-    even = sum(row) / len(row) if row else 0
-    return [value / even if even > 0 else 0.0 for value in row]
+    return {"steps": loads.sample_steps,
+            "counts": [[counts[layer].tolist() for counts in loads.sample_counts]
+                       for layer in range(loads.highest.shape[1])]}
 
 
 def expert_load_panels(records: RunRecords, data: dict[str, Any]) -> tuple[str, str]:
@@ -185,16 +151,14 @@ def expert_load_panels(records: RunRecords, data: dict[str, Any]) -> tuple[str, 
     import numpy as np
 
     # max / min per layer over every logged step (not only the sampled ones)
-    logged = [r for r in records.steps if r.get("expert_counts")]
-    steps = [r["step"] for r in logged]
+    loads = records.expert_loads
     layers = len(data["counts"])
     fig, axes = _figure()
     ax = axes[0][0]
     for layer in range(layers):
-        loads = [_relative(r["expert_counts"][layer]) for r in logged]
         color = f"C{layer % 10}"
-        ax.plot(steps, [max(x) for x in loads], color=color, lw=1.0, label=f"layer {layer}")
-        ax.plot(steps, [min(x) for x in loads], color=color, lw=1.0, ls="--")
+        ax.plot(loads.steps, loads.highest[:, layer], color=color, lw=1.0, label=f"layer {layer}")
+        ax.plot(loads.steps, loads.lowest[:, layer], color=color, lw=1.0, ls="--")
     ax.axhline(1.0, color="k", lw=0.6)
     _style(ax, "Expert load per layer: max (solid) and min (dashed)", "tokens / even share")
     if layers <= 12:
@@ -205,10 +169,11 @@ def expert_load_panels(records: RunRecords, data: dict[str, Any]) -> tuple[str, 
     nrows = math.ceil(layers / ncols)
     fig, axes = _figure(nrows=nrows, ncols=ncols, height=2.6, width=min(4.2 * ncols, 16), top_in=0.8)
     image = None
-    highest = max(max(max(_relative(row)) for row in layer) for layer in data["counts"])
+    shown = np.stack(loads.sample_counts)  # [column, layer, expert]
+    highest = float(relative_loads(shown).max())
     for layer in range(layers):
         ax = axes[layer // ncols][layer % ncols]
-        grid = np.array([_relative(row) for row in data["counts"][layer]]).T  # [experts, columns]
+        grid = relative_loads(shown[:, layer]).T  # [experts, columns]
         image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=max(highest, 1.0),
                           interpolation="nearest", extent=(-0.5, len(data["steps"]) - 0.5, -0.5, grid.shape[0] - 0.5))
         ticks = sorted({0, len(data["steps"]) // 2, len(data["steps"]) - 1})
@@ -227,16 +192,16 @@ def memory_panel(records: RunRecords) -> str | None:
     logged = [r for r in records.steps if r.get("memory_peak_gib")]
     if not logged:
         return None
-    ranks = max(len(r["memory_peak_gib"]) for r in logged)
+    ranks = max(r.get("memory_ranks", len(r["memory_peak_gib"])) for r in logged)
     fig, axes = _figure(ncols=2, width=11)
     over_time, per_rank = axes[0][0], axes[0][1]
     steps = [r["step"] for r in logged]
-    if ranks <= 8:
+    if ranks <= MAX_RANKS_DRAWN:
         for rank in range(ranks):
             over_time.plot(steps, [r["memory_peak_gib"][rank] if rank < len(r["memory_peak_gib"]) else math.nan
                                    for r in logged], lw=1.0, label=f"rank {rank}")
         over_time.legend(fontsize="small")
-    else:
+    else:  # records.py keeps [highest, lowest] a step for these
         over_time.plot(steps, [max(r["memory_peak_gib"]) for r in logged], label="max over ranks")
         over_time.plot(steps, [min(r["memory_peak_gib"]) for r in logged], label="min over ranks")
         over_time.legend(fontsize="small")
@@ -247,7 +212,7 @@ def memory_panel(records: RunRecords) -> str | None:
         over_time.axhline(planned, color="grey", ls="--", lw=1.0, label="planned peak of tensors per rank")
         over_time.legend(fontsize="small")
     _style(over_time, f"Peak memory over training ({source})", "GiB")
-    last = logged[-1]["memory_peak_gib"]
+    last = records.last_memory_per_rank
     per_rank.bar(range(len(last)), last, color="C1")
     per_rank.set_xticks(range(len(last)) if len(last) <= 16 else [0, len(last) // 2, len(last) - 1])
     _style(per_rank, f"Peak memory per rank at step {logged[-1]['step']}", "GiB", xlabel="rank")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from optimus.train.callbacks.base import Callback
-from optimus.train.callbacks.jsonl import read_metrics
+from optimus.train.callbacks.jsonl import iter_metrics
 
 
 def plot_losses(metrics_path: Path, out_path: Path) -> None:
@@ -15,9 +15,12 @@ def plot_losses(metrics_path: Path, out_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    heldout = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    train, heldout = [], []
+    for record in iter_metrics(metrics_path):  # line by line: only the two losses of each record are kept
+        if "loss" in record:
+            train.append((record["step"], record["loss"]))
+        if "eval_loss" in record:
+            heldout.append((record["step"], record["eval_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss")

@@ -14,7 +14,8 @@ from optimus.cli import main
 from optimus.config import build_config
 from tests.helpers.runs import tiny_run_config
 from optimus.train.callbacks import JsonlMetrics, RunReport, read_metrics
-from optimus.report.panels import MAX_HEATMAP_COLUMNS, RunRecords, expert_load_data
+from optimus.report.panels import expert_load_data
+from optimus.report.records import MAX_HEATMAP_COLUMNS, RunRecords
 from optimus.train.trainer import Trainer
 
 MOE = dict(n_layers=2, n_experts=4, top_k=2, expert_ffn_hidden=32)
@@ -53,9 +54,14 @@ def test_the_logged_metrics_the_report_needs(moe_run):
     assert [r["step"] for r in records.steps] == [1, 2, 3, 4]
     for row in records.steps:
         assert len(row["memory_peak_gib"]) == 1 and row["memory_peak_gib"][0] > 0
-        assert len(row["expert_counts"]) == MOE["n_layers"] and all(len(c) == 4 for c in row["expert_counts"])
+    loads = records.expert_loads
+    assert loads.steps == loads.sample_steps == [1, 2, 3, 4]
+    for counts in loads.sample_counts:
+        assert counts.shape == (MOE["n_layers"], 4)
         # every token goes to top_k experts in each layer: 2 sequences x 32 tokens x 2
-        assert all(sum(layer) == 2 * 32 * 2 for layer in row["expert_counts"])
+        assert (counts.sum(axis=1) == 2 * 32 * 2).all()
+    assert loads.highest.shape == loads.lowest.shape == (4, MOE["n_layers"])
+    assert (loads.highest >= 1).all() and (loads.lowest <= 1).all()
     assert records.steps[0]["memory_source"] == "peak RSS"
     # the planner's prediction for the layout, logged once beside what was measured (train/memory_fit.py)
     assert 0 < records.steps[0]["memory_planned_gib"] < records.steps[0]["memory_peak_gib"][0]
@@ -73,11 +79,37 @@ def test_the_heatmap_shows_the_logged_expert_counts(moe_run):
     assert shown["counts"] == [[r["expert_counts"][layer] for r in logged] for layer in range(MOE["n_layers"])]
 
 
-def test_a_long_run_heatmap_samples_steps_evenly_keeping_first_and_last():
-    records = RunRecords(steps=[{"step": s, "loss": 1.0, "expert_counts": [[s, 1]]} for s in range(1, 1001)])
+@pytest.mark.parametrize("logged", [7, 240, 1000, 4099])
+def test_a_long_run_heatmap_samples_steps_evenly_keeping_first_and_last(tmp_path, logged):
+    """Read line by line, the counts kept at most 2 x MAX_HEATMAP_COLUMNS + 1 steps at once; every step's
+    busiest and idlest expert kept."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "expert_counts": [[s, 1], [1, 1]]}) + "\n"
+                            for s in range(1, logged + 1)))
+    records = RunRecords.read(path)
     data = expert_load_data(records)
-    assert len(data["steps"]) == MAX_HEATMAP_COLUMNS and data["steps"][0] == 1 and data["steps"][-1] == 1000
-    assert data["counts"][0] == [[s, 1] for s in data["steps"]]
+    steps = data["steps"]
+    assert len(steps) == min(logged, MAX_HEATMAP_COLUMNS) and steps[0] == 1 and steps[-1] == logged
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert max(gaps) <= 2 * min(gaps) + 1  # even, up to the sample's rounding
+    assert data["counts"][0] == [[s, 1] for s in steps] and data["counts"][1] == [[1, 1]] * len(steps)
+    assert "expert_counts" not in records.steps[0]
+    loads = records.expert_loads
+    assert loads.steps == list(range(1, logged + 1))
+    assert loads.highest[:, 0].tolist() == [2 * s / (s + 1) for s in range(1, logged + 1)]
+    assert loads.lowest[:, 1].tolist() == [1.0] * logged
+
+
+def test_a_large_job_keeps_each_step_highest_and_lowest_rank_memory(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 1.0, "memory_peak_gib": [float(s + r) for r in range(64)]} for s in (1, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = RunRecords.read(path)
+    assert [r["memory_peak_gib"] for r in records.steps] == [[64.0, 1.0], [65.0, 2.0]]
+    assert records.last_memory_per_rank == rows[-1]["memory_peak_gib"]
+    from optimus.report.panels import memory_panel
+
+    assert memory_panel(records)  # drawn from what was kept
 
 
 def test_a_dense_run_without_evaluation_leaves_those_panels_out(tmp_path, capsys):

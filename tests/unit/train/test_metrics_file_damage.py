@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from optimus.report.panels import RunRecords
+from optimus.report.records import RunRecords
 from optimus.train.callbacks import JsonlMetrics, read_metrics
-from optimus.train.callbacks.jsonl import last_records
+from optimus.train.callbacks.jsonl import last_records, rewind_metrics
 
 STEP_1 = json.dumps({"step": 1, "loss": 10.0})
 STEP_2 = json.dumps({"step": 2, "loss": 9.0})
@@ -65,14 +65,54 @@ def test_the_last_records_with_a_field_are_read_line_by_line_past_damage(tmp_pat
     assert [r["step"] for r in last_records(path, 10, '"expert_counts"')] == [1, 2, 3, 4, 5]
 
 
-def test_a_run_killed_while_rewinding_its_log_keeps_the_whole_history(tmp_path, monkeypatch):
+def test_a_run_killed_while_rewinding_an_unordered_log_keeps_the_whole_history(tmp_path, monkeypatch):
+    """Kept records after a dropped one (a log not in step order): copied to a new file renamed over the old."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text(f"{STEP_1}\n{STEP_2}\n")
+    text = f"{STEP_1}\n{json.dumps({'step': 3})}\n{STEP_2}\n"
+    path.write_text(text)
 
     def killed(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("os.replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        JsonlMetrics(path).on_train_start(start_step=1, max_steps=4)
-    assert path.read_text() == f"{STEP_1}\n{STEP_2}\n"  # the rewind to step 1 never half-happened
+        JsonlMetrics(path).on_train_start(start_step=2, max_steps=4)
+    assert path.read_text() == text  # the rewind to step 2 never half-happened
+    monkeypatch.undo()
+    rewind_metrics(path, 2)
+    assert path.read_text() == f"{STEP_1}\n{STEP_2}\n"
+
+
+def test_the_trainer_log_is_rewound_by_cutting_its_tail_in_place(tmp_path, monkeypatch):
+    """Steps only grow in a log the trainer wrote: the dropped records are its tail, cut off without a copy (one
+    truncate, a gigabyte log is not rewritten); a damaged line before the cut stays, a torn last line goes."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(f"{STEP_1}\n".encode() + b"\xff\n" + f"{STEP_2}\n{json.dumps({'step': 3})}\n".encode()
+                     + b'{"step": 4, "lo')
+    inode = path.stat().st_ino
+    monkeypatch.setattr("os.replace", None)  # no copy renamed over it
+    logger = JsonlMetrics(path)
+    logger.on_train_start(start_step=2, max_steps=4)
+    logger.on_step_end(3, {"step": 3, "loss": 8.0})
+    logger.on_train_end(3)
+    assert path.stat().st_ino == inode
+    assert path.read_bytes() == f"{STEP_1}\n".encode() + b"\xff\n" + f"{STEP_2}\n".encode() + \
+        json.dumps({"step": 3, "loss": 8.0}).encode() + b"\n"
+
+
+def test_a_whole_last_record_without_its_newline_is_kept_apart_from_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{STEP_2}")
+    logger = JsonlMetrics(path)
+    logger.on_train_start(start_step=2, max_steps=4)
+    logger.on_step_end(3, {"step": 3, "loss": 8.0})
+    logger.on_train_end(3)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_a_log_with_nothing_to_drop_is_left_untouched(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{STEP_2}\n")
+    before = path.stat().st_mtime_ns
+    rewind_metrics(path, 2)
+    assert path.stat().st_mtime_ns == before and path.read_text() == f"{STEP_1}\n{STEP_2}\n"
