@@ -100,7 +100,8 @@ class RunRecords:
     @classmethod
     def read(cls, metrics_path: Path) -> RunRecords:
         records = cls()
-        experts = _ExpertLoadReader(_count_lines_with(metrics_path, b'"expert_counts"') if metrics_path.is_file() else 0)
+        logged = _count_lines_with(metrics_path, b'"expert_counts"') if metrics_path.is_file() else 0
+        experts = _ExpertLoadReader(logged)
         for record in iter_metrics(metrics_path):
             if "loss" in record:
                 counts = record.pop("expert_counts", None)
