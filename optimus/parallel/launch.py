@@ -180,6 +180,30 @@ def backend_for(device: torch.device) -> str:
     return f"cpu:gloo,{device.type}:{library}" if library else "gloo"
 
 
+def rendezvous_store(launch: LaunchEnv, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The job's TCP store at MASTER_ADDR:MASTER_PORT (hosted here when `is_master`), or LaunchError in one line:
+    a port another process holds, or a store no one opened in time, is the user's setting to fix, not a fault."""
+    where = f"{launch.master_addr}:{launch.master_port}"
+    try:
+        return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=is_master,
+                             timeout=timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if is_master and "EADDRINUSE" in reason:
+            raise LaunchError(f"MASTER_PORT {launch.master_port} is in use on this host (another job, or a process "
+                              "left over from one, holds it): set MASTER_PORT to a free port, the same on every "
+                              "rank") from None
+        if is_master:
+            raise LaunchError(f"rank 0 could not open the job's rendezvous on port {launch.master_port} ({reason}): "
+                              "set MASTER_PORT to a free port this host may listen on") from None
+        if "timed out" in reason:
+            raise LaunchError(f"rank {launch.rank} found no rendezvous at {where} within {timeout_s:g} s: check that "
+                              "rank 0 started, that MASTER_ADDR names its host and that MASTER_PORT is open between "
+                              "the nodes") from None
+        raise LaunchError(f"rank {launch.rank} could not reach the rendezvous at {where} ({reason}): check "
+                          "MASTER_ADDR and MASTER_PORT") from None
+
+
 def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the process group described by `launch` (nothing to do for a single process)."""
     if launch.world_size == 1 or dist.is_initialized():
@@ -192,8 +216,7 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float =
         # torchrun's agent hosts the rendezvous store and keeps it across restarts (--max-restarts): under
         # env:// a restarted attempt can read the dead attempt's gloo addresses and fail to connect. Each
         # attempt joins under its own key prefix, so it only ever sees its own peers.
-        agent = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        agent = rendezvous_store(launch, is_master=False, timeout_s=timeout_s)
         store = dist.PrefixStore(f"optimus/attempt-{launch.restart_count}", agent)
         dist.init_process_group(backend=backend_for(device), rank=launch.rank, world_size=launch.world_size,
                                 store=store, timeout=timedelta(seconds=timeout_s))
@@ -201,10 +224,7 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: float =
     if launch.launcher == "torchrun":
         dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s))
         return
-    store = dist.TCPStore(
-        launch.master_addr, launch.master_port, launch.world_size, is_master=launch.rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    store = rendezvous_store(launch, is_master=launch.rank == 0, timeout_s=timeout_s)
     dist.init_process_group(
         backend=backend_for(device), rank=launch.rank, world_size=launch.world_size, store=store,
         timeout=timedelta(seconds=timeout_s),

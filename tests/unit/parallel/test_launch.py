@@ -1,6 +1,9 @@
-"""Launcher detection from pure environment dicts: torchrun, Slurm, PBS/PALS, PMI, Open MPI, single."""
+"""Launcher detection from pure environment dicts: torchrun, Slurm, PBS/PALS, PMI, Open MPI, single; a
+rendezvous that cannot be opened or reached is one line."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from optimus.parallel.launch import (
     detect_launch_env,
     device_for,
     first_host,
+    init_distributed,
 )
 
 
@@ -154,3 +158,42 @@ def test_launcher_variables_that_cannot_be_right_are_one_line(env, problem):
 def test_an_sbatch_shell_is_one_process():
     # the batch script's own shell: SLURM_PROCID=0 without srun's task count
     assert detect_launch_env({"SLURM_PROCID": "0", "RANK": "0"}).launcher == "single"
+
+
+def _slurm_rank(rank: int, port: int) -> dict[str, str]:
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def test_a_master_port_another_process_holds_is_one_line():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(LaunchError, match=rf"^MASTER_PORT {port} is in use on this host .*: set MASTER_PORT to "
+                                              "a free port, the same on every rank$"):
+            init_distributed(detect_launch_env(_slurm_rank(0, port)), torch.device("cpu"), timeout_s=5)
+
+
+def test_a_rank_that_finds_no_rendezvous_says_where_it_looked():
+    with socket.socket() as probe:  # a port no one listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(LaunchError, match=rf"^rank 1 found no rendezvous at 127.0.0.1:{port} within 1 s: check that "
+                                          "rank 0 started"):
+        init_distributed(detect_launch_env(_slurm_rank(1, port)), torch.device("cpu"), timeout_s=1)
+
+
+def test_the_held_port_is_one_line_from_the_command(capsys, monkeypatch, tmp_path):
+    from optimus.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        for name, value in _slurm_rank(0, held.getsockname()[1]).items():
+            monkeypatch.setenv(name, value)
+        code = main(["train", "configs/mula-tiny-dense.yaml", "--parallel.dp_shard=2", "--train.max_steps=1",
+                     f"--run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()  # the batch line, then the error
+    assert code == 2 and err[-1].startswith("optimus train: error: MASTER_PORT") and "is in use" in err[-1]
+    assert not any("Traceback" in line for line in err)
