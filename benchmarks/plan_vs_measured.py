@@ -106,11 +106,12 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                           "--parallel.grad_reduce_dtype=bf16"]),
     "moe-fsdp2-ep2-bf16-reduce": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
                                            "--parallel.grad_reduce_dtype=bf16"]),
-    # the 2-D layouts tests/distributed trains that the rows above lack: FSDP x TP, dense and MoE (test_tensor_parallel),
-    # DDP x TP (test_vocab_parallel), zero1 x TP and FSDP x PP under zero1 (test_sharded_optimizer)
+    # the 2-D layouts tests/distributed trains that the rows above lack: FSDP x TP, dense and MoE
+    # (test_tensor_parallel), FSDP2 replicating over dp_replicate 2 (dp_shard 1) x TP (test_vocab_parallel), zero1 x TP
+    # and FSDP x PP under zero1 (test_sharded_optimizer)
     "dense-fsdp2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2"]),
     "moe-fsdp2-tp2": (MOE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2"]),
-    "dense-ddp2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_replicate=2"]),
+    "dense-replicate2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_replicate=2"]),
     "dense-zero1-2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"]),
     "dense-pp2-zero1-2": (DENSE, 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1",
                                      "--parallel.pp_schedule=1f1b", "--train.micro_batch_size=2"]),
