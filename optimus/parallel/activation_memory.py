@@ -97,13 +97,13 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         MoE MLP     norm(h)/t + g + (4 + w) E (router logits and fp32 probabilities) + the experts:
                     w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
-                    rows travel between ranks, w k (2h + 2fe) (dispatched rows, gate/up, and the
-                    returned rows for the combine) + 8 k x 4 (all_to_all) or 3 (allgather) int64 row
-                    orders, times routing_imbalance (the tiny MoE's random router at init gave one
+                    rows travel between ranks, w k (2h + 2fe) (the rank's rows in, gate/up, and the
+                    rows out for the combine) + 8 k x 4 int64 row orders (all_to_all), times routing_imbalance (the tiny MoE's random router at init gave one
                     rank 1.06-1.26x its balanced rows over its layers, up to 1.66x in one); with
                     t > 1 the tp ranks split the experts and gather and combine only their own rows:
                     w k (2h + 2fe) / t (the rank's rows in, or dispatched, gate/up, and the rows out
-                    its combine keeps), plus ep's row orders
+                    its combine keeps), plus ep's row orders; allgather adds 12 k ep (the int64 sort
+                    of the ep group's gathered copies and their fp32 router weights, whatever the routing)
     Full checkpointing keeps each block's input (w h / t; at t = 1 in the stream's width) plus one block recomputed
     at a time (on the head's rank the larger of it and the loss's buffers: the one runs after the other is freed).
     A block's backward holds gradients on top, in every mode: a dense MLP its gate and up outputs'
@@ -118,7 +118,8 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         attention w (2h + 2kv) / t + w h (q, k, v, attention; the output projection's partial sums, whole),
         dense w (2f / t + h), MoE w E (router logits) + w h + 2 w k fe + 8k (the fused op: combined output,
         gate/up rows, their int64 order), or where ep or tp split the experts w k (h + 2fe + x h) / t (the rank's
-        rows out and gate/up, x = 2 all_to_all exchanges or 1 allgather reduce-scatter kept); each + w h / t (its
+        rows out and gate/up, x = 2 all_to_all exchanges kept) or under allgather w k (h + 2fe) / t + w h (its
+        reduce-scattered tokens); each + w h / t (its
         reduce-scatter) when t > 1. Checked against the bytes the policy keeps (tests/distributed/
         test_checkpointing_collectives.py): within 10% on average over the ranks.
     Plus the embedding output (w h / t; at t = 1 the first norm keeps it, unless a checkpoint or a pipeline stage
@@ -161,23 +162,26 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
         k, fe = m.top_k, m.expert_ffn_hidden
         # the busiest rank's share of the routed rows, where ranks split the experts (each computes its own)
         busiest = routing_imbalance if dims.ep > 1 or t > 1 else 1.0
-        # the exchange's int64 row orders: the dispatch's sort and its inverse, and the received rows' grouping by
-        # expert and its inverse (all_to_all) or their index into the gathered rows (allgather)
-        ep_orders = 8 * k * (4 if config.parallel.ep_dispatch == "all_to_all" else 3)
+        allgather = dims.ep > 1 and config.parallel.ep_dispatch == "allgather"
+        # all_to_all: the exchange's int64 row orders (the dispatch's sort and its inverse, the received rows'
+        # grouping by expert and its inverse), per routed row; allgather: the sort of every gathered copy (int64)
+        # and the gathered router weights (fp32) the combine keeps, over the ep group's tokens
+        ep_orders = 8 * k * 4 if dims.ep > 1 and not allgather else 0
+        gathered_routing = 12 * k * dims.ep if allgather else 0
         if t == 1:  # the fused op (its row order in int64), or the rows ep exchanges; the router: fp32
             # probabilities, the z-loss's fp32 logits and logsumexp, topk's int64 ids
             experts = (w * k * (2 * fe + 1) + 8 * k if dims.ep == 1
-                       else busiest * (w * k * (2 * h + 2 * fe) + ep_orders))
+                       else busiest * (w * k * (2 * h + 2 * fe) + ep_orders) + gathered_routing)
             mlp_full = stream_norm(2) + experts + 8 * m.n_experts + 4 + 8 * k
         else:  # expert_tensor_parallel: this rank's rows in (dispatched under ep), gate/up, and out (combined)
-            experts = busiest * (w * k * (2 * h + 2 * fe) + (ep_orders if dims.ep > 1 else 0)) / t
+            experts = busiest * (w * k * (2 * h + 2 * fe) + ep_orders) / t + gathered_routing
             mlp_full = norm(h) / t + gathered + experts + (4 + w) * m.n_experts
         if dims.ep == 1 and t == 1:  # the fused op: its combined output, the gate/up rows, the rows' order (int64)
             experts_kept = w * h + 2 * w * k * fe + 8 * k
         else:  # the rank's rows (expert_mlp): their output and gate/up; and the ep exchanges' outputs, the
-            # dispatched and returned rows (all_to_all) or the combine's reduce-scattered rows (allgather)
-            exchanges = 0 if dims.ep == 1 else 2 if config.parallel.ep_dispatch == "all_to_all" else 1
-            experts_kept = busiest * w * k * (h + 2 * fe + exchanges * h) / t
+            # dispatched and returned rows (all_to_all) or the reduce-scattered combined tokens (allgather)
+            exchanges = 2 if dims.ep > 1 and not allgather else 0
+            experts_kept = busiest * w * k * (h + 2 * fe + exchanges * h) / t + (w * h if allgather else 0)
         mlp_selective = experts_kept + w * m.n_experts + scattered
     else:
         mlp_full = (stream_norm(2) if t == 1 else norm(h) / t + gathered) + 4 * w * m.ffn_hidden / t

@@ -10,8 +10,10 @@ checkpoints and `get_model_state_dict` keep working and reshard), and whose forw
 
 gives the same result as the single-device experts. Two dispatch styles, both dropless and differentiable:
   * "all_to_all": exchange per-expert counts, then one uneven all_to_all_single each way.
-  * "allgather" (Optimus): all-gather every rank's rows and counts, compute the local experts' rows,
-    reduce-scatter the results back to their owners (robust where all-to-all is not).
+  * "allgather" (the Aurora team's): all-gather every rank's tokens, expert ids and router weights, compute
+    the local experts on the copies routed to them and combine them per token, reduce-scatter the partial
+    sums back to the tokens' owners (robust where all-to-all is not). It moves ep x the tokens each way, not
+    ep x their top_k copies: the combine comes before the reduce-scatter.
 
 Gradient convention: an expert's weight gradient receives the tokens of every EP rank through the
 dispatch, i.e. the sum of ep ranks' local-batch gradients. We scale it by 1/ep inside the forward
@@ -103,12 +105,11 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """As GroupedExperts.forward, with each token copy computed on the EP rank owning its expert."""
+        if self.dispatch == "allgather":
+            return self._forward_allgather(tokens, expert_ids, weights, self.n_experts)
         impl = "reference" if self.impl == "reference" else "auto"
         rows, order, counts = ops.permute_tokens(tokens, expert_ids, self.n_experts, impl=impl)
-        if self.dispatch == "all_to_all":
-            rows = self._forward_all_to_all(rows, counts)
-        else:
-            rows = self._forward_allgather(rows, counts)
+        rows = self._forward_all_to_all(rows, counts)
         return ops.unpermute_tokens(rows, order, weights, impl=impl)
 
     def _forward_all_to_all(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -128,28 +129,35 @@ class ExpertParallelExperts(nn.Module):
         restored = computed.index_select(0, inverse_permutation(order))
         return all_to_all_rows(restored, in_splits, out_splits, group)
 
-    def _forward_allgather(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        group, P, El = self.ep_mesh.get_group(), self.ep, self.n_local
-        rank = self.ep_mesh.get_local_rank()
-        all_counts = all_gather_rows(counts, group)
-        # the one host read of this dispatch (a device sync on GPUs): it sizes the gathered buffer
-        all_counts = all_counts.view(P, -1)
-        host = all_counts.tolist()  # [P][E]
-        mine_total = sum(sum(row[rank * El : (rank + 1) * El]) for row in host)  # rows my experts get
-        # pad every rank's rows to the longest (at least 1 row: no empty collectives)
-        width = max(max(sum(row) for row in host), 1)
-        padded = torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])]) if rows.shape[0] < width else rows
-        gathered = all_gather_rows(padded, group)  # [P * width, D]
-        # rows of my experts from every rank, ordered (expert, source rank)
-        mine = all_counts[:, rank * El : (rank + 1) * El]
-        row_starts = torch.cumsum(all_counts, 1) - all_counts  # within each rank's own rows
-        starts = row_starts[:, rank * El : (rank + 1) * El] + width * torch.arange(P, device=counts.device).unsqueeze(1)
-        index = gather_index(mine.t(), starts.t(), total=mine_total)
-        computed = self._compute(gathered.index_select(0, index), mine.sum(0))
-        # each row is computed by exactly one rank, so the reduce-scatter's sum is a placement
-        # (index_put_: its backward keeps the index alone, index_copy's would keep `computed` too)
-        placed = torch.zeros_like(gathered).index_put_((index,), computed)
-        return reduce_scatter_rows(placed, group)[: rows.shape[0]]
+    def _forward_allgather(self, tokens: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           n_ids: int) -> torch.Tensor:
+        """Every ep rank's tokens [T, D], expert ids and router weights [T, k] gathered; this rank's experts
+        computed on the copies routed to them and combined per token; each token's partial sum reduce-scattered
+        back to its owner. `ids` number the experts split over ep (ep x n_local of them, rank r's from r x
+        n_local); an id of n_ids or more is a copy no rank of this group computes (tensor parallelism's other
+        columns)."""
+        group, El = self.ep_mesh.get_group(), self.n_local
+        rank, impl = self.ep_mesh.get_local_rank(), "reference" if self.impl == "reference" else "auto"
+        # every rank's token count (equal in training; a rank's last evaluation batch may be short), read on the
+        # host: the gathered buffers are padded to the longest, the padding's copies routed nowhere
+        n_tokens = tokens.shape[0]
+        width = max(max(all_gather_rows(torch.tensor([n_tokens], device=tokens.device), group).tolist()), 1)
+        if n_tokens < width:
+            pad = width - n_tokens
+            tokens = torch.cat([tokens, tokens.new_zeros(pad, tokens.shape[1])])
+            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), n_ids)])
+            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+        gathered = all_gather_rows(tokens, group)  # [P * width, D]; the gradient is reduce-scattered (summed)
+        gathered_ids, gathered_weights = all_gather_rows(ids, group), all_gather_rows(weights, group)
+        # my experts first (0 .. El - 1), every other copy in one trailing group whose rows are never built
+        local = gathered_ids - rank * El
+        local = torch.where((local >= 0) & (local < El), local, torch.full_like(local, El))
+        rows, order, counts = ops.permute_tokens(gathered, local, El + 1, impl=impl, groups_kept=El)
+        computed = self._compute(rows, counts[:El])
+        combined = ops.unpermute_tokens(computed, order, gathered_weights, impl=impl)  # [P * width, D], partial
+        mine = reduce_scatter_rows(combined, group)
+        # the padding's rows dropped in a copy: a module returning a view would lose FSDP's pre-backward hook
+        return mine if n_tokens == width else mine[:n_tokens].clone()
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_to_all") -> nn.Module:

@@ -29,8 +29,10 @@ What runs where, and why the gradients come out exact:
   part of their gradient, and the router (replicated, its weight not a DTensor over tp) needs all.
 - With ep > 1 the experts are split over (ep, tp): rank (i, t) owns expert block i * tp + t
   (placements Shard(0), Shard(0) on mesh ("ep", "tp")). tp rank t handles its tp column (blocks
-  t, tp + t, ...) and dispatches those copies over its ep group exactly as expert parallelism
-  does (ExpertParallelExperts' all_to_all / allgather), including its 1/ep gradient scaling.
+  t, tp + t, ...) and exchanges over its ep group exactly as expert parallelism does
+  (ExpertParallelExperts), including its 1/ep gradient scaling: all_to_all dispatches the column's
+  copies; allgather gathers the tokens with their column ids (the other columns' copies routed
+  nowhere) and combines before its reduce-scatter.
 
 Costs besides the experts' own: each tp rank sorts all T k token copies' expert ids (the other
 ranks' copies into one trailing group), reads its row count on the host (a device sync, as expert
@@ -122,16 +124,16 @@ class TensorParallelExperts(ExpertParallelExperts):
         column_id = torch.div(block, self.tp, rounding_mode="floor") * self.n_local + torch.remainder(
             expert_ids, self.n_local)
         ids = torch.where(mine, column_id, torch.full_like(expert_ids, n_column))
+        if self.ep > 1 and self.dispatch == "allgather":  # the ep group gathers the tokens and combines first
+            return self._forward_allgather(tokens, ids, weights, n_column)
         # only this column's rows are gathered (the one host read here, a device sync on GPUs: how many they are),
         # and combined: the other ranks' copies count as zero rows, never built
         rows, order, counts = ops.permute_tokens(tokens, ids, n_column + 1, impl=impl, groups_kept=n_column)
         column_counts = counts[:n_column]
         if self.ep == 1:
             computed = self._compute(rows, column_counts)
-        elif self.dispatch == "all_to_all":
-            computed = self._forward_all_to_all(rows, column_counts)
         else:
-            computed = self._forward_allgather(rows, column_counts)
+            computed = self._forward_all_to_all(rows, column_counts)
         return ops.unpermute_tokens(computed, order, weights, impl=impl)
 
     def split_over_ep(self, ep_mesh: DeviceMesh, dispatch: str) -> "TensorParallelExperts":

@@ -10,7 +10,7 @@
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
                  activations before/after attention and MLP, forward and backward; QK-norm's all-reduces; the
                  embedding's, LM head's and loss's collectives), ep dispatch and combine (all-to-all, or
-                 all-gather + reduce-scatter), and of each what the recompute runs again (replayed_collectives,
+                 all-gather of the tokens + reduce-scatter of their combined outputs), and of each what the recompute runs again (replayed_collectives,
                  counted per checkpointing mode)
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
@@ -229,8 +229,8 @@ class ReplayedCollectives:
         around attention and the MLP, which run outside a recomputed sub-module; a recompute stops at the last
         activation the backward needs, so a MoE block's closing reduce-scatter is not run again)
     qk_norm: QK-norm's all-reduces (q and k), inside attention (op-level checkpointing keeps their output)
-    ep: the MoE layer's exchanges run again: "all" (routing counts, dispatch and combine), "gather" (the all-gather
-        of the allgather dispatch: op-level checkpointing keeps the rest), or "none"
+    ep: the MoE layer's exchanges run again: "all" (routing counts, dispatch and combine), "gather" (the allgather
+        dispatch's all-gathers of the tokens and router weights: op-level checkpointing keeps the rest), or "none"
     """
 
     tp_gathers: int = 0
@@ -450,12 +450,21 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         ep_link = group_link(dims, ("ep",), cluster)
         if p.ep_dispatch == "all_to_all":
             dispatch = combine = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
-        else:  # all-gather the tokens over ep, reduce-scatter the outputs: each moves ep x the local tokens
-            gathered = dims.ep * act_bytes / dims.tp
-            dispatch, combine = ring_time(ep_link, gathered), ring_time(ep_link, gathered, "reduce_scatter")
-        # what the recompute runs again: both, or (op-level) the allgather dispatch's all-gather alone
-        replayed = {"all": dispatch + combine, "gather": dispatch if p.ep_dispatch == "allgather" else 0.0}
-        ep_mb = layers * (2 * (dispatch + combine) + replayed.get(again.ep, 0.0))
+            forward, backward, gathers = dispatch + combine, dispatch + combine, 0.0
+        else:  # all-gather the tokens with their router weights, expert ids (and counts) over ep, reduce-scatter the
+            # combined outputs: ep x the rank's tokens each way (the whole micro-batch's under tp: sequence
+            # parallelism gathered them for the block); the backward reverses the differentiable ones
+            copies = dims.ep * tokens_mb * config.model.top_k
+            gathered = dims.ep * act_bytes
+            gathers = ring_time(ep_link, gathered) + ring_time(ep_link, 4 * copies)  # tokens, router weights
+            metadata = ring_time(ep_link, 8 * copies) + ring_time(ep_link, 8 * dims.ep)  # expert ids, token counts
+            combine = ring_time(ep_link, gathered, "reduce_scatter")
+            forward = gathers + metadata + combine
+            backward = (ring_time(ep_link, gathered, "reduce_scatter") + ring_time(ep_link, gathered)
+                        + ring_time(ep_link, 4 * copies, "reduce_scatter"))
+        # what the recompute runs again: the whole exchange, or (op-level) the allgather's differentiable all-gathers
+        replayed = {"all": forward, "gather": gathers}
+        ep_mb = layers * (forward + backward + replayed.get(again.ep, 0.0))
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:
         # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the

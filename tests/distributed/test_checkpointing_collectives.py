@@ -79,8 +79,9 @@ def test_recompute_replays_the_collectives_the_planner_prices(moe, parallel):
             assert _replayed(got, plain, ALL_REDUCES) == layers * again.qk_norm, name
         elif parallel["ep_dispatch"] == "all_to_all":  # "all": the routing counts, dispatch and combine
             assert _replayed(got, plain, ("optimus.all_to_all_rows.default",)) == layers * 3 * (again.ep == "all"), name
-        else:  # "all": the counts' and rows' all-gathers and the combine's reduce-scatter; "gather": the rows'
-            gathers = {"all": 2, "gather": 1, "none": 0}[again.ep]
+        else:  # "all": the all-gathers of the token counts, tokens, expert ids and router weights and the combine's
+            # reduce-scatter; "gather": the tokens' and router weights' (differentiable) all-gathers
+            gathers = {"all": 4, "gather": 2, "none": 0}[again.ep]
             assert _replayed(got, plain, ("optimus.all_gather_rows.default",)) == layers * gathers, name
             scatters = _replayed(got, plain, ("optimus.reduce_scatter_rows.default",))
             assert scatters == layers * (again.ep == "all"), name

@@ -113,8 +113,9 @@ def _saved_bytes(rank: int, world: int, dispatch: str) -> dict:
     experts = apply_expert_parallel(reference, mesh["ep"], dispatch).experts
     saved = experts_saved_bytes(experts, tokens, h, k, CFG.n_experts)  # balanced: n k rows per rank
     w = 4
-    # the dispatched rows, their gate/up and the returned rows; the int64 orders (see activation_split)
-    formula = tokens * (w * k * (2 * h + 2 * fe) + 8 * k * (4 if dispatch == "all_to_all" else 3))
+    # the rows in, their gate/up and the rows out; the int64 orders (all_to_all) or the gathered copies' int64
+    # sort and fp32 router weights (allgather; see activation_split)
+    formula = tokens * (w * k * (2 * h + 2 * fe) + (8 * k * 4 if dispatch == "all_to_all" else 12 * k * world))
     return {"saved": saved, "formula": formula}
 
 
