@@ -98,8 +98,9 @@ def activation_split(config: Config, dims: ParallelDims, layers: int, has_loss_h
                     w k (2fe + 1) (the fused op keeps only the gate/up output and the row weights;
                     it re-gathers rows and recomputes SwiGLU in backward), or with ep > 1, where
                     rows travel between ranks, w k (2h + 2fe) (the rank's rows in, gate/up, and the
-                    rows out for the combine) + 8 k x 4 int64 row orders (all_to_all), times routing_imbalance (the tiny MoE's random router at init gave one
-                    rank 1.06-1.26x its balanced rows over its layers, up to 1.66x in one); with
+                    rows out for the combine) + 8 k x 4 int64 row orders (all_to_all), times
+                    routing_imbalance (the tiny MoE's random router at init gave one rank 1.06-1.26x
+                    its balanced rows over its layers, up to 1.66x in one); with
                     t > 1 the tp ranks split the experts and gather and combine only their own rows:
                     w k (2h + 2fe) / t (the rank's rows in, or dispatched, gate/up, and the rows out
                     its combine keeps), plus ep's row orders; allgather adds 12 k ep (the int64 sort
