@@ -23,7 +23,7 @@ def load_benchmark(monkeypatch):
     yield importlib.import_module
     for name in set(sys.modules) - before:
         if name in ("_common", "train_step", "moe_step", "moe_layer", "scaling", "optimizer", "plan_vs_measured", "host_memory",
-                    "checkpointing", "expert_shapes", "metrics_log") or name.startswith("benchmarks"):
+                    "checkpointing", "expert_shapes", "metrics_log", "ep_dispatch") or name.startswith("benchmarks"):
             sys.modules.pop(name, None)
 
 
