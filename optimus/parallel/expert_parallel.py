@@ -26,6 +26,7 @@ gradient divide factor to dp; that needs ReduceOp.PREMUL_SUM, which gloo lacks.)
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -139,9 +140,14 @@ class ExpertParallelExperts(nn.Module):
         group, El = self.ep_mesh.get_group(), self.n_local
         rank, impl = self.ep_mesh.get_local_rank(), "reference" if self.impl == "reference" else "auto"
         # every rank's token count (equal in training; a rank's last evaluation batch may be short), read on the
-        # host: the gathered buffers are padded to the longest, the padding's copies routed nowhere
+        # host: the gathered buffers are padded to the longest, the padding's copies routed nowhere. Exchanged as a
+        # CPU tensor where the group also runs gloo (the launcher's "cpu:gloo,<accelerator>" groups): no device
+        # sync before the one permute_tokens makes
         n_tokens = tokens.shape[0]
-        width = max(max(all_gather_rows(torch.tensor([n_tokens], device=tokens.device), group).tolist()), 1)
+        sizes = torch.tensor([n_tokens])
+        if tokens.device.type != "cpu" and "gloo" not in str(dist.get_backend(group)):
+            sizes = sizes.to(tokens.device)
+        width = max(max(all_gather_rows(sizes, group).tolist()), 1)
         if n_tokens < width:
             pad = width - n_tokens
             tokens = torch.cat([tokens, tokens.new_zeros(pad, tokens.shape[1])])
