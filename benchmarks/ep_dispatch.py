@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import (  # noqa: E402
     CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json,
 )
+from optimus.plan.block_collectives import allgather_exchange_bytes  # noqa: E402
 from tests.helpers.distributed import run_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,13 +100,15 @@ def _rank(rank: int, world: int, overrides: list[str], rounds: int, first: str) 
 
 def planned_ep_bytes(dispatch: str, ep: int, tokens: int, top_k: int, d_model: int, layers: int,
                      n_experts: int) -> int:
-    """The EP exchanges' bytes per rank the planner prices for one forward and backward (fp32; step_time): each
-    way ep x the rank's tokens (allgather: gathered in and reduce-scattered out, the reverse in backward, with the
-    router weights both ways and the expert ids and token counts forward), or its top_k copies out and back
-    (all_to_all, forward and backward, with the per-expert counts)."""
+    """The EP exchanges' bytes per rank the planner prices for one forward and backward (fp32): allgather's
+    collectives as plan/step_time sizes them (forward its all-gathers and the combine's reduce-scatter; backward
+    the tokens' and router weights' reduce-scatters and the combine's all-gather), or the all_to_all's top_k copies
+    out and back, forward and backward, with the per-expert counts."""
     if dispatch == "allgather":
-        routing = ep * tokens * top_k
-        return layers * (4 * ep * tokens * d_model * 4 + 2 * 4 * routing + 8 * routing + 8 * ep)
+        sizes = allgather_exchange_bytes(ep, tokens * d_model * 4, tokens, top_k)
+        forward = sum(sizes.values()) + sizes["tokens"]
+        backward = 2 * sizes["tokens"] + sizes["router_weights"]
+        return int(layers * (forward + backward))
     return ep_all_to_all_bytes(layers, tokens, top_k, d_model, n_experts)
 
 

@@ -96,7 +96,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "dense-hsdp2x2-defer": (DENSE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                        "--parallel.defer_grad_sync=all", "--train.micro_batch_size=1"]),
     # checkpointing under tp (test_expert_tensor_parallel's ops- and full-checkpointing layouts): what the
-    # recompute communicates again differs by mode (step_time.replayed_collectives)
+    # recompute communicates again differs by mode (block_collectives.replayed_collectives)
     "moe-tp2-selective-ops": (MOE, 2, ["--parallel.tp=2", "--train.activation_checkpointing=selective_ops"]),
     "moe-tp2-full-ac": (MOE, 2, ["--parallel.tp=2", "--train.activation_checkpointing=full"]),
     # gradients reduced in bf16 (parallel.grad_reduce_dtype): half the bytes of every gradient collective

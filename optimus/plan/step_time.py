@@ -11,7 +11,7 @@
                  activations before/after attention and MLP, forward and backward; QK-norm's all-reduces; the
                  embedding's, LM head's and loss's collectives), ep dispatch and combine (all-to-all, or
                  all-gather of the tokens + reduce-scatter of their combined outputs), and of each what the
-                 recompute runs again (replayed_collectives, counted per checkpointing mode)
+                 recompute runs again (replayed_collectives, counted per checkpointing mode): block_collectives.py
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
                  gradient collective below), of every rank's padded shard (memory.fsdp_elements); pp sends of
@@ -70,12 +70,12 @@ from dataclasses import dataclass, field
 
 from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
-from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
 from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
+from optimus.plan.block_collectives import expert_parallel_time, replayed_collectives, tensor_parallel_time
+from optimus.plan.comms import Link, all_reduce_time, group_link, ring_time, send_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
@@ -220,40 +220,6 @@ def replays_forward_ops(config: Config) -> bool:
     return config.train.activation_checkpointing == "selective_ops"
 
 
-@dataclass(frozen=True)
-class ReplayedCollectives:
-    """The collectives one block's recompute runs again (counted by dispatching the backward on gloo, where
-    tests/distributed/test_checkpointing_collectives.py checks every mode against these).
-
-    tp_gathers, tp_scatters: sequence parallelism's all-gathers and reduce-scatters of activations (forward hooks
-        around attention and the MLP, which run outside a recomputed sub-module; a recompute stops at the last
-        activation the backward needs, so a MoE block's closing reduce-scatter is not run again)
-    qk_norm: QK-norm's all-reduces (q and k), inside attention (op-level checkpointing keeps their output)
-    ep: the MoE layer's exchanges run again: "all" (routing counts, dispatch and combine), "gather" (the allgather
-        dispatch's all-gathers of the tokens and router weights: op-level checkpointing keeps the rest), or "none"
-    """
-
-    tp_gathers: int = 0
-    tp_scatters: int = 0
-    qk_norm: int = 0
-    ep: str = "none"
-
-
-def replayed_collectives(config: Config) -> ReplayedCollectives:
-    """What the train.activation_checkpointing mode runs again of a block's collectives (ReplayedCollectives)."""
-    mode, moe = config.train.activation_checkpointing, config.model.is_moe
-    if mode == "full":
-        return ReplayedCollectives(tp_gathers=2, tp_scatters=1 if moe else 2, qk_norm=2, ep="all")
-    if mode == "selective_ops":
-        return ReplayedCollectives(tp_gathers=2, ep="gather")
-    if mode == "selective":
-        recompute = set(config.train.recompute)
-        # QK-norm runs again inside a recomputed attention, or as its own recomputed norms
-        qk = 2 if "attention" in recompute or "norms" in recompute else 0
-        return ReplayedCollectives(qk_norm=qk, ep="all" if moe and "moe" in recompute else "none")
-    return ReplayedCollectives()
-
-
 def memory_bound_bytes(config: Config, dims: ParallelDims, layers: int, recompute: bool,
                        fused_only: bool = False) -> float:
     """HBM bytes one micro-batch's memory-bound ops move on one rank (forward, backward = 2x, a recomputed forward).
@@ -335,31 +301,6 @@ def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root
         (COMPILED_OPERATOR_SHARE if config.train.compile else 1.0)
     forward = layers * block + (ROOT_OPS if root else 0)
     return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
-
-
-def _tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int, act_bytes: float,
-                          again: ReplayedCollectives) -> float:
-    """One micro-batch's tensor-parallel collectives on the last pipeline stage (parallel/tensor_parallel.py).
-
-    Per block: an all-gather before and a reduce-scatter after attention and the MLP (sequence parallel), each
-    mirrored in backward (the all-gather's gradient is a reduce-scatter and vice versa), and what the recompute
-    runs again (replayed_collectives); QK-norm's full-width RMS all-reduces each token's sum of squares for q and
-    k, forward and backward. The root: the embedding's output reduce-scattered to sequence shards (an all-gather
-    back), the LM head's input all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows]
-    statistics per chunk.
-    """
-    m, train = config.model, config.train
-    link = group_link(dims, ("tp",), cluster)
-    gather, scatter = ring_time(link, act_bytes), ring_time(link, act_bytes, "reduce_scatter")
-    gather_scatter = gather + scatter
-    tokens = train.micro_batch_size * train.seq_len
-    blocks = layers * (2 * 2 * gather_scatter + again.tp_gathers * gather + again.tp_scatters * scatter)
-    qk_norm = layers * (2 * 2 + again.qk_norm) * all_reduce_time(link, 4 * tokens) if m.qk_norm else 0.0
-    rows = min(DEFAULT_CHUNK_ROWS, tokens)
-    head = gather_scatter + -(-tokens // rows) * ring_time(link, dims.tp * 2 * 4 * rows)
-    # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
-    embedding = gather_scatter if dims.pp == 1 else 0.0
-    return blocks + qk_norm + head + embedding
 
 
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
@@ -444,27 +385,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     again = replayed_collectives(config)
     tp_mb = 0.0
     if dims.tp > 1:
-        tp_mb = _tensor_parallel_time(config, dims, cluster, layers, act_bytes, again)
-    ep_mb = 0.0
-    if dims.ep > 1:  # per MoE layer: dispatch + combine, forward and backward, and what the recompute runs again
-        ep_link = group_link(dims, ("ep",), cluster)
-        if p.ep_dispatch == "all_to_all":
-            dispatch = combine = all_to_all_time(ep_link, act_bytes * config.model.top_k / dims.tp, cluster)
-            forward, backward, gathers = dispatch + combine, dispatch + combine, 0.0
-        else:  # all-gather the tokens with their router weights, expert ids (and counts) over ep, reduce-scatter the
-            # combined outputs: ep x the rank's tokens each way (the whole micro-batch's under tp: sequence
-            # parallelism gathered them for the block); the backward reverses the differentiable ones
-            copies = dims.ep * tokens_mb * config.model.top_k
-            gathered = dims.ep * act_bytes
-            gathers = ring_time(ep_link, gathered) + ring_time(ep_link, 4 * copies)  # tokens, router weights
-            metadata = ring_time(ep_link, 8 * copies) + ring_time(ep_link, 8 * dims.ep)  # expert ids, token counts
-            combine = ring_time(ep_link, gathered, "reduce_scatter")
-            forward = gathers + metadata + combine
-            backward = (ring_time(ep_link, gathered, "reduce_scatter") + ring_time(ep_link, gathered)
-                        + ring_time(ep_link, 4 * copies, "reduce_scatter"))
-        # what the recompute runs again: the whole exchange, or (op-level) the allgather's differentiable all-gathers
-        replayed = {"all": forward, "gather": gathers}
-        ep_mb = layers * (forward + backward + replayed.get(again.ep, 0.0))
+        tp_mb = tensor_parallel_time(config, dims, cluster, layers, act_bytes, again)
+    ep_mb = expert_parallel_time(config, dims, cluster, layers, tokens_mb, act_bytes, again) if dims.ep > 1 else 0.0
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:
         # activations forward and their gradients backward, one of each per micro-batch and virtual stage; the

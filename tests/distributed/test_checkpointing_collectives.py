@@ -1,5 +1,5 @@
 """What each activation-checkpointing mode's recompute communicates again, counted, against what the planner prices
-(optimus/plan/step_time.replayed_collectives).
+(optimus/plan/block_collectives.replayed_collectives).
 
 Counted by dispatching the backward (which runs the recompute) under a mode that records every op, minus the same
 layout's plain backward. Op-level checkpointing (`selective_ops`) keeps the collectives' outputs but the
@@ -65,7 +65,7 @@ def _replayed(counts: dict[str, int], plain: dict[str, int], ops: tuple[str, ...
     (True, dict(dp_shard=2, ep=2, ep_dispatch="allgather")),
 ], ids=["dense-tp2", "moe-tp2", "ep2-all_to_all", "ep2-allgather"])
 def test_recompute_replays_the_collectives_the_planner_prices(moe, parallel):
-    from optimus.plan.step_time import replayed_collectives
+    from optimus.plan.block_collectives import replayed_collectives
 
     modes = [name for name in MODES if not (name == "selective mlp" and moe or name == "selective moe" and not moe)]
     counts = run_distributed(_backward_ops, 2, moe, parallel, modes)[0]

@@ -82,15 +82,7 @@ def last_records(path: str | Path, count: int, marker: str) -> list[dict[str, An
         for line in handle:
             if needle in line:
                 kept.append(line)
-    records = []
-    for line in kept:
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return [record for record, _ in map(_parse, kept) if record is not None]
 
 
 def _dropped(line: bytes, start_step: int) -> bool:
