@@ -40,6 +40,7 @@ FSDP transients), plus the data pipeline's token batches, which the comparison a
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -161,10 +162,14 @@ def allocator_peak(events) -> int:
     allocator records a free only on a thread the profiler runs on, so a tensor that a gloo worker thread releases
     (expert-parallel all-to-all buffers held by their async work) is never subtracted from the total, which then
     climbs ~10 MiB a step (MoE FSDP 2 + EP 2: 684 MiB after 3 steps, 737 after 8, while the resident set stayed
-    flat). A new block at an address still held here means the one before it was freed unseen: it is dropped then.
-    So the profiled runs keep glibc's default allocator, which maps a large block fresh and hands it back on free:
-    the next one lands at once where an unseen free left room. With the trainer's reuse (train/host_memory.py) the
-    heap places it elsewhere and one rank in four read 50-100 MiB high (MoE HSDP 2 x 2 + EP 2: 745 MiB vs 644).
+    flat). Two live blocks never share a byte, so a new block over any part of one still held here means that one
+    was freed unseen: it is dropped then. Matching start addresses alone missed the blocks the allocator reused in
+    part (a smaller block cut from a larger freed one): one rank in four, or both of DDP's under bf16 reduction,
+    read 35-150 MiB high (MoE FSDP 2 x TP 2: 404 MiB where its other ranks read 358-387, 351 predicted; DDP 2 with
+    bf16 reduction 819 MiB, 667 predicted; with overlaps 354 and 691). So the profiled runs keep glibc's default
+    allocator, which maps a large block fresh and hands it back on free: the next ones land at once where an
+    unseen free left room. With the trainer's reuse (train/host_memory.py) the heap places them elsewhere and one
+    rank in four read 50-100 MiB high (MoE HSDP 2 x 2 + EP 2: 745 MiB vs 644).
     """
     from torch._C._profiler import _EventType
 
@@ -175,13 +180,23 @@ def allocator_peak(events) -> int:
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
             allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
     allocations.sort()
-    live: dict[int, int] = {}
+    starts: list[int] = []  # the live blocks' addresses, sorted (live blocks never overlap)
+    sizes: dict[int, int] = {}
     current = peak = 0
     for _, size, address in allocations:
-        current -= live.pop(address, 0)  # freed now, or (a new block there) freed unseen before
-        if size > 0:
-            live[address] = size
-            current += size
+        if size <= 0:  # a free seen
+            if address in sizes:
+                current -= sizes.pop(address)
+                del starts[bisect.bisect_left(starts, address)]
+            continue
+        # a new block over any part of a live one means that one was freed unseen before
+        i = bisect.bisect_left(starts, address + size)
+        while i > 0 and starts[i - 1] + sizes[starts[i - 1]] > address:
+            current -= sizes.pop(starts.pop(i - 1))
+            i -= 1
+        starts.insert(i, address)
+        sizes[address] = size
+        current += size
         peak = max(peak, current)
     return peak
 
