@@ -226,13 +226,14 @@ def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient
     """What FSDP holds beyond the sharded gradients while it reduces the root unit (embedding, final norm, LM
     head; `root` in unsharded elements) at the end of the backward, without pp: the flat reduce-scatter input of
     the root's gradients (`reduce` bytes an element: fp32 4, bf16 2), with `gloo` (CPU) also the copy gloo's
-    reduce_scatter makes of its input, and
+    reduce_scatter makes of its input (none where dp_shard is 1: FSDP2 copies the input to its output instead, whose
+    size the sharded gradients already count, and runs no reduce-scatter), and
     `loss_weight_gradient`: what the loss keeps until the backward ends (the CPU's fused loss ops hold their fp32
     head-weight gradient in their autograd node). 0 under pp (fsdp_deferred_reduce_bytes) or without data
     parallelism."""
     if dims.pp > 1 or not dims.has_data_parallel:
         return 0.0
-    return reduce * root * (2 if gloo else 1) + loss_weight_gradient
+    return reduce * root * (2 if gloo and dims.dp_shard > 1 else 1) + loss_weight_gradient
 
 
 def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims, reduce: float = 4.0) -> float:

@@ -167,4 +167,7 @@ def test_fsdp_without_pp_peaks_in_the_roots_reduce_when_it_outweighs_the_activat
     assert fsdp_root_reduce_bytes(10.0, fsdp) == 40.0  # the flat fp32 reduce-scatter input
     assert fsdp_root_reduce_bytes(10.0, fsdp, loss_weight_gradient=5.0, gloo=True) == 85.0  # gloo's copy, the loss's
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=4, dp_shard=2, pp=2)) == 0.0  # pp: deferred instead
+    # replicating only (dp_shard 1): FSDP2 copies the input to a whole-sized output, no gloo reduce-scatter
+    replicate = ParallelDims(world_size=2, dp_replicate=2)
+    assert fsdp_root_reduce_bytes(10.0, replicate, loss_weight_gradient=5.0, gloo=True) == 45.0
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=2, tp=2)) == 0.0  # no FSDP
