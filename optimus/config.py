@@ -136,7 +136,7 @@ def _apply_preset(raw: dict[str, Any]) -> dict[str, Any]:
     preset = model.get("preset")
     if preset is None:
         return raw
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:  # a mapping or list (--model.preset.x=1) is no name
         raise ConfigError(f"unknown model.preset '{preset}': choose one of {', '.join(sorted(PRESETS))}")
     filled = PRESETS[preset].model_dump()
     filled.update(model)
@@ -179,6 +179,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise ConfigError(f"config file '{path}' is not valid YAML{where}: fix the syntax") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {err.start}): pass a YAML file, or "
+                              "save it as UTF-8") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections (model, train, ...)")
     raw = _deep_merge(raw, parse_overrides(overrides or []))

@@ -55,6 +55,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
     if args.tasks is not None:  # `--tasks ""` names no task, as `--tasks ,,` does: not the held-out loss
         return _eval_tasks(args)
+    if args.limit is not None:  # the held-out loss reads --batches, not questions
+        raise UsageError("--limit counts the questions of --tasks: add --tasks, or use --batches for the held-out loss")
     config, model = load_run(args.run)
     seq_len = _seq_len(args, config)
     if args.data:

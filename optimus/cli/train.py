@@ -12,6 +12,9 @@ from optimus.cli.errors import UsageError, output_location
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
 
+    if args.world_size is not None and not args.dry_run:  # it sizes the dry run only: the launcher sets the ranks
+        raise UsageError(f"--world-size {args.world_size} applies with --dry-run only: add --dry-run, or start "
+                         f"{args.world_size} ranks with `optimus launch --nproc-per-node {args.world_size} train ...`")
     config = load_config(args.config, overrides)
     if args.dry_run:
         import yaml
@@ -22,6 +25,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
             if args.world_size < 1:
                 raise UsageError("--world-size must be at least 1")
+            if not 0 < args.device_memory_gb < float("inf"):  # nan and -1 would print every layout as not fitting
+                raise UsageError(f"--device-memory-gb must be a positive number of GiB (got {args.device_memory_gb:g})")
             print()
             print(format_report(dry_run(config, args.world_size, args.device_memory_gb)))
         return 0

@@ -36,6 +36,9 @@ def load_recipe(spec: str) -> dict:
         recipe = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise DataError(f"recipe {path} is not valid YAML ({str(error).splitlines()[0]}): fix the file") from None
+    except UnicodeDecodeError as error:
+        raise DataError(f"recipe {path} is not UTF-8 text (byte {error.start}): give the path of a YAML recipe, or "
+                        "save it as UTF-8") from None
     sources = recipe.get("sources") if isinstance(recipe, dict) else None
     if not isinstance(sources, dict) or not sources:
         raise DataError(f"recipe {path} has no 'sources' mapping: list each source with its tokens and path")

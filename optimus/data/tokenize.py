@@ -333,6 +333,9 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tokenize_command(args: argparse.Namespace) -> int:
     """The `optimus tokenize` verb: tokenize args.input into args.output and print a summary."""
+    workers = getattr(args, "workers", None)
+    if workers is not None and workers < 1:  # tokenize_files would quietly run one process
+        raise DataError(f"--workers {workers}: must be at least 1 (or left out for every CPU)")
     held = [name for name in ("train.bin", "heldout.bin") if (Path(args.output) / name).exists()]
     if held and not getattr(args, "overwrite", False):
         # a training run may be reading them; and a new train.bin without --heldout-fraction drops heldout.bin
@@ -343,7 +346,7 @@ def tokenize_command(args: argparse.Namespace) -> int:
         getattr(args, "tokenizer", "olmoe"),
         args.output,
         heldout_fraction=getattr(args, "heldout_fraction", 0.0) or 0.0,
-        workers=getattr(args, "workers", None),
+        workers=workers,
         progress=getattr(args, "progress", True),
     )
     splits = ", ".join(

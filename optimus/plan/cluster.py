@@ -142,6 +142,9 @@ def _read_mapping(path: Path) -> dict:
         mark = getattr(err, "problem_mark", None)
         raise ConfigError(f"cluster file {path} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}: fix "
                           f"the syntax") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cluster file {path} is not UTF-8 text (byte {err.start}): pass a YAML file, or save it "
+                          "as UTF-8") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"cluster file {path} must hold a mapping of a preset's keys (name, device, ...)")
     return raw

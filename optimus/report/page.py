@@ -42,6 +42,24 @@ def precision_line(records: RunRecords) -> str | None:
             f"{first['world_size']} device(s)")
 
 
+def read_run_config(path: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping of sections ({} where the run has none), or ReportError in one line: a
+    damaged file is named rather than drawn half (the trainer writes it whole; an edit may not have)."""
+    if not path.is_file():
+        return {}
+    fix = "restore it (the config the run was started with), or move it away to draw the report without it"
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ReportError(f"'{path}' is not valid YAML{f' at line {mark.line + 1}' if mark else ''}: {fix}") from None
+    except UnicodeDecodeError as err:
+        raise ReportError(f"'{path}' is not UTF-8 text (byte {err.start}): {fix}") from None
+    if not isinstance(config, dict) or not all(isinstance(section, dict) for section in config.values()):
+        raise ReportError(f"'{path}' is not a mapping of config sections (model, train, ...): {fix}")
+    return config
+
+
 def config_summary(config: dict[str, Any]) -> list[tuple[str, str]]:
     """(setting, value) rows a reader needs first: the model, batch, schedule, layout and data."""
     model, train = config.get("model", {}), config.get("train", {})
@@ -87,7 +105,7 @@ def render_report(run_dir: str | Path) -> str:
     if not records.steps:
         raise ReportError(f"'{metrics}' holds no logged training step yet: train first (optimus train ...)")
     config_path = run / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    config = read_run_config(config_path)
 
     sections: list[str] = []
 

@@ -56,6 +56,20 @@ def test_bad_files(tmp_path):
         load_config(None, ["train.max_steps=3"])
 
 
+def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model:\n  preset: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 17\)") as err:
+        load_config(binary)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [["--model.preset.x=1"], ["--model.preset=[mula-tiny-dense]"]])
+def test_a_preset_that_is_not_a_name_is_one_line(overrides):
+    with pytest.raises(ConfigError, match="unknown model.preset .*: choose one of"):
+        load_config(None, overrides)
+
+
 def test_saved_config_round_trips(tmp_path):
     config = build_config({"model": {"preset": "mula-tiny-dense"}, "train": {"max_steps": 3}})
     save_config(config, tmp_path / "config.yaml")

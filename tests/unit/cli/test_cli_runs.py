@@ -55,3 +55,10 @@ def test_generate_notes_a_continuation_past_the_trained_context(tiny_run, capsys
     assert captured.err == (f"note: prompt ({prompt_tokens} tokens) + {fits + 1} new tokens exceeds the seq_len "
                             f"{SEQ_LEN} the model was trained on (train.seq_len); text past it is extrapolated\n")
     assert captured.out.startswith(f"prompt: {PROMPT}\ncontinuation (")  # generated all the same
+
+
+def test_eval_limit_without_tasks_is_one_line(tiny_run, capsys):
+    assert main(["eval", str(tiny_run), "--limit", "3", "--batches", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["optimus eval: error: --limit counts the questions of --tasks: add --tasks, or use --batches for "
+                   "the held-out loss"]

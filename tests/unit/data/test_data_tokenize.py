@@ -164,6 +164,17 @@ def test_tokenize_command_and_its_arguments(tmp_path, small_speeches, capsys):
     assert tokenize_command(args) == 0 and not (tmp_path / "heldout.bin").exists()
 
 
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_fewer_than_one_worker_is_refused_before_anything_is_written(workers, tmp_path, small_speeches):
+    parser = argparse.ArgumentParser()
+    add_tokenize_arguments(parser)
+    args = parser.parse_args(["--input", str(small_speeches[0]), "--output", str(tmp_path / "out"), "--workers",
+                              workers, "--no-progress"])
+    with pytest.raises(DataError, match=f"--workers {workers}: must be at least 1"):
+        tokenize_command(args)
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_packaged_builds_once_then_reuses(tmp_path, monkeypatch):
     three_docs = lambda name: islice(iter_packaged_documents(name), 3)  # noqa: E731 - keeps the test fast
     monkeypatch.setattr(tokenize_module, "iter_packaged_documents", three_docs)

@@ -91,6 +91,14 @@ def test_an_unreadable_or_unknown_file_or_base_is_one_line(tmp_path):
             load_cluster(path)
 
 
+def test_a_cluster_file_that_is_not_utf8_text_is_one_line(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0\)") as err:
+        load_cluster(str(path))
+    assert str(err.value).startswith(f"cluster file {path} ") and "\n" not in str(err.value)
+
+
 def test_a_name_is_a_preset_and_a_path_or_yaml_name_is_a_file():
     assert not is_cluster_file("h100") and not is_cluster_file("here") and not is_cluster_file("summit")
     assert is_cluster_file("mine.yaml") and is_cluster_file("clusters/mine") and is_cluster_file("x.yml")

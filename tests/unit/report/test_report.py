@@ -131,3 +131,18 @@ def test_bad_run_dir_is_one_line_and_exit_2(tmp_path, capsys, make, problem):
     assert main(["report", str(make(tmp_path))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("optimus report: error:") and problem in err[0]
+
+
+@pytest.mark.parametrize("config, problem", [
+    (b"model: [unclosed\n", "config.yaml' is not valid YAML at line 2"),
+    (b"\xff\xfe", "config.yaml' is not UTF-8 text (byte 0)"),
+    (b"- a list\n", "config.yaml' is not a mapping of config sections"),
+    (b"model: 3\n", "config.yaml' is not a mapping of config sections"),
+])
+def test_a_damaged_config_yaml_is_one_line_and_exit_2(tmp_path, capsys, config, problem):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "config.yaml").write_bytes(config)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("optimus report: error:") and problem in err[0], err
+    assert "move it away" in err[0] and not (tmp_path / "report.html").exists()
