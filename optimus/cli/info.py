@@ -21,6 +21,10 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     rows = dict(PRESETS)  # no target: every preset
     highlight = None
     if args.target and args.target not in PRESETS and not Path(args.target).is_file():
+        if Path(args.target).suffix in (".yaml", ".yml") or "/" in args.target or Path(args.target).exists():
+            what = "is a directory" if Path(args.target).is_dir() else "not found"
+            raise ConfigError(f"config file '{args.target}' {what}: give the path of a YAML config, or a preset "
+                              f"({', '.join(sorted(PRESETS))})")
         raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
     if args.target and Path(args.target).is_file():
         highlight = "config"

@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _VERBS = ("train", "tokenize", "eval", "generate", "export", "import", "info")
+# verbs that run in one process or start their own (tune launches its trials; chaos its runs): not under launch
+_ALONE_VERBS = ("chaos", "report", "verify", "plan", "tune", "launch")
 
 
 def _report_user_error(line: str) -> None:
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             check_omp_num_threads()
-            return run_torchrun(argv[1:], _VERBS)
+            return run_torchrun(argv[1:], _VERBS, _ALONE_VERBS)
         except ValueError as err:
             print(f"optimus launch: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -25,11 +25,17 @@ WORKER_ERRORS_TO_LAUNCHER = "launcher"
 EXIT_BAD_INPUT = 2
 
 
-def split_launch_args(argv: list[str], verbs: Collection[str]) -> tuple[list[str], list[str]]:
-    """(torchrun's options, the optimus command): the command starts at the first optimus verb."""
+def split_launch_args(argv: list[str], verbs: Collection[str], alone: Collection[str] = ()
+                      ) -> tuple[list[str], list[str]]:
+    """(torchrun's options, the optimus command): the command starts at the first optimus verb; `alone`: the
+    verbs that start their own processes or run in one (plan, tune, report, ...), named when given instead."""
     for index, arg in enumerate(argv):
         if arg in verbs:
             return argv[:index], argv[index:]
+    single = next((arg for arg in argv if arg in alone), None)
+    if single is not None:
+        raise ValueError(f"`optimus {single}` is not started through launch: run `optimus {single} ...` on its own "
+                         f"(launch starts the ranks of {', '.join(sorted(verbs))})")
     raise ValueError(f"no optimus command after the torchrun options: add one of {', '.join(sorted(verbs))}")
 
 
@@ -68,8 +74,9 @@ def _message_of(failure) -> str | None:
     return message if isinstance(message, str) and message.startswith("optimus ") else None
 
 
-def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
-    """Run `torchrun TORCHRUN_OPTIONS -m optimus VERB ARGS` in this process; returns the exit code."""
+def run_torchrun(argv: list[str], verbs: Collection[str], alone: Collection[str] = ()) -> int:
+    """Run `torchrun TORCHRUN_OPTIONS -m optimus VERB ARGS` in this process; returns the exit code (`alone`: the
+    optimus verbs launch does not start, split_launch_args)."""
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -77,7 +84,7 @@ def run_torchrun(argv: list[str], verbs: Collection[str]) -> int:
     if not any(arg in verbs for arg in argv) and any(arg in ("-h", "--help") for arg in argv):
         print("usage: optimus launch [torchrun options] VERB [its arguments]; torchrun's options:")
         parse_args(["--help"])  # prints them and exits 0
-    torchrun_options, command = split_launch_args(argv, verbs)
+    torchrun_options, command = split_launch_args(argv, verbs, alone)
     args = _parse_torchrun_options([*torchrun_options, "-m", "optimus", *command])
     _check_counts(args)
     os.environ[WORKER_ERRORS_ENV] = WORKER_ERRORS_TO_LAUNCHER  # inherited by the workers

@@ -294,6 +294,8 @@ BAD_INPUT_CASES = {
     "plan cluster file missing": (lambda t, tr: ["plan", str(tr[0]), "--cluster", str(t / "mine.yaml"), "--devices",
                                                  "8"], "cluster file '"),
     "info sequence of 0": (lambda t, tr: ["info", "mula-1b", "--seq-len", "0"], "--seq-len must be at least 1"),
+    "info config file missing": (lambda t, tr: ["info", str(t / "mine.yaml")], "mine.yaml' not found: give the path"),
+    "info config is a folder": (lambda t, tr: ["info", str(t)], "' is a directory: give the path of a YAML config"),
     "generate at temperature nan": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--temperature", "nan"],
                                     "--temperature must be a number >= 0"),
     "generate with a seed past 64 bits": (lambda t, tr: ["generate", str(tr[1]), "--prompt", "Hi", "--seed",

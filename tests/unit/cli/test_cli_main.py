@@ -78,3 +78,16 @@ def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli_main, "cmd_info", fails)
     with pytest.raises(ConnectionResetError):
         main(["info"])
+
+
+@pytest.mark.parametrize("verb", ["plan", "tune", "report"])
+def test_launch_names_a_verb_that_runs_on_its_own(verb, capsys):
+    assert main(["launch", "--nproc-per-node=2", verb, CONFIG]) == 2
+    assert capsys.readouterr().err == (f"optimus launch: error: `optimus {verb}` is not started through launch: run "
+                                       f"`optimus {verb} ...` on its own (launch starts the ranks of eval, export, "
+                                       "generate, import, info, tokenize, train)\n")
+
+
+def test_launch_without_a_verb_lists_the_launchable_ones(capsys):
+    assert main(["launch", "--nproc-per-node=2", "frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("optimus launch: error: no optimus command after the torchrun options")
