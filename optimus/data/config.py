@@ -62,7 +62,9 @@ class DataConfig(BaseModel):
     @model_validator(mode="after")
     def _recipe_or_sources(self) -> "DataConfig":
         if self.recipe is not None and "sources" in self.model_fields_set:
-            raise ValueError("give either 'recipe' or 'sources', not both")
+            raise ValueError("data.recipe and data.sources are both set, and a recipe replaces the sources: delete "
+                             "the data.sources list from the config file to train on the recipe, or leave out "
+                             "data.recipe")
         return self
 
     @model_validator(mode="after")

@@ -96,7 +96,7 @@ def test_config_takes_exactly_one_location():
     assert DataSource(glob="/d/*.npy", dtype="uint32", eos_id=EOS).glob == "/d/*.npy"
     with pytest.raises(ValueError, match="exactly one"):
         DataSource(glob="/d/*.npy", path="/d")
-    with pytest.raises(ValueError, match="either 'recipe' or 'sources'"):
+    with pytest.raises(ValueError, match="both set, and a recipe replaces the sources: delete the data.sources list"):
         DataConfig(recipe=str(RECIPE), sources=[{"name": "sotu"}])
 
 
