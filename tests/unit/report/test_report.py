@@ -112,6 +112,15 @@ def test_a_large_job_keeps_each_step_highest_and_lowest_rank_memory(tmp_path):
     assert memory_panel(records)  # drawn from what was kept
 
 
+
+def test_the_step_records_share_one_copy_of_each_key(tmp_path):
+    """A parsed line's keys are its own strings, half of what a kept record takes: the kept records share them."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "tokens_per_s": 9.0}) + "\n" for s in (1, 2)))
+    first, second = RunRecords.read(path).steps
+    assert first == {"step": 1, "loss": 1.0, "tokens_per_s": 9.0} and second["step"] == 2
+    assert all(a is b for a, b in zip(first, second))
+
 def test_a_dense_run_without_evaluation_leaves_those_panels_out(tmp_path, capsys):
     rows = [{"step": s, "loss": 5.0 - s, "ce_loss": 5.0 - s, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": None,
              "skipped": s == 2, **({"skip_reason": "non-finite"} if s == 2 else {})} for s in (1, 2, 3)]
