@@ -5,9 +5,10 @@
 
 Gloo ranks train the tiny MoE (seq 128, 4 sequences a data-parallel rank) under FSDP 2 x EP 2 (2 ranks), or TP 2
 x EP 2 under zero1 (4 ranks: plan_vs_measured's moe-tp2-ep2-zero1, where each tp rank exchanges its column's
-copies of the whole micro-batch), each building the model twice from one seed: with `parallel.ep_dispatch=allgather` (the Aurora team's: every rank's tokens,
-router weights and expert ids all-gathered, the local experts combined per token, the partial sums
-reduce-scattered) and with `all_to_all` (the routed copies sent to their experts' ranks and back: the reference).
+copies of the whole micro-batch), each building the model twice from one seed: with
+`parallel.ep_dispatch=allgather` (the Aurora team's: every rank's tokens, router weights and expert ids
+all-gathered, the local experts combined per token, the partial sums reduce-scattered) and with `all_to_all` (the
+routed copies sent to their experts' ranks and back: the reference).
 Forward and backward of one micro-batch alternate between the two round by round, each order of building them
 once; the table gives the median of the slowest rank, the collectives' calls and bytes in one forward and
 backward (torch.distributed's, counted by wrapping them: the EP exchanges and FSDP's), the EP exchanges' bytes
