@@ -24,7 +24,7 @@ for) and the step time at it.
 --no-calibrate --model=--train.seq_len=2048`.
 
 Memory measured: the allocator's peak, as max_memory_allocated reads it on a GPU: in `--memory-runs` further
-runs (the least of them), each rank trains under torch.profiler with profile_memory (started just before the
+runs (each rank's least over them), each rank trains under torch.profiler with profile_memory (started before the
 Trainer is built), and the most bytes live at once is rebuilt from its allocation and free events, block by block
 (allocator_peak: the events' own running total climbs past the truth when other threads free tensors); the largest
 rank's. The timed runs' peak resident sets (VmHWM growth over the
@@ -388,8 +388,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
             at_routing = predicted["step_at_routing_s"]
             timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": at_routing,
                           "step_error_at_routing": at_routing / step - 1})
-    # memory: the allocator's peak in the profiled runs, the least of them (as the fastest of the times: EP's
-    # routing moves the peak a little); the timed runs' resident peaks only where no memory run was asked for
+    # memory: the allocator's peak in the profiled runs, the least of them (each rank's least where there are
+    # several, below); the timed runs' resident peaks only where no memory run was asked for
     profiled = [_train_once(config_path, ranks, overrides, warmup, profile_memory=True, threads=threads)
                 for _ in range(memory_runs)]
     timed_peaks = [max(r["growth"] for r in run[1]) for run in runs]
@@ -398,6 +398,9 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     peaks = [max(r[key] for r in run[1]) for run in candidates]
     least = min(range(len(candidates)), key=peaks.__getitem__)
     ranks_out, memory = candidates[least][1], peaks[least]
+    if len(profiled) > 1:  # a rank's reading only ever errs high (allocator_peak: frees unseen), and its true peak
+        # is the same in every run (same data, same routing): each rank's least over the runs, the largest rank's
+        memory = max(min(run[1][rank][key] for run in profiled) for rank in range(len(ranks_out)))
     predicted_memory = predicted["memory_bytes"] + predicted["host_extras"]
     # what the memory model gives at the routing this run had (the prediction above assumes balanced routing)
     routing = {}
