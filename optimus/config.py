@@ -166,6 +166,27 @@ def build_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(_format_validation_error(err)) from None
 
 
+class YamlFileError(ValueError):
+    """What is wrong with a YAML file: a phrase to follow its name ("is not valid YAML at line 3"), and the fix."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}: {fix}")
+        self.problem, self.fix = problem, fix
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content, or YamlFileError where its text is not YAML or not UTF-8 (the caller names the file:
+    a config, a cluster preset, a data recipe, a run's config.yaml)."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise YamlFileError(f"is not valid YAML{where}", "fix the syntax") from None
+    except UnicodeDecodeError as err:
+        raise YamlFileError(f"is not UTF-8 text (byte {err.start})", "pass a YAML file, or save it as UTF-8") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config file (or the defaults when path is None) and apply CLI overrides."""
     raw: dict[str, Any] = {}
@@ -174,14 +195,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise ConfigError(f"config file '{path}' not found: pass the path of a YAML file (see configs/)")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file '{path}' is not valid YAML{where}: fix the syntax") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {err.start}): pass a YAML file, or "
-                              "save it as UTF-8") from None
+            raw = read_yaml(path) or {}
+        except YamlFileError as err:
+            raise ConfigError(f"config file '{path}' {err}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections (model, train, ...)")
     raw = _deep_merge(raw, parse_overrides(overrides or []))

@@ -20,13 +20,14 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--seq-len must be at least 1 (got {args.seq_len})")
     rows = dict(PRESETS)  # no target: every preset
     highlight = None
-    if args.target and args.target not in PRESETS and not Path(args.target).is_file():
-        if Path(args.target).suffix in (".yaml", ".yml") or "/" in args.target or Path(args.target).exists():
-            what = "is a directory" if Path(args.target).is_dir() else "not found"
+    target = Path(args.target) if args.target else None
+    if target is not None and args.target not in PRESETS and not target.is_file():
+        if target.suffix in (".yaml", ".yml") or "/" in args.target or target.exists():  # meant as a file
+            what = "is a directory" if target.is_dir() else "not found"
             raise ConfigError(f"config file '{args.target}' {what}: give the path of a YAML config, or a preset "
                               f"({', '.join(sorted(PRESETS))})")
         raise ConfigError(f"unknown preset '{args.target}': choose one of {', '.join(sorted(PRESETS))} or a config file")
-    if args.target and Path(args.target).is_file():
+    if target is not None and target.is_file():
         highlight = "config"
         rows = {"config": load_config(args.target, overrides).model}
     elif overrides:  # --model.* overrides (as `optimus train` and `plan` take them) make one model: show that one

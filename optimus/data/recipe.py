@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob as globbing
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from optimus.data.config import DataConfig, DataSource
@@ -32,13 +31,12 @@ def _recipe_file(spec: str) -> Path:
 def load_recipe(spec: str) -> dict:
     """The parsed recipe file: {"name", "dtype", "eos_id", "sources": {name: {"tokens", "path", ...}}}."""
     path = _recipe_file(spec)
+    from optimus.config import YamlFileError, read_yaml  # here: optimus.config imports the data package
+
     try:
-        recipe = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise DataError(f"recipe {path} is not valid YAML ({str(error).splitlines()[0]}): fix the file") from None
-    except UnicodeDecodeError as error:
-        raise DataError(f"recipe {path} is not UTF-8 text (byte {error.start}): give the path of a YAML recipe, or "
-                        "save it as UTF-8") from None
+        recipe = read_yaml(path)
+    except YamlFileError as error:
+        raise DataError(f"recipe {path} {error}") from None
     sources = recipe.get("sources") if isinstance(recipe, dict) else None
     if not isinstance(sources, dict) or not sources:
         raise DataError(f"recipe {path} has no 'sources' mapping: list each source with its tokens and path")

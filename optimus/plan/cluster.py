@@ -15,9 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from optimus.config import ConfigError
+from optimus.config import ConfigError, YamlFileError, read_yaml
 from optimus.plan.efficiency import Efficiency
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
@@ -137,14 +135,9 @@ def load_cluster(name: str) -> Cluster:
 
 def _read_mapping(path: Path) -> dict:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        raise ConfigError(f"cluster file {path} is not valid YAML{f' at line {mark.line + 1}' if mark else ''}: fix "
-                          f"the syntax") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"cluster file {path} is not UTF-8 text (byte {err.start}): pass a YAML file, or save it "
-                          "as UTF-8") from None
+        raw = read_yaml(path)
+    except YamlFileError as err:
+        raise ConfigError(f"cluster file {path} {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"cluster file {path} must hold a mapping of a preset's keys (name, device, ...)")
     return raw

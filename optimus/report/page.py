@@ -16,8 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from optimus.config import YamlFileError, read_yaml
 from optimus.report.panels import (
     checkpoint_panel, downstream_panel, expert_load_data, expert_load_panels, grad_norm_panel, loss_panel,
     memory_panel, skipped_steps_table, stragglers_table, throughput_panel,
@@ -49,12 +48,9 @@ def read_run_config(path: Path) -> dict[str, Any]:
         return {}
     fix = "restore it (the config the run was started with), or move it away to draw the report without it"
     try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        raise ReportError(f"'{path}' is not valid YAML{f' at line {mark.line + 1}' if mark else ''}: {fix}") from None
-    except UnicodeDecodeError as err:
-        raise ReportError(f"'{path}' is not UTF-8 text (byte {err.start}): {fix}") from None
+        config = read_yaml(path) or {}
+    except YamlFileError as err:
+        raise ReportError(f"'{path}' {err.problem}: {fix}") from None
     if not isinstance(config, dict) or not all(isinstance(section, dict) for section in config.values()):
         raise ReportError(f"'{path}' is not a mapping of config sections (model, train, ...): {fix}")
     return config
