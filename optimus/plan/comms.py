@@ -22,7 +22,11 @@ Every step of a ring pays the latency of its link (alpha per hop).
 
 Measured instead of modelled: a cluster that carries a table of timed collectives (`here`: gloo over loopback,
 optimus/plan/calibrate.py) answers an on-node collective from that table, interpolated in log-log between the
-timed sizes (linear in bytes past the largest). Gloo's algorithms differ per operation (its reduce-scatter of
+timed sizes (linear in bytes past the largest). A group smaller than the job is read from the rows timed beside
+the job's other ranks computing where those ranks do compute meanwhile: beside a pipeline's other stages, and
+wherever ranks outnumber cores (core_share < 1), since time slicing then breaks the ranks' lockstep and a pair
+reaching its collective finds the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms there against
+0.2 ms with every pair communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36). Gloo's algorithms differ per operation (its reduce-scatter of
 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow down once a message leaves the cache, which
 no single alpha-beta pair fits.
 """
@@ -100,7 +104,7 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
     return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
-                              beside_compute=dims.pp > 1 and "pp" not in group)
+                              beside_compute="pp" not in group and (dims.pp > 1 or cluster.core_share < 1))
                 if size == per_node else None)
 
 
