@@ -451,10 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown layout {unknown[0]}: choose from {', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    from optimus.plan.here import machine
+    from optimus.plan.here import busy_note, machine
 
     # measured (where it never was) away from this process, which must not run several threads itself
-    native_bf16 = in_fresh_process(machine, cache_file, cpu_cache)["machine"]["auto_dtype"] == "bf16"
+    measured = in_fresh_process(machine, cache_file, cpu_cache)["machine"]
+    native_bf16 = measured["auto_dtype"] == "bf16"
+    busy = busy_note(measured.get("load_at_measure"), measured["cores"], f"when {cache_file} was measured")
+    if busy:
+        print(busy, file=sys.stderr)
     for name in [n for n in names if needs_native_bf16(n) and not native_bf16]:
         print(f"{name}: skipped, this CPU computes bf16 by emulation (train.dtype auto runs fp32 here)")
     names = [n for n in names if native_bf16 or not needs_native_bf16(n)]

@@ -185,7 +185,7 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
     on what the cache lacks (said once, for the planned job)."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate import calibrate_op_classes, describe
-    from optimus.plan.here import here_cluster, machine, rank_threads, threads_phrase, write_cache
+    from optimus.plan.here import busy_note, here_cluster, machine, rank_threads, threads_phrase, write_cache
 
     cache_file, cpu_cache = here_cache_files()
     if devices < 1:
@@ -195,6 +195,12 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
         print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2 and 4 ranks, op classes "
               f"at {config_path}'s shapes on {threads_phrase(threads)} a rank): about a minute", flush=True)
     entry = machine(cache_file, cpu_cache, remeasure=calibrate)
+    measured = entry["machine"]
+    busy = busy_note(measured.get("load_at_measure"), measured["cores"],
+                     "just now, when this calibration began" if calibrate else f"when it was measured "
+                     f"({measured['measured_at']})")
+    if busy and not quiet:
+        print(busy, file=sys.stderr)
     if calibrate:
         # the micro-batch the op classes are timed at: the configured layout's (one rank when none is set)
         resolved = validate_layout(config).config

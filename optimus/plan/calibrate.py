@@ -390,7 +390,9 @@ def describe(entry: dict[str, Any]) -> list[str]:
     from optimus.plan.here import threads_phrase
 
     m = entry["machine"]
-    lines = [f"here: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 1024**3:.1f} GiB, measured {m['measured_at']}",
+    load = m.get("load_at_measure")
+    lines = [f"here: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 1024**3:.1f} GiB, measured {m['measured_at']}"
+             + (f" at load {load:.1f}" if load is not None else ""),
              f"  matmul peak per thread: fp32 {m['fp32_flops_per_thread'] / 1e9:.1f} GFLOP/s, "
              f"bf16 {m['bf16_flops_per_thread'] / 1e9:.1f} GFLOP/s (train.dtype auto -> {m['auto_dtype']})",
              f"  copy bandwidth: {m['copy_gb_s_one_thread']:.1f} GB/s one thread, {m['copy_gb_s_all_cores']:.1f} GB/s all cores"]

@@ -14,6 +14,8 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
                             calls (what a step pays): a table, and alpha (per hop) and beta (per rank) fitted by
                             least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
+    host load               the one-minute load average as the measuring began: a plan from timings taken while
+                            other tasks filled the cores says so (busy_note) and asks for a calibration when quiet
 
 Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by running R matmul processes at
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the smaller of a core's copy
@@ -76,6 +78,25 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def host_load() -> float | None:
+    """The host's one-minute load average (runnable tasks, ours included), None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_note(load: float | None, n_cores: int, when: str) -> str | None:
+    """A line saying timings taken `when` the host ran at `load` read slow, or None while it was quiet: other
+    tasks that alone fill the cores slow every probe (a table timed under load 3-5 on 2 cores priced gloo
+    collectives 2-5x slow and two layouts 15-17% high, BENCHMARKS.md stop 35)."""
+    if load is None or load < n_cores:
+        return None
+    return (f"here: the host was busy {when} (load {load:.1f} on {n_cores} cores): its timings read slow and every "
+            "plan here inherits them; run `optimus plan CONFIG --cluster here --devices N --calibrate` again on a "
+            "quiet host")
 
 
 def rank_threads(ranks: int, environ: dict[str, str] | None = None) -> int:
@@ -182,6 +203,7 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
     from optimus.plan.calibrate import measure_collectives, measure_share
     from optimus.train.precision import choose_precision
 
+    load = host_load()  # before our own probes add to it
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -195,7 +217,8 @@ def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str
             "auto_dtype": auto, "copy_gb_s_one_thread": copy_bandwidth(1) / 1e9,
             "copy_gb_s_all_cores": copy_bandwidth(cores()) / 1e9, "fresh_page_s_per_byte": fresh_page_cost(),
             "host_memory": HOST_MEMORY,
-            "collectives": measure_collectives(), "share": measure_share(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "collectives": measure_collectives(), "share": measure_share(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_at_measure": load}
 
 
 def all_cores_rates(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, float]:

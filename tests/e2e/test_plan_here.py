@@ -41,8 +41,9 @@ def here_cache(tmp_path, monkeypatch):
     (cache / "optimus").mkdir(parents=True)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
 
-    def write(memory_gib: float) -> None:
-        (cache / "optimus" / "plan_here.json").write_text(json.dumps({host_key(): {"machine": _machine(memory_gib)}}))
+    def write(memory_gib: float, load: float | None = None) -> None:
+        machine = _machine(memory_gib) | ({"load_at_measure": load} if load is not None else {})
+        (cache / "optimus" / "plan_here.json").write_text(json.dumps({host_key(): {"machine": machine}}))
     return write
 
 
@@ -57,6 +58,16 @@ def test_plan_here_uses_the_measured_machine_and_says_it_is_not_calibrated(here_
     assert entries and all(e["fits"] for e in entries)  # 12 GiB per rank holds the tiny model in any layout
     # the measured peak: 2e10 FLOP/s per thread, one core per rank
     assert all(0 < e["mfu"] <= 1 for e in entries)
+
+
+@pytest.mark.parametrize("load, busy", [(3.5, True), (0.4, False)])
+def test_a_plan_from_timings_taken_on_a_busy_host_says_so(here_cache, config_file, load, busy):
+    here_cache(memory_gib=24, load=load)
+    result = run_cli("plan", str(config_file), "--cluster", "here", "--devices", "2")
+    assert result.returncode == 0, result.stderr
+    note = "the host was busy when it was measured (by the test) (load 3.5 on 2 cores)"
+    assert (note in result.stderr) is busy, result.stderr
+    assert ("--calibrate` again on a quiet host" in result.stderr) is busy
 
 
 def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran_on_fewer(here_cache, config_file,
