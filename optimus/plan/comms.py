@@ -26,9 +26,9 @@ timed sizes (linear in bytes past the largest). A group smaller than the job is 
 the job's other ranks computing where those ranks do compute meanwhile: beside a pipeline's other stages, and
 wherever ranks outnumber cores (core_share < 1), since time slicing then breaks the ranks' lockstep and a pair
 reaching its collective finds the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms there against
-0.2 ms with every pair communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36). Gloo's algorithms differ per operation (its reduce-scatter of
-64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow down once a message leaves the cache, which
-no single alpha-beta pair fits.
+0.2 ms with every pair communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36). Gloo's algorithms
+differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
+down once a message leaves the cache, which no single alpha-beta pair fits.
 """
 
 from __future__ import annotations
