@@ -158,8 +158,9 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     if info["vocab_size"] <= config.model.vocab_size:  # e.g. an imported model with its own small vocabulary
         tokenizer = ExportTokenizer(resolve_tokenizer_path(config.data.tokenizer), info["eos_token"], info["pad_token"])
         note = " with its tokenizer"
+    # the context the run trained at, not a fixed 4096: lm-eval and the tokenizer's truncation take it as the window
     out = export_hf(model, config.model, args.out, dense_format=args.dense_format, tokenizer=tokenizer,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, context_length=config.train.seq_len)
     print(f"exported {args.run} to {out} (Hugging Face transformers layout{note})")
     return 0
 
@@ -167,7 +168,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.checkpoint.manager import CheckpointManager
     from optimus.config import build_config, save_config
-    from optimus.models.hf import import_hf
+    from optimus.models.hf import context_length_from_hf, import_hf, read_hf_config
     from optimus.models.transformer import build_model
     from optimus.train.state import ModelState
 
@@ -178,14 +179,20 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     if held:  # an earlier run's config, metrics or checkpoints would be replaced or left beside the import
         names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise UsageError(f"--out {args.out} already holds files ({names}): import into a new or empty folder")
+    # checked before the weights are read: a malformed context should not cost a multi-GB read first
+    context_length = context_length_from_hf(read_hf_config(args.hf_dir))
     model_config, state_dict = import_hf(args.hf_dir)
-    config = build_config({"model": model_config.model_dump(), "run": {"dir": str(out)}})
+    # train at the context the model was trained at, not the library's default
+    train = {} if context_length is None else {"seq_len": context_length}
+    config = build_config({"model": model_config.model_dump(), "train": train, "run": {"dir": str(out)}})
     model = build_model(config.model, device="cpu")
     model.load_state_dict(state_dict, strict=True)
     CheckpointManager(out).preflight(checkpoint_bytes=sum(t.numel() * 4 for t in state_dict.values()))
     save_config(config, out / "config.yaml")
     CheckpointManager(out).save(0, {"model": ModelState(model)}, {"model": config.model.model_dump(), "contents": ["model"]})
-    print(f"imported {args.hf_dir} into {out} (step 0): continue with optimus train {out}/config.yaml")
+    source = " from config.json's max_position_embeddings" if context_length is not None else ", the default"
+    print(f"imported {args.hf_dir} into {out} (step 0, train.seq_len {config.train.seq_len}{source}): "
+          f"continue with optimus train {out}/config.yaml (add --train.seq_len=N for another context)")
     return 0
 
 

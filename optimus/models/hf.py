@@ -5,6 +5,10 @@ Export writes `config.json` + `model.safetensors` that `AutoModelForCausalLM.fro
 pre-norm, no QK-norm). Import reads such a folder (safetensors only, never pickle) into a ModelConfig
 and a state dict for `Transformer.load_state_dict`.
 
+The context length travels both ways: export writes the run's train.seq_len as `max_position_embeddings`
+(and the tokenizer's `model_max_length`); import reads `max_position_embeddings` back (context_length_from_hf)
+for the run's train.seq_len.
+
 OLMoE experts go to disk one module per expert (`mlp.experts.{j}.gate_proj.weight`, ...), as on the
 Hub: transformers 4.x loads that directly, and transformers 5 merges it on load into its fused
 `gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F] (and splits it again in save_pretrained). Import
@@ -34,7 +38,9 @@ class InteropError(ValueError):
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM", "llama": "LlamaForCausalLM"}
 # The OLMoE tokenizer's ids (DESIGN.md section 3): what OLMoE and OLMo-2 ship in their configs.
 PAD_ID, EOS_ID = 1, 50279
-MAX_POSITIONS = 4096  # RoPE is computed on the fly here; HF wants a number, OLMoE's is 4096
+# The context an export states when its caller names none (OLMoE's). RoPE is computed on the fly here, so the number
+# records the context a model was trained at rather than a limit of its weights.
+MAX_POSITIONS = 4096
 
 
 # ------------------------------------------------------------------------------------ name maps
@@ -90,8 +96,9 @@ def _name_pairs(config: ModelConfig, family: str) -> list[tuple[str, str]]:
 
 
 # --------------------------------------------------------------------------------------- export
-def hf_config(config: ModelConfig, family: str) -> dict:
-    """The config.json transformers (4.x and 5.x) needs to rebuild this architecture."""
+def hf_config(config: ModelConfig, family: str, context_length: int = MAX_POSITIONS) -> dict:
+    """The config.json transformers (4.x and 5.x) needs to rebuild this architecture; context_length (the run's
+    train.seq_len) becomes max_position_embeddings."""
     out = {
         "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": config.vocab_size, "hidden_size": config.d_model,
@@ -100,7 +107,7 @@ def hf_config(config: ModelConfig, family: str) -> dict:
         "num_key_value_heads": config.kv_heads, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
         # transformers 5 reads rope_parameters; 4.x reads rope_theta (5 moves it into rope_parameters).
         "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": False,
+        "max_position_embeddings": context_length, "tie_word_embeddings": False,
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": config.init_std,
         "pad_token_id": PAD_ID, "bos_token_id": None, "eos_token_id": EOS_ID,
         "torch_dtype": "float32", "use_cache": True,
@@ -163,9 +170,11 @@ class ExportTokenizer:
     pad_token: str
 
 
-def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer) -> dict[str, int]:
+def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer,
+                          context_length: int = MAX_POSITIONS) -> dict[str, int]:
     """tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json, so that
-    AutoTokenizer.from_pretrained(out) and generate() work offline; returns the eos and pad ids."""
+    AutoTokenizer.from_pretrained(out) and generate() work offline; returns the eos and pad ids.
+    context_length (the run's train.seq_len) becomes the tokenizer's model_max_length."""
     from tokenizers import Tokenizer
 
     text = tokenizer.path.read_text()
@@ -176,7 +185,7 @@ def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer) -> dict[str, in
     # a generic fast tokenizer over tokenizer.json: no BOS added (OLMoE and OLMo-2 train without one)
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "bos_token": None,
                         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-                        "model_max_length": MAX_POSITIONS}
+                        "model_max_length": context_length}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
     generation = {"bos_token_id": None, **ids, "do_sample": False}  # greedy by default, as `optimus generate`
@@ -185,20 +194,22 @@ def write_tokenizer_files(out: Path, tokenizer: ExportTokenizer) -> dict[str, in
 
 
 def export_hf(model: Transformer, config: ModelConfig, out_dir: str | Path, dense_format: str = "auto",
-              tokenizer: ExportTokenizer | None = None, overwrite: bool = False) -> Path:
+              tokenizer: ExportTokenizer | None = None, overwrite: bool = False,
+              context_length: int = MAX_POSITIONS) -> Path:
     """Write `config.json` and `model.safetensors` (fp32) that transformers' from_pretrained loads, and,
     given the run's tokenizer, its files (see write_tokenizer_files).
 
     MoE models become OlmoeForCausalLM; dense ones Olmo2ForCausalLM or LlamaForCausalLM, chosen by
-    norm placement and QK-norm when dense_format is "auto". A folder holding a model already is refused unless
+    norm placement and QK-norm when dense_format is "auto". context_length, the run's train.seq_len, is written as
+    max_position_embeddings and model_max_length. A folder holding a model already is refused unless
     `overwrite`. Returns the output directory.
     """
     family = pick_format(config, dense_format)
     tensors = to_hf_state_dict(model, config, family)
     out = _prepare_out_dir(out_dir, overwrite)
-    hf = hf_config(config, family)
+    hf = hf_config(config, family, context_length)
     if tokenizer is not None:
-        hf.update(write_tokenizer_files(out, tokenizer))
+        hf.update(write_tokenizer_files(out, tokenizer, context_length))
     # config.json before the weights: a folder left half-written by a crash then counts as an export to redo.
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tmp = out / "model.safetensors.tmp"
@@ -399,12 +410,8 @@ def _take_experts(pool: dict[str, torch.Tensor], layer: int, config: ModelConfig
     return {ours + "w_gate_up": gate_up.contiguous(), ours + "w_down": down.contiguous()}
 
 
-def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF OLMoE / OLMo-2 / Llama folder: (our ModelConfig, state dict for Transformer.load_state_dict).
-
-    Reads config.json and safetensors weights (single file or sharded with an index); refuses pickle
-    (*.bin) weights, unsupported architectures and weights that do not match the config.
-    """
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """The config.json of an HF model folder as a dict (InteropError when the folder or the file is unusable)."""
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise InteropError(f"'{folder}' is not a directory: pass a Hugging Face model folder "
@@ -420,6 +427,32 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     if not isinstance(hf, dict):
         raise InteropError(f"config.json in '{folder}' holds a {type(hf).__name__}, not a JSON object: "
                            "pass the config.json save_pretrained wrote")
+    return hf
+
+
+def context_length_from_hf(hf: dict) -> int | None:
+    """config.json's max_position_embeddings, the context the model was trained at; None when it is absent or null.
+
+    Refused (InteropError) when it is not a positive whole number: a run must not train at a guessed context."""
+    value = hf.get("max_position_embeddings")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InteropError(f"config.json field max_position_embeddings must be a positive whole number (got "
+                           f"{json.dumps(value)}): set it to the context the model was trained at, or delete it "
+                           "and pass --train.seq_len=N to optimus train")
+    return value
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF OLMoE / OLMo-2 / Llama folder: (our ModelConfig, state dict for Transformer.load_state_dict).
+
+    Reads config.json and safetensors weights (single file or sharded with an index); refuses pickle
+    (*.bin) weights, unsupported architectures and weights that do not match the config. The context length is
+    not part of the model: read it with context_length_from_hf(read_hf_config(hf_dir)).
+    """
+    folder = Path(hf_dir)
+    hf = read_hf_config(folder)
     try:
         config = config_from_hf(hf)
     except KeyError as err:

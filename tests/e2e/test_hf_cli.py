@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -34,6 +36,10 @@ def test_import_then_export_round_trips_through_the_cli(tmp_path, capsys):
     assert main(["import", str(tmp_path / "hf-in"), "--out", str(run)]) == 0
     assert (run / "config.yaml").is_file()
     assert main(["export", str(run), "--format", "hf", "--out", str(exported)]) == 0
+    # the context travels too: OlmoeConfig's max_position_embeddings (4096) -> train.seq_len -> config.json
+    assert original.config.max_position_embeddings == 4096
+    assert "train.seq_len 4096 from config.json's max_position_embeddings" in capsys.readouterr().out
+    assert json.loads((exported / "config.json").read_text())["max_position_embeddings"] == 4096
 
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         exported, attn_implementation="sdpa", output_loading_info=True

@@ -13,7 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from optimus.models.config import ModelConfig  # noqa: E402
 from optimus.models.generate import generate  # noqa: E402
-from optimus.models.hf import InteropError, config_from_hf, export_hf, hf_config, import_hf  # noqa: E402
+from optimus.models.hf import (  # noqa: E402
+    MAX_POSITIONS, InteropError, config_from_hf, context_length_from_hf, export_hf, hf_config, import_hf,
+    read_hf_config,
+)
 from optimus.models.presets import get_preset  # noqa: E402
 from optimus.models.transformer import build_model  # noqa: E402
 from tests.helpers.hf import edit_hf_config, hf_import_error  # noqa: E402
@@ -122,6 +125,15 @@ def test_export_writes_hub_layout_and_config(tmp_path):
     assert hf["tie_word_embeddings"] is False and hf["output_router_logits"] is False
     assert (hf["pad_token_id"], hf["eos_token_id"], hf["torch_dtype"]) == (1, 50279, "float32")
     assert hf["rope_theta"] == hf["rope_parameters"]["rope_theta"] == 10000.0
+    assert hf["max_position_embeddings"] == MAX_POSITIONS  # no run's seq_len given: OLMoE's 4096
+
+
+def test_export_states_the_context_length_it_is_given_and_import_reads_it_back(tmp_path):
+    config = CONFIGS["llama-gqa"]
+    out = export_hf(_ours(config), config, tmp_path / "hf", context_length=1024)
+    hf, _ = _load_hf(out)
+    assert hf.config.max_position_embeddings == 1024
+    assert context_length_from_hf(read_hf_config(out)) == 1024
 
 
 def test_export_over_an_earlier_export_but_not_over_other_files(tmp_path):
@@ -221,11 +233,12 @@ def test_hub_olmoe_config_maps_to_our_preset_and_back():
         "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_key_value_heads": 16,
         "norm_topk_prob": False, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
         "router_aux_loss_coef": 0.01, "tie_word_embeddings": False, "vocab_size": 50304, "pad_token_id": 1,
-        "eos_token_id": 50279, "torch_dtype": "bfloat16",
+        "eos_token_id": 50279, "torch_dtype": "bfloat16", "max_position_embeddings": 4096,
     }
     preset = get_preset("olmoe-1b-7b")
     assert config_from_hf(hub).model_dump(exclude={"preset"}) == preset.model_dump(exclude={"preset"})
     assert config_from_hf(hf_config(preset, "olmoe")) == preset.model_copy(update={"preset": None})
+    assert context_length_from_hf(hub) == 4096 == context_length_from_hf(hf_config(preset, "olmoe", 4096))
 
 
 # ------------------------------------------------------------------------------------ generate

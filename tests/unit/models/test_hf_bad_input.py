@@ -1,6 +1,6 @@
 """Hugging Face folders `optimus import` must refuse in one line, not import into a silently wrong model: NaN/inf
-weights, a tensor stored in two files, a head the config does not tie, and non-integer sizes in config.json. Built
-from our own export (no transformers needed)."""
+weights, a tensor stored in two files, a head the config does not tie, non-integer sizes in config.json, and a
+max_position_embeddings that is no context length. Built from our own export (no transformers needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimus.models.config import ModelConfig
-from optimus.models.hf import export_hf, import_hf
+from optimus.models.hf import InteropError, context_length_from_hf, export_hf, import_hf, read_hf_config
 from optimus.models.transformer import build_model
 from tests.helpers.hf import edit_hf_config, hf_import_error
 
@@ -104,3 +104,19 @@ def test_null_optional_integer_fields_are_derived(tmp_path):
     edit_hf_config(path, num_key_value_heads=None, head_dim=None)
     config, _ = import_hf(path)
     assert config.kv_heads == CONFIG.n_heads and config.d_model == CONFIG.d_model
+
+
+def test_the_context_length_is_the_exported_one_and_absent_or_null_is_none(tmp_path):
+    path = export_hf(build_model(CONFIG, seed=0), CONFIG, tmp_path / "hf", dense_format="llama", context_length=512)
+    assert context_length_from_hf(read_hf_config(path)) == 512
+    assert context_length_from_hf({}) is None and context_length_from_hf({"max_position_embeddings": None}) is None
+
+
+@pytest.mark.parametrize("value, shown", [("4096", '"4096"'), (4096.0, "4096.0"), (True, "true"), (0, "0"),
+                                          (-8, "-8"), ([4096], "[4096]")])
+def test_a_max_position_embeddings_that_is_no_context_length_is_refused(value, shown):
+    with pytest.raises(InteropError) as err:
+        context_length_from_hf({"max_position_embeddings": value})
+    assert str(err.value) == (f"config.json field max_position_embeddings must be a positive whole number (got "
+                              f"{shown}): set it to the context the model was trained at, or delete it and pass "
+                              "--train.seq_len=N to optimus train")
