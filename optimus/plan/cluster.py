@@ -52,6 +52,10 @@ class Cluster:
     # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
     # presets model theirs (optimus/plan/comms.py)
     measured_collectives: dict[str, dict[tuple[int, int, bool], list]] | None = None
+    # where ranks outnumber cores: the fraction of its time a group smaller than the job finds the job's other ranks
+    # computing rather than in collectives of their own, which weighs the two tables of its collectives
+    # (comms.group_link); step_time sets it to the step's compute share
+    others_computing: float = 1.0
     # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
     host_cpu: bool = False
     # `here`: seconds per byte the first write of a freshly allocated block costs beyond a reused one's, for

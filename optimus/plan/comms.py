@@ -23,10 +23,12 @@ Every step of a ring pays the latency of its link (alpha per hop).
 Measured instead of modelled: a cluster that carries a table of timed collectives (`here`: gloo over loopback,
 optimus/plan/calibrate.py) answers an on-node collective from that table, interpolated in log-log between the
 timed sizes (linear in bytes past the largest). A group smaller than the job is read from the rows timed beside
-the job's other ranks computing where those ranks do compute meanwhile: beside a pipeline's other stages, and
-wherever ranks outnumber cores (core_share < 1), since time slicing then breaks the ranks' lockstep and a pair
-reaching its collective finds the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms there against
-0.2 ms with every pair communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36). Gloo's algorithms
+the job's other ranks computing where those ranks compute meanwhile, and from those timed with every group
+communicating at once where they are in collectives of their own: beside a pipeline's other stages the first;
+wherever ranks outnumber cores (core_share < 1) both, weighed by the share of the step the others compute
+(cluster.others_computing), since time slicing breaks the ranks' lockstep and a pair reaching its collective may
+find the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms then against 0.2 ms with every pair
+communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36); else the second. Gloo's algorithms
 differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
 down once a message leaves the cache, which no single alpha-beta pair fits.
 """
@@ -104,27 +106,45 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
     return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
-                              beside_compute="pp" not in group and (dims.pp > 1 or cluster.core_share < 1))
+                              beside_compute=_others_computing(dims, group, cluster))
                 if size == per_node else None)
 
 
+def _others_computing(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> float:
+    """The weight of the collectives timed beside compute for a group over `group`'s dims (see the module)."""
+    if "pp" in group:
+        return 0.0
+    if dims.pp > 1:
+        return 1.0
+    return cluster.others_computing if cluster.core_share < 1 else 0.0
+
+
 def _measured_for(table: dict[str, dict[tuple[int, int, bool], list]] | None, size: int, job: int,
-                  beside_compute: bool = False) -> dict[str, tuple] | None:
+                  beside_compute: float = 0.0) -> dict[str, tuple] | None:
     """The timed points of each operation for a group of `size` in a job of `job` ranks: those timed for that
     group size in the nearest job size (here.collective_table's (members, job, others computed) groups: on a host
-    with fewer cores than ranks a pair pays more inside a job of 4 than as a job of 2, and more again beside a
-    pipeline's other stage computing, `beside_compute`), else of the nearest timed group size with their
-    bandwidth part rescaled by the ring's (g - 1) / g."""
+    with fewer cores than ranks a pair pays more inside a job of 4 than as a job of 2, and more again while the
+    job's other ranks compute), the rows timed beside compute weighted `beside_compute` (0-1) and those timed with
+    every group at once the rest, size by size where both were timed; else of the nearest timed group size with
+    their bandwidth part rescaled by the ring's (g - 1) / g."""
     if not table:
         return None
     out = {}
     for op, by_group in table.items():
         if not by_group:
             continue
-        members, _, _ = key = min(by_group, key=lambda g: (abs(g[0] - size), -g[0], abs(g[1] - job),
-                                                           g[2] != beside_compute))
+
+        def nearest(computing: bool) -> tuple[int, int, bool]:
+            return min(by_group, key=lambda g: (abs(g[0] - size), -g[0], abs(g[1] - job), g[2] != computing))
+        members, _, _ = key = nearest(beside_compute >= 0.5)
+        points = {float(b): float(t) for b, t in by_group[key]}
+        other = nearest(not key[2])
+        if other[:2] == key[:2] and other != key:  # both tables of this group: weigh them
+            weight = beside_compute if key[2] else 1.0 - beside_compute
+            timed = {float(b): float(t) for b, t in by_group[other]}
+            points = {b: weight * t + (1 - weight) * timed[b] for b, t in points.items() if b in timed} or points
         scale = ((size - 1) / size) / ((members - 1) / members) if members > 1 else 1.0
-        out[op] = tuple(sorted((float(b), float(t) * scale) for b, t in by_group[key]))
+        out[op] = tuple(sorted((b, t * scale) for b, t in points.items()))
     return out
 
 

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
@@ -303,6 +303,9 @@ def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root
     return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
 
 
+COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync")  # a step's waits on collectives
+
+
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
               efficiency: Efficiency | None = None, micro_batches: int = 1, routing_imbalance: float = 1.0) -> StepTime:
     """Predict one optimizer step of `config` (validated, micro-batch resolved) laid out as `dims`.
@@ -311,7 +314,23 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     routing_imbalance: the busiest rank's routed rows over its balanced share where ep or tp split the experts; the
     step waits for that rank's expert GEMMs (its exchanges are priced at the balanced volume), beyond what shared
     cores absorb where ranks outnumber them.
+
+    Where ranks outnumber cores and no pipeline staggers them, a group smaller than the job finds the other ranks
+    computing for the share of the step they spend outside collectives (comms.py): priced once with the other ranks
+    always computing, that share of the step weighs the two tables of timed collectives the second time.
     """
+    args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
+    if cluster.core_share >= 1 or not cluster.measured_collectives or dims.pp > 1:
+        return _priced_step(*args)
+    first = _priced_step(*args[:3], replace(cluster, others_computing=1.0), *args[4:])
+    waiting = sum(first.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)
+    others_computing = max(0.0, 1.0 - waiting / first.step_s) if first.step_s > 0 else 1.0
+    return _priced_step(*args[:3], replace(cluster, others_computing=others_computing), *args[4:])
+
+
+def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
+                 efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float) -> StepTime:
+    """step_time with the cluster's others_computing as given."""
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
     train, p = config.train, config.parallel
