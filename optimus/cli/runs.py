@@ -180,8 +180,9 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
         names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise UsageError(f"--out {args.out} already holds files ({names}): import into a new or empty folder")
     # checked before the weights are read: a malformed context should not cost a multi-GB read first
-    context_length = context_length_from_hf(read_hf_config(args.hf_dir))
-    model_config, state_dict = import_hf(args.hf_dir)
+    hf = read_hf_config(args.hf_dir)
+    context_length = context_length_from_hf(hf)
+    model_config, state_dict = import_hf(args.hf_dir, hf)
     # train at the context the model was trained at, not the library's default
     train = {} if context_length is None else {"seq_len": context_length}
     config = build_config({"model": model_config.model_dump(), "train": train, "run": {"dir": str(out)}})

@@ -444,15 +444,15 @@ def context_length_from_hf(hf: dict) -> int | None:
     return value
 
 
-def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def import_hf(hf_dir: str | Path, hf: dict | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read an HF OLMoE / OLMo-2 / Llama folder: (our ModelConfig, state dict for Transformer.load_state_dict).
 
-    Reads config.json and safetensors weights (single file or sharded with an index); refuses pickle
-    (*.bin) weights, unsupported architectures and weights that do not match the config. The context length is
-    not part of the model: read it with context_length_from_hf(read_hf_config(hf_dir)).
+    Reads config.json (unless the caller passes what read_hf_config gave it, as `hf`) and safetensors weights
+    (single file or sharded with an index); refuses pickle (*.bin) weights, unsupported architectures and weights
+    that do not match the config. The context length is not part of the model: context_length_from_hf reads it.
     """
     folder = Path(hf_dir)
-    hf = read_hf_config(folder)
+    hf = read_hf_config(folder) if hf is None else hf
     try:
         config = config_from_hf(hf)
     except KeyError as err:

@@ -75,7 +75,7 @@ from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.block_collectives import expert_parallel_time, replayed_collectives, tensor_parallel_time
-from optimus.plan.comms import Link, all_reduce_time, group_link, ring_time, send_time
+from optimus.plan.comms import Link, all_reduce_time, group_link, mesh_sizes, ring_time, send_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
@@ -320,7 +320,8 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     always computing, that share of the step weighs the two tables of timed collectives the second time.
     """
     args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
-    if cluster.core_share >= 1 or not cluster.measured_collectives or dims.pp > 1:
+    smaller_groups = sum(size > 1 for size in mesh_sizes(dims).values()) > 1  # else every group is the whole job
+    if cluster.core_share >= 1 or not cluster.measured_collectives or dims.pp > 1 or not smaller_groups:
         return _priced_step(*args)
     first = _priced_step(*args[:3], replace(cluster, others_computing=1.0), *args[4:])
     waiting = sum(first.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)

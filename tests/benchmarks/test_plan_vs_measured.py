@@ -78,7 +78,6 @@ def test_the_fastest_repeat_counts_and_memory_is_the_profiled_allocator_peak(loa
     assert row["timed_rss_bytes"] == [300, 250]
 
 
-
 def test_each_rank_reads_its_least_over_the_memory_runs(load_benchmark, machine_cache, monkeypatch):
     """A rank's allocator reading only errs high (frees on other threads unseen) and its true peak is the same in
     every run: with two profiled runs whose high rank differs, each rank's least counts (200, not 300)."""
@@ -89,6 +88,7 @@ def test_each_rank_reads_its_least_over_the_memory_runs(load_benchmark, machine_
     row = script.run_layout("dense-fsdp2", 3, 1, machine_cache, (None, ""), calibrate=False,
                             model=SMALL_MODEL.split(","), repeats=1, memory_runs=2)
     assert row["measured_memory_bytes"] == 200
+
 
 def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmark, machine_cache, monkeypatch):
     script = load_benchmark("plan_vs_measured")

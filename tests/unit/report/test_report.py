@@ -112,7 +112,6 @@ def test_a_large_job_keeps_each_step_highest_and_lowest_rank_memory(tmp_path):
     assert memory_panel(records)  # drawn from what was kept
 
 
-
 def test_the_step_records_share_one_copy_of_each_key(tmp_path):
     """A parsed line's keys are its own strings, half of what a kept record takes: the kept records share them."""
     path = tmp_path / "metrics.jsonl"
