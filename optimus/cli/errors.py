@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
@@ -29,7 +30,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def output_location(flag: str, path: str | Path, *, folder: bool = False) -> Path:
     """Where a command will write the output `flag` names (a file, or with `folder` a directory), checked before any
-    work and without creating anything: the nearest existing folder on its way must be one this process can write
+    work and leaving nothing behind: the nearest existing folder on its way must be one this process can write
     in, or UsageError naming the flag and the fix (a job that plans or exports for minutes should not then fail on
     a mistyped path). The command makes the missing folders when it writes."""
     target = Path(path)
@@ -41,6 +42,16 @@ def output_location(flag: str, path: str | Path, *, folder: bool = False) -> Pat
         where = where.parent
     if not where.is_dir():
         raise UsageError(f"{flag} {path}: {where} is a file, not a directory: choose another path")
-    if not os.access(where, os.W_OK | os.X_OK):
+    if not os.access(where, os.W_OK | os.X_OK) or not _can_create_in(where):
         raise UsageError(f"{flag} {path}: {where} is not writable: choose a path you can write")
     return target
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in `folder`: tried (and removed at once), as os.access answers yes to root for
+    folders no one can create in (/proc, /sys)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".optimus-write-check-"):
+            return True
+    except OSError:
+        return False

@@ -1,11 +1,15 @@
 """Bad flags and outputs of the run verbs, refused with one line before anything is written: report's --out,
-import's --out, eval's --tasks/--batches/--batch-size, generate's --temperature/--max-new-tokens."""
+import's --out, eval's --tasks/--batches/--batch-size, generate's --temperature/--max-new-tokens, and an output
+folder no file can be made in (plan's --json)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from optimus.cli import main
+from optimus.cli.errors import output_location
 from tests.helpers.runs import one_error_line
 
 
@@ -100,3 +104,18 @@ def test_eval_data_with_a_damaged_heldout_split_is_refused_not_read_as_train(tin
     (data / "heldout.bin").unlink()  # heldout.json says the split is there: train.bin is not what was asked for
     assert main(["eval", str(tiny_run), "--data", str(data), "--batches", "1"]) == 2
     assert "heldout.bin does not exist" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_plan_refuses_a_json_file_in_a_folder_no_file_can_be_made_in_before_searching(capsys):
+    # os.access calls /proc writable for root (CI containers): the check makes a file to be sure
+    assert main(["plan", "configs/mula-tiny-moe.yaml", "--cluster", "h100", "--devices", "8",
+                 "--json", "/proc/optimus-plan.json"]) == 2
+    assert one_error_line(capsys).endswith("error: --json /proc/optimus-plan.json: /proc is not writable: choose a "
+                                            "path you can write")
+    assert "layouts" not in capsys.readouterr().out  # refused before the search printed anything
+
+
+def test_an_output_check_leaves_nothing_in_the_folder(tmp_path):
+    assert output_location("--json", tmp_path / "sub" / "plan.json") == tmp_path / "sub" / "plan.json"
+    assert list(tmp_path.iterdir()) == []
