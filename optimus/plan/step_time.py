@@ -303,6 +303,23 @@ def operators_per_micro_batch(config: Config, layers: int, recompute: bool, root
     return forward * (1 + BACKWARD_OPS_FACTOR + (1 if recompute else 0))
 
 
+def busiest_expert_pace(imbalance: float, group: int, core_share: float) -> float:
+    """How much longer than at balanced routing the busiest of a `group` of ranks splitting the experts (ep x tp)
+    takes over its expert GEMMs, holding `imbalance` times its balanced rows while the others split the rest
+    evenly. On cores of its own, that factor. Where ranks outnumber cores (`here`: core_share = cores / ranks < 1)
+    the cores are shared as the kernel does (processor sharing, every group alike): all ranks run at core_share
+    until the lighter ones finish and wait in the exchange, then the busiest ranks, one a group, split the cores
+    among themselves (at most one each). At ep 2 on 4 ranks and 2 cores they get a core each and catch up exactly:
+    no cost; at ep x tp 4 the one busiest rank can use one core of two, and 1.2x its rows cost 6.7% more."""
+    if group <= 1 or imbalance <= 1.0:
+        return 1.0
+    if core_share >= 1.0:
+        return imbalance
+    lighter = max(0.0, (group - imbalance) / (group - 1))  # each other member's rows over its balanced share
+    alone = min(1.0, core_share * group)  # the busiest ranks' rate once the others wait (one rank in `group` runs)
+    return max(1.0, lighter + (imbalance - lighter) * core_share / alone)
+
+
 COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync")  # a step's waits on collectives
 
 
@@ -361,9 +378,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     expert_weights = layers * shape.block_experts / (dims.ep * dims.tp)  # tp ranks split the experts too
     dense_passes = 3 + (1 if recomputed.get("attention_proj") or recomputed.get("mlp") else 0)
     expert_passes = 3 + (1 if recomputed.get("experts") else 0)
-    # where ranks outnumber cores (`here`: core_share < 1) the ranks that wait for the busiest one give it their
-    # cores' time (work-conserving, as the pipeline's idle stages do below): only what exceeds that share shows
-    busiest = max(1.0, routing_imbalance * cluster.core_share) if dims.ep * dims.tp > 1 else 1.0
+    busiest = busiest_expert_pace(routing_imbalance, dims.ep * dims.tp, cluster.core_share)
     expert_s = max(busiest * flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
     hbm_eff = hbm * efficiency.memory_bound

@@ -16,7 +16,7 @@ from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time
 from optimus.plan.memory import ModelShape
-from optimus.plan.step_time import step_time
+from optimus.plan.step_time import StepTime, busiest_expert_pace, step_time
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MIB = 1024 * 1024
@@ -131,6 +131,31 @@ def test_ranks_that_outnumber_the_cores_absorb_the_busiest_expert_ranks_extra_ro
     assert step(whole, 1.5) > step(whole, 1.0)
     assert step(shared, 1.5) == step(shared, 2.0) == step(shared, 1.0)
     assert step(shared, 3.0) == pytest.approx(step(whole, 1.5) - step(whole, 1.0) + step(shared, 1.0))
+
+
+def test_the_busiest_expert_rank_alone_in_its_group_cannot_take_every_freed_core():
+    """Processor sharing on 4 ranks and 2 cores: with ep 2 the two busiest ranks (one a pair) get a core each once
+    their peers wait, and catch up exactly; with ep 4 the one busiest rank can use one core of the two, so its extra
+    rows cost (imbalance - lighter) x (0.5 / 1) more than the balanced phase."""
+    assert busiest_expert_pace(1.5, 2, 0.5) == busiest_expert_pace(2.0, 2, 0.5) == 1.0
+    lighter = (4 - 1.2) / 3
+    assert busiest_expert_pace(1.2, 4, 0.5) == pytest.approx(lighter + (1.2 - lighter) * 0.5)  # 1.067
+    assert busiest_expert_pace(1.2, 4, 1.0) == pytest.approx(1.2)  # cores of their own: the rows, as they are
+    assert busiest_expert_pace(1.0, 4, 0.5) == busiest_expert_pace(1.3, 1, 0.5) == 1.0
+
+    def step(ep: int, imbalance: float) -> StepTime:
+        config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=fp32", "--train.seq_len=128",
+                                                                "--train.global_batch_size=8", "--parallel.dp_shard=4",
+                                                                f"--parallel.ep={ep}"])
+        layout = validate_layout(config, 4)
+        host = _host(measured_peak_flops={"fp32": 1e9, "bf16": 1e9}, core_share=0.5)
+        return step_time(layout.config, layout.dims, ModelShape.of(layout.config), host, None,
+                         layout.batch.micro_batches, imbalance)
+
+    assert step(2, 1.2).step_s == step(2, 1.0).step_s
+    balanced, skewed = step(4, 1.0), step(4, 1.2)
+    extra = skewed.parts["compute"] - balanced.parts["compute"]
+    assert extra > 0 and skewed.step_s - balanced.step_s == pytest.approx(extra, rel=1e-6)
 
 
 def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
