@@ -89,7 +89,10 @@ def expert_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     link = group_link(dims, ("ep",), cluster)
     if config.parallel.ep_dispatch == "all_to_all":
         dispatch = combine = all_to_all_time(link, act_bytes * config.model.top_k / dims.tp, cluster)
-        forward = backward = dispatch + combine
+        # the forward first exchanges each expert's row count (int64) to size the uneven exchange; the backward
+        # reuses those splits
+        counts = all_to_all_time(link, 8 * config.model.n_experts, cluster)
+        forward, backward = counts + dispatch + combine, dispatch + combine
         gathers = 0.0
     else:  # ep x the rank's tokens each way (the whole micro-batch's under tp: sequence parallelism gathered them
         # for the block); the backward reverses the differentiable gathers and the combine

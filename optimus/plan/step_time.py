@@ -9,9 +9,10 @@
                  tokens each memory bound
     per micro-batch, not overlapped: tp (sequence parallel: all-gather + reduce-scatter of the block's
                  activations before/after attention and MLP, forward and backward; QK-norm's all-reduces; the
-                 embedding's, LM head's and loss's collectives), ep dispatch and combine (all-to-all, or
-                 all-gather of the tokens + reduce-scatter of their combined outputs), and of each what the
-                 recompute runs again (replayed_collectives, counted per checkpointing mode): block_collectives.py
+                 embedding's, LM head's and loss's collectives), ep dispatch and combine (all-to-all after the
+                 forward's exchange of per-expert counts, or all-gather of the tokens + reduce-scatter of their
+                 combined outputs), and of each what the recompute runs again (replayed_collectives, counted per
+                 checkpointing mode): block_collectives.py
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
                  gradient collective below), of every rank's padded shard (memory.fsdp_elements); pp sends of
