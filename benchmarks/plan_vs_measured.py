@@ -117,16 +117,17 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "dense-pp2-zero1-2": (DENSE, 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1",
                                      "--parallel.pp_schedule=1f1b", "--train.micro_batch_size=2"]),
     # more layouts the distributed tests train (stop 37): FSDP over 4 with experts over 2 (test_expert_parallel),
-    # tp x ep under FSDP (test_expert_tensor_parallel), plain MoE tp, MoE DDP, HSDP x ep under zero1
-    # with selective recompute (test_sharded_optimizer), an interleaved pipeline over FSDP x ep with the all-gather dispatch
-    # (test_pipeline's checkpoint resume), the EP-unaware zero2 baseline under a GPipe pipeline (test_ep_optimizer),
-    # and selective recompute in an interleaved pipeline (test_pipeline)
+    # tp x ep under FSDP (test_expert_tensor_parallel), plain MoE tp, MoE DDP, HSDP x ep under zero1 with selective
+    # recompute (test_sharded_optimizer), an interleaved pipeline over FSDP x ep with the all-gather dispatch
+    # (test_pipeline's checkpoint resume), the EP-unaware zero2 baseline under a GPipe pipeline
+    # (test_sharded_optimizer), and selective recompute in an interleaved pipeline (test_pipeline)
     "moe-fsdp4-ep2": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2"]),
     "moe-fsdp2-tp2-ep2": (MOE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.ep=2"]),
     "moe-tp2": (MOE, 2, ["--parallel.tp=2"]),
     "moe-ddp2": (MOE, 2, ["--parallel.dp_replicate=2", "--parallel.shard_mode=ddp"]),
     "moe-zero1-2x2-ep2-selective": (MOE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2",
-                                             "--parallel.shard_mode=zero1", "--train.activation_checkpointing=selective",
+                                             "--parallel.shard_mode=zero1",
+                                             "--train.activation_checkpointing=selective",
                                              "--train.recompute=[moe,norms]"]),
     "moe-pp2-ep2-interleaved-allgather": (MOE, 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
                                                    "--parallel.pp_schedule=interleaved_1f1b",
