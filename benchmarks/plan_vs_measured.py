@@ -1,7 +1,7 @@
 """The planner's calibrated prediction for this machine vs short real trainings here, layout by layout.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json benchmarks/results/plan_vs_measured.json]
-        [--steps 4] [--warmup 2] [--repeats 2] [--memory-runs 1] [--only NAME,...|smoke] [--no-calibrate]
+        [--steps 4] [--warmup 2] [--repeats 2] [--memory-runs N] [--only NAME,...|smoke] [--no-calibrate]
         [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zero1/2, TP, PP (1F1B, interleaved), EP,
@@ -24,7 +24,9 @@ for) and the step time at it.
 --no-calibrate --model=--train.seq_len=2048`.
 
 Memory measured: the allocator's peak, as max_memory_allocated reads it on a GPU: in `--memory-runs` further
-runs (each rank's least over them), each rank trains under torch.profiler with profile_memory (started before the
+runs (each rank's least over them; by default two where there are several ranks, one for a lone rank: a reading
+only errs high, one rank in several read 8-18% high in a run, and the least of two read every rank of 45 rows
+within 10%, BENCHMARKS.md stop 37), each rank trains under torch.profiler with profile_memory (started before the
 Trainer is built), and the most bytes live at once is rebuilt from its allocation and free events, block by block
 (allocator_peak: the events' own running total climbs past the truth when other threads free tensors); the largest
 rank's. The timed runs' peak resident sets (VmHWM growth over the
@@ -384,10 +386,18 @@ def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int,
     return measured, ranks_out, wall, metrics
 
 
+def default_memory_runs(ranks: int) -> int:
+    """Profiled runs a layout's memory reading takes by default: two where gloo's threads free tensors unseen (each
+    rank's least over them), one for a lone rank, whose reading is exact."""
+    return 2 if ranks > 1 else 1
+
+
 def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
-               model: list[str] = (), repeats: int = 1, memory_runs: int = 1) -> dict:
-    """Train one layout briefly (`repeats` times; none: memory only) and predict it; the row of the table."""
+               model: list[str] = (), repeats: int = 1, memory_runs: int | None = None) -> dict:
+    """Train one layout briefly (`repeats` times; none: memory only) and predict it; the row of the table.
+    memory_runs: the profiled runs (None: default_memory_runs)."""
     config_path, ranks, extra = LAYOUTS[name]
+    memory_runs = default_memory_runs(ranks) if memory_runs is None else memory_runs
     config_path = str(ROOT / config_path)
     overrides = [*BASE, *model, *extra, f"--train.max_steps={warmup + steps}"]
     threads = layout_threads(name)
@@ -439,7 +449,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
             "measured_memory_bytes": memory,
             "predicted_memory_bytes": predicted_memory, "planner_memory_bytes": predicted["memory_bytes"],
             "memory_error": predicted_memory / memory - 1, **routing, "rank_rss": ranks_out,
-            "memory_measure": "allocator peak" if profiled else "resident set", "timed_rss_bytes": timed_peaks,
+            "memory_measure": "allocator peak" if profiled else "resident set", "memory_runs": len(profiled),
+            "timed_rss_bytes": timed_peaks,
             "calibrated": predicted["calibrated"], "efficiency": predicted["efficiency"], "share": predicted["share"]}
 
 
@@ -450,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per layout; the fastest run's median "
                                                                "counts (0: memory only, no time compared)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--memory-runs", type=int, default=1,
-                        help="further runs per layout for the allocator's peak, profiled (0: the timed runs' resident "
-                             "set instead)")
+    parser.add_argument("--memory-runs", type=int, default=None,
+                        help="further runs per layout for the allocator's peak, profiled, each rank's least reading "
+                             "(default: 2 for several ranks, 1 for one; 0: the timed runs' resident set instead)")
     parser.add_argument("--only", default=None, help="comma-separated layout names (default: all); 'smoke': "
                                                      + ",".join(SMOKE))
     parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
@@ -461,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="extra --model.* overrides for every layout, comma-separated "
                                                     "(a smaller model for a quick check)")
     args = parser.parse_args(argv)
-    if args.repeats < 0 or args.memory_runs < 0 or args.repeats + args.memory_runs == 0:
+    memory_runs = 1 if args.memory_runs is None else args.memory_runs  # (the default is at least one)
+    if args.repeats < 0 or memory_runs < 0 or args.repeats + memory_runs == 0:
         print("--repeats and --memory-runs: counts of 0 or more, not both 0 (nothing would be measured)",
               file=sys.stderr)
         return 2
