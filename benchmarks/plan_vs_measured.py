@@ -25,8 +25,8 @@ for) and the step time at it.
 
 Memory measured: the allocator's peak, as max_memory_allocated reads it on a GPU: in `--memory-runs` further
 runs (each rank's least over them; by default two where there are several ranks, one for a lone rank: a reading
-only errs high, one rank in several read 8-18% high in a run, and the least of two read every rank of 45 rows
-within 10%, BENCHMARKS.md stop 37), each rank trains under torch.profiler with profile_memory (started before the
+only errs high, and in one run of the 45 rows one rank read 8-18% high in five, which the least of two read
+within 3%: BENCHMARKS.md, stop 37), each rank trains under torch.profiler with profile_memory (started before the
 Trainer is built), and the most bytes live at once is rebuilt from its allocation and free events, block by block
 (allocator_peak: the events' own running total climbs past the truth when other threads free tensors); the largest
 rank's. The timed runs' peak resident sets (VmHWM growth over the

@@ -93,7 +93,8 @@ def test_each_rank_reads_its_least_over_the_memory_runs(load_benchmark, machine_
 def test_a_lone_rank_reads_its_memory_once_by_default(load_benchmark, machine_cache, monkeypatch):
     script = load_benchmark("plan_vs_measured")
     lone = [{"rank": 0, "growth": 1, "allocator_peak": 100}]
-    _fake_runs(script, monkeypatch, timed=[([1.0], lone, 1.0, [])], memory=[([4.0], lone, 9.0, [])])  # a 2nd: stops
+    # one profiled run given: a second would stop the fake (StopIteration)
+    _fake_runs(script, monkeypatch, timed=[([1.0], lone, 1.0, [])], memory=[([4.0], lone, 9.0, [])])
     row = script.run_layout("dense-1", 3, 1, machine_cache, (None, ""), calibrate=False, model=SMALL_MODEL.split(","),
                             repeats=1)
     assert row["measured_memory_bytes"] == 100 and row["memory_runs"] == 1
