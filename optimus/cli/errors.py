@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -42,14 +41,14 @@ def output_location(flag: str, path: str | Path, *, folder: bool = False) -> Pat
         where = where.parent
     if not where.is_dir():
         raise UsageError(f"{flag} {path}: {where} is a file, not a directory: choose another path")
-    if not os.access(where, os.W_OK | os.X_OK) or not _can_create_in(where):
+    if not _can_create_in(where):
         raise UsageError(f"{flag} {path}: {where} is not writable: choose a path you can write")
     return target
 
 
 def _can_create_in(folder: Path) -> bool:
-    """Whether a file can be made in `folder`: tried (and removed at once), as os.access answers yes to root for
-    folders no one can create in (/proc, /sys)."""
+    """Whether a file can be made in `folder`: tried (and removed at once), not asked of os.access, which answers
+    yes to root for folders no one can create in (/proc, /sys)."""
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".optimus-write-check-"):
             return True
