@@ -6,7 +6,9 @@ the pairs of a 4-rank job, both pairs at once and one pair while the other compu
 data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a pipeline); per world
 size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
 (relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
-S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce.
+S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce. And per world size what a
+collective reached after compute costs beyond the back-to-back call, after 10 and 40 ms of compute (the ranks
+arrive apart: step_time prices it at the layout's compute between its collectives).
 
 Op classes, each timed forward + backward on a rank's threads (here.rank_threads: one for each of several ranks, as
 torchrun gives them; every core for a lone process) at the shapes the
@@ -72,7 +74,15 @@ COLLECTIVE_WORLDS = (2, 4)
 # 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute"  # a cache timed otherwise is re-timed
+COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute; sync after compute"  # else re-timed
+# A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
+# all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
+# table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms
+# for 4 ranks after 20 ms chunks; for 4 ranks 1.6 ms after 5 ms chunks and 3-6 ms after 40-150 ms ones (time
+# slicing lets the ranks drift apart the longer they compute); single samples ranged 0-2.3 and 0.6-5 ms. Timed per
+# job size at two chunks (compute between two collectives: 10-40 ms in a tiny model's step of 25-100 of them)
+SYNC_CHUNKS = ((0.01, 25), (0.04, 10))  # (chunk seconds, calls a sample)
+SYNC_BYTES, SYNC_SAMPLES = 64 * 1024, 8
 # the optimizer's state for this many parameters (master, gradient, two moments: 128 MiB in fp32) is far past any
 # last-level cache, as a model's is; its rate per byte was flat from 4 to 30 million on a 2-core EPYC
 OPTIMIZER_ELEMENTS = 8 * 1024 * 1024
@@ -128,6 +138,48 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
     if done_file and rank == 0:
         Path(done_file).touch()
     return rows
+
+
+def _time_sync_after_compute(rank: int, world: int, samples: int = SYNC_SAMPLES,
+                             chunks: tuple[tuple[float, int], ...] = SYNC_CHUNKS) -> list[list[float]]:
+    """(runs on each forked rank) what a collective reached after compute costs beyond the same collective back to
+    back, for each (chunk seconds, calls) of `chunks`: per sample, `calls` x {matmuls for a chunk of wall time at
+    the cores' share; a SYNC_BYTES all-reduce} against the matmuls alone and the all-reduces alone (each phase the
+    slowest rank's, ended by a barrier); the median over `samples`. [[chunk seconds, seconds a call], ...]"""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # a forked rank: one thread, as torchrun gives each
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    message = torch.ones(SYNC_BYTES // 4)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(10):  # every rank at once: a matmul's wall time at the cores' share, as a step computes
+        a @ b
+    matmul_s = torch.tensor([(time.perf_counter() - start) / 10], dtype=torch.float64)
+    dist.all_reduce(matmul_s, op=dist.ReduceOp.MIN)
+
+    def phase(matmuls: int, calls: int, communicate: bool) -> float:
+        dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            for _ in range(matmuls):
+                a @ b
+            if communicate:
+                dist.all_reduce(message)
+        dist.barrier()
+        slowest = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest)
+
+    out = []
+    for chunk_s, calls in chunks:
+        matmuls = max(1, round(chunk_s / float(matmul_s)))
+        extras = []
+        for _ in range(samples):
+            alone, back_to_back = phase(matmuls, calls, False), phase(0, calls, True)
+            extras.append(max(0.0, (phase(matmuls, calls, True) - alone - back_to_back) / calls))
+        out.append([chunk_s, statistics.median(extras)])
+    return out
 
 
 def sustained_matmul_rate(seconds: float, size: int = 256) -> float:
@@ -196,9 +248,11 @@ def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
                         repeats: int = 16,
-                        subgroups: tuple[tuple[int, int, str], ...] = COLLECTIVE_SUBGROUPS) -> dict[str, Any]:
+                        subgroups: tuple[tuple[int, int, str], ...] = COLLECTIVE_SUBGROUPS,
+                        sync_samples: int = SYNC_SAMPLES) -> dict[str, Any]:
     """Time gloo collectives on forked ranks over loopback (whole jobs of each world size, and each (members, job,
-    others) of `subgroups`); fit alpha-beta per world size on the whole jobs."""
+    others) of `subgroups`); fit alpha-beta per world size on the whole jobs; and per world size what a collective
+    reached after compute costs beyond the table's (`sync_after_compute`: [[chunk seconds, seconds a call], ...])."""
     rows: list[dict[str, Any]] = []
     fits = {}
     for world in worlds:
@@ -209,7 +263,9 @@ def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tupl
         with tempfile.TemporaryDirectory(prefix="optimus-calibrate-") as tmp:
             rows += run_on_local_ranks(_time_collectives, job, sizes, repeats, members, others,
                                        os.path.join(tmp, "done"), timeout=180.0)[0]
-    return {"rows": rows, "fits": fits, "timing": COLLECTIVE_TIMING}
+    sync = {str(world): run_on_local_ranks(_time_sync_after_compute, world, sync_samples, timeout=300.0)[0]
+            for world in worlds}
+    return {"rows": rows, "fits": fits, "sync_after_compute": sync, "timing": COLLECTIVE_TIMING}
 
 
 class CountOps(TorchDispatchMode):
@@ -402,6 +458,9 @@ def describe(entry: dict[str, Any]) -> list[str]:
     for world, fit in sorted(m["collectives"]["fits"].items()):
         lines.append(f"  gloo loopback, {world} ranks: alpha {fit['alpha_us']:.0f} us, beta {fit['beta_gb_s']:.2f} GB/s "
                      f"(worst fit error {fit['worst_relative_error']:.0%})")
+    for world, points in sorted(m["collectives"].get("sync_after_compute", {}).items()):
+        after = ", ".join(f"{extra * 1e3:.2f} ms after {chunk * 1e3:.0f} ms" for chunk, extra in points)
+        lines.append(f"  a collective reached after compute, {world} ranks: {after} of compute, beyond the table")
     if "efficiency" in entry:
         e, timed = entry["efficiency"], entry.get("timed", {})
         threads = entry.get("calibrated_threads", 1)

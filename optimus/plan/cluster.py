@@ -56,6 +56,12 @@ class Cluster:
     # computing rather than in collectives of their own, which weighs the two tables of its collectives
     # (comms.group_link); step_time sets it to the step's compute share
     others_computing: float = 1.0
+    # `here`: what a timed collective costs beyond its table's back-to-back call when a step reaches it after compute
+    # (the ranks arrive apart, the more the longer they computed: optimus/plan/calibrate.py), as ((seconds of
+    # compute before it, seconds a call), ...); and the seconds a call in effect, which step_time sets from the
+    # layout's compute between its collectives (comms.py adds it to every timed call). Modelled links: none
+    collective_sync: tuple[tuple[float, float], ...] = ()
+    collective_sync_s: float = 0.0
     # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
     host_cpu: bool = False
     # `here`: seconds per byte the first write of a freshly allocated block costs beyond a reused one's, for

@@ -30,7 +30,9 @@ wherever ranks outnumber cores (core_share < 1) both, weighed by the share of th
 find the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms then against 0.2 ms with every pair
 communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36); else the second. Gloo's algorithms
 differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
-down once a message leaves the cache, which no single alpha-beta pair fits.
+down once a message leaves the cache, which no single alpha-beta pair fits. A step reaches its collectives after
+compute, its ranks apart, which the back-to-back calls of the table do not: each timed call adds the link's `sync`
+(Cluster.collective_sync_s, which step_time sets).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Link:
     inter_alpha: float
     inter_beta: float
     measured: dict[str, tuple[tuple[float, float], ...]] | None = None  # op -> ((bytes, seconds), ...), this size
+    sync: float = 0.0  # with `measured`: what a call reached after compute adds to the table's (Cluster)
 
     @property
     def nodes(self) -> int:
@@ -107,7 +110,7 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
                               beside_compute=_others_computing(dims, group, cluster))
-                if size == per_node else None)
+                if size == per_node else None, cluster.collective_sync_s)
 
 
 def _others_computing(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> float:
@@ -175,7 +178,7 @@ def ring_time(link: Link, gathered_bytes: float, op: str = "all_gather") -> floa
     if link.size <= 1:
         return 0.0
     if link.measured and op in link.measured:
-        return _interpolate(link.measured[op], gathered_bytes)
+        return _interpolate(link.measured[op], gathered_bytes) + link.sync
     intra = _ring(link.per_node, link.intra_alpha, link.intra_beta, gathered_bytes)
     if not link.spans_nodes:
         return intra
@@ -189,7 +192,7 @@ def ring_time(link: Link, gathered_bytes: float, op: str = "all_gather") -> floa
 def all_reduce_time(link: Link, nbytes: float) -> float:
     """All-reduce: a reduce-scatter and an all-gather (or the timed table)."""
     if link.size > 1 and link.measured and "all_reduce" in link.measured:
-        return _interpolate(link.measured["all_reduce"], nbytes)
+        return _interpolate(link.measured["all_reduce"], nbytes) + link.sync
     return ring_time(link, nbytes, "reduce_scatter") + ring_time(link, nbytes, "all_gather")
 
 
@@ -201,7 +204,7 @@ def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster | None = Non
     if g <= 1:
         return 0.0
     if link.measured and "all_to_all" in link.measured:
-        return _interpolate(link.measured["all_to_all"], send_bytes)
+        return _interpolate(link.measured["all_to_all"], send_bytes) + link.sync
     on_node = send_bytes * (link.per_node - 1) / g
     off_node = send_bytes * (g - link.per_node) / g
     latency = (link.per_node - 1) * link.intra_alpha + (g - link.per_node) * link.inter_alpha

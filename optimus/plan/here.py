@@ -263,6 +263,15 @@ def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
     return fits[str(best)]
 
 
+def _nearest_sync(collectives: dict[str, Any], ranks: int) -> tuple[tuple[float, float], ...]:
+    """What a collective reached after compute adds, timed in the job size nearest `ranks` (none: a cache timed
+    before it was)."""
+    sync = collectives.get("sync_after_compute", {})
+    if not sync:
+        return ()
+    return tuple(tuple(point) for point in sync[str(min(map(int, sync), key=lambda g: (abs(g - ranks), -g)))])
+
+
 def collective_table(collectives: dict[str, Any]) -> dict[str, dict[tuple[int, int, bool], list]]:
     """The timed gloo collectives as comms.py reads them: {op: {(members, job ranks, whether the job's other ranks
     computed meanwhile): [[bytes, seconds], ...]}}; a whole job of R ranks is (R, R, False)."""
@@ -306,6 +315,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
                    auto_dtype=m["auto_dtype"], comm_overlaps_compute=ranks * threads < m["cores"],
                    measured_collectives=collective_table(m["collectives"]),
                    core_share=idle_share, host_cpu=True,
+                   collective_sync=_nearest_sync(m["collectives"], ranks) if ranks > 1 else (),
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,

@@ -336,7 +336,46 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     Where ranks outnumber cores and no pipeline staggers them, a group smaller than the job finds the other ranks
     computing for the share of the step they spend outside collectives (comms.py): priced once with the other ranks
     always computing, that share of the step weighs the two tables of timed collectives the second time.
+
+    Where the cluster timed what a collective reached after compute costs beyond its back-to-back call (`here`:
+    Cluster.collective_sync), every timed call pays that too, at the layout's compute between two collectives.
     """
+    args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
+    if not cluster.collective_sync:
+        return _weighed_step(*args)
+    # Where a collective reached after compute costs more than the table's back-to-back call (`here`), by how long
+    # the ranks computed before it: priced without that first, the step's collectives counted (what one more
+    # microsecond a call adds to the step: those on its critical path) and its compute between two of them read
+    # off, then priced at what a call costs after that much compute
+    plain = _weighed_step(*args[:3], replace(cluster, collective_sync_s=0.0), *args[4:])
+    nudged = _weighed_step(*args[:3], replace(cluster, collective_sync_s=SYNC_NUDGE_S), *args[4:])
+    collectives = (nudged.step_s - plain.step_s) / SYNC_NUDGE_S
+    if collectives < 0.5:
+        return plain
+    computing = plain.step_s - sum(plain.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)
+    sync = sync_after_compute(cluster.collective_sync, computing / collectives)
+    return _weighed_step(*args[:3], replace(cluster, collective_sync_s=sync), *args[4:])
+
+
+SYNC_NUDGE_S = 1e-6
+
+
+def sync_after_compute(points: tuple[tuple[float, float], ...], compute_s: float) -> float:
+    """Seconds a collective reached after `compute_s` of compute costs beyond the back-to-back call, from the timed
+    (compute seconds, seconds) points: linear between them, the nearest one's outside them."""
+    points = tuple(sorted(points))
+    if compute_s <= points[0][0]:
+        return points[0][1]
+    for (c0, s0), (c1, s1) in zip(points, points[1:]):
+        if compute_s <= c1:
+            return s0 + (s1 - s0) * (compute_s - c0) / (c1 - c0)
+    return points[-1][1]
+
+
+def _weighed_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
+                  efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float) -> StepTime:
+    """step_time with the cluster's collective_sync_s as given: where ranks outnumber cores and no pipeline staggers
+    them, the two tables of a group smaller than the job weighed by the share of the step the others compute."""
     args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
     smaller_groups = sum(size > 1 for size in mesh_sizes(dims).values()) > 1  # else every group is the whole job
     if cluster.core_share >= 1 or not cluster.measured_collectives or dims.pp > 1 or not smaller_groups:

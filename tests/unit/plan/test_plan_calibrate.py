@@ -222,8 +222,12 @@ def test_collectives_are_timed_in_bursts_of_back_to_back_calls():
 
     assert burst_calls(4096) == 8 and burst_calls(8 << 20) == 4 and burst_calls(64 << 20) == 2
     table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2, subgroups=((2, 4, "collectives"),
-                                                                                   (2, 4, "compute")))
+                                                                                   (2, 4, "compute")), sync_samples=1)
     assert table["timing"] == COLLECTIVE_TIMING and set(table["fits"]) == {"2"}
+    # and what a call reached after 10 and 40 ms of compute costs beyond a back-to-back one, per job size
+    assert set(table["sync_after_compute"]) == {"2"}
+    assert [chunk for chunk, _ in table["sync_after_compute"]["2"]] == [0.01, 0.04]
+    assert all(extra >= 0 for _, extra in table["sync_after_compute"]["2"])
     whole = [r for r in table["rows"] if "job" not in r]
     assert {r["op"] for r in whole} == set(COLLECTIVES) and all(r["ranks"] == 2 for r in whole)
     for others in ("collectives", "compute"):  # the two pairs of a 4-rank job at once; one while the other computes
@@ -282,3 +286,62 @@ def test_a_pair_inside_a_larger_job_is_priced_from_the_pairs_timed_in_that_job()
     assert never.parts["tp"] < step.parts["tp"] < always.parts["tp"]
     del rows[2:]  # a table without the pairs in a 4-rank job: the 2-rank job's rows
     assert ring_time(group_link(tp2_of_4, ("tp",), here_cluster(entry, 4)), 1 << 20) == pytest.approx(1e-3)
+
+
+def _sync_entry(sync: dict) -> dict:
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    rows = [{"op": op, "ranks": g, "bytes": b, "seconds": g * 1e-3 * (1 + b / (1 << 20))}
+            for op in COLLECTIVES for g in (2, 4) for b in (4096, 1 << 20, 64 << 20)]
+    return {"machine": {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+                        "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+                        "copy_gb_s_all_cores": 10.0, "measured_at": "t",
+                        "collectives": {"timing": COLLECTIVE_TIMING, "rows": rows, "fits": {"2": fit, "4": fit},
+                                        "sync_after_compute": sync}}}
+
+
+def test_here_takes_what_a_call_after_compute_costs_from_the_nearest_job_size():
+    sync = {"2": [[0.01, 1e-3], [0.04, 2e-3]], "4": [[0.01, 3e-3], [0.04, 5e-3]]}
+    entry = _sync_entry(sync)
+    assert here_cluster(entry, 2).collective_sync == ((0.01, 1e-3), (0.04, 2e-3))
+    assert here_cluster(entry, 4).collective_sync == here_cluster(entry, 3).collective_sync == ((0.01, 3e-3),
+                                                                                                (0.04, 5e-3))
+    assert here_cluster(entry, 1).collective_sync == ()  # a lone rank waits for no one
+    assert here_cluster(_sync_entry({}), 4).collective_sync == ()  # a cache timed before it: nothing added
+    from optimus.plan.calibrate import describe
+
+    assert "  a collective reached after compute, 4 ranks: 3.00 ms after 10 ms, 5.00 ms after 40 ms of compute, " \
+           "beyond the table" in describe(entry)
+
+
+def test_a_call_after_compute_costs_what_was_timed_after_the_layouts_compute_between_collectives():
+    """Every timed collective pays the sync at the layout's compute between two of its collectives: the step's
+    collectives counted by what one more microsecond a call adds, its compute (the step less its waits on
+    collectives) split between them; linear between the timed points, the nearest outside them."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import COLLECTIVE_PARTS, step_time, sync_after_compute
+
+    points = ((0.01, 1e-3), (0.04, 4e-3))
+    assert sync_after_compute(points, 0.005) == 1e-3 and sync_after_compute(points, 0.1) == 4e-3
+    assert sync_after_compute(points, 0.02) == pytest.approx(2e-3)
+    layout = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32",
+                                                "--parallel.tp=2", "--parallel.dp_shard=2"]), 4)
+    args = (layout.config, layout.dims, ModelShape.of(layout.config))
+    cluster = here_cluster(_sync_entry({"4": [list(p) for p in points]}), 4)
+    plain = step_time(*args, replace(cluster, collective_sync=()), None, layout.batch.micro_batches)
+    flat = step_time(*args, replace(cluster, collective_sync=((0.01, 2e-3), (0.04, 2e-3))), None,
+                     layout.batch.micro_batches)
+    nudged = step_time(*args, replace(cluster, collective_sync=(), collective_sync_s=1e-3), None,
+                       layout.batch.micro_batches)
+    collectives = (nudged.step_s - plain.step_s) / 1e-3
+    assert collectives > 10  # tp's all-reduces and FSDP's gathers and reduce-scatters, every layer
+    assert flat.step_s == pytest.approx(plain.step_s + 2e-3 * collectives, rel=1e-3)
+    between = (plain.step_s - sum(plain.parts[p] for p in COLLECTIVE_PARTS)) / collectives
+    timed = step_time(*args, cluster, None, layout.batch.micro_batches)
+    assert timed.step_s == pytest.approx(plain.step_s + sync_after_compute(points, between) * collectives, rel=1e-3)
+    # one rank (no collectives) and a preset (no such table) are priced as before
+    lone = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32"]), 1)
+    lone_args = (lone.config, lone.dims, ModelShape.of(lone.config))
+    with_sync = replace(here_cluster(_sync_entry({"4": [list(p) for p in points]}), 1), collective_sync=points)
+    unsynced = replace(with_sync, collective_sync=())
+    assert step_time(*lone_args, with_sync).step_s == step_time(*lone_args, unsynced).step_s
