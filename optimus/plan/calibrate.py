@@ -74,7 +74,7 @@ COLLECTIVE_WORLDS = (2, 4)
 # 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute; sync after compute"  # else re-timed
+COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute; sync after 10, 40 ms"  # else re-timed
 # A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
 # all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
 # table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms
