@@ -52,10 +52,6 @@ class Cluster:
     # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
     # presets model theirs (optimus/plan/comms.py)
     measured_collectives: dict[str, dict[tuple[int, int, bool], list]] | None = None
-    # where ranks outnumber cores: the fraction of its time a group smaller than the job finds the job's other ranks
-    # computing rather than in collectives of their own, which weighs the two tables of its collectives
-    # (comms.group_link); step_time sets it to the step's compute share
-    others_computing: float = 1.0
     # `here`: what a timed collective costs beyond its table's back-to-back call when a step reaches it after compute
     # (the ranks arrive apart, the more the longer they computed: optimus/plan/calibrate.py), as ((seconds of
     # compute before it, seconds a call), ...); and the seconds a call in effect, which step_time sets from the

@@ -24,11 +24,10 @@ Measured instead of modelled: a cluster that carries a table of timed collective
 optimus/plan/calibrate.py) answers an on-node collective from that table, interpolated in log-log between the
 timed sizes (linear in bytes past the largest). A group smaller than the job is read from the rows timed beside
 the job's other ranks computing where those ranks compute meanwhile, and from those timed with every group
-communicating at once where they are in collectives of their own: beside a pipeline's other stages the first;
-wherever ranks outnumber cores (core_share < 1) both, weighed by the share of the step the others compute
-(cluster.others_computing), since time slicing breaks the ranks' lockstep and a pair reaching its collective may
-find the cores held by ranks mid-compute (a 4 KB pair all-reduce 1.4 ms then against 0.2 ms with every pair
-communicating at once, on the 2-core EPYC; BENCHMARKS.md, stop 36); else the second. Gloo's algorithms
+communicating at once where they are in collectives of their own: beside a pipeline's other stages the first,
+else the second. (Where ranks outnumber cores, stop 36 weighed the two by the share of the step the others compute,
+since time slicing breaks the ranks' lockstep; the sync below prices that drift since stop 38, and with both the
+4-rank rows of benchmarks/plan_vs_measured.py read high: BENCHMARKS.md, stop 38.) Gloo's algorithms
 differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
 down once a message leaves the cache, which no single alpha-beta pair fits. A step reaches its collectives after
 compute, its ranks apart, which the back-to-back calls of the table do not: each timed call adds the link's `sync`
@@ -114,12 +113,9 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
 
 
 def _others_computing(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> float:
-    """The weight of the collectives timed beside compute for a group over `group`'s dims (see the module)."""
-    if "pp" in group:
-        return 0.0
-    if dims.pp > 1:
-        return 1.0
-    return cluster.others_computing if cluster.core_share < 1 else 0.0
+    """The weight of the collectives timed beside compute for a group over `group`'s dims: 1 beside a pipeline's
+    other stages, else 0 (see the module)."""
+    return 1.0 if dims.pp > 1 and "pp" not in group else 0.0
 
 
 def _measured_for(table: dict[str, dict[tuple[int, int, bool], list]] | None, size: int, job: int,

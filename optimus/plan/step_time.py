@@ -76,7 +76,7 @@ from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.block_collectives import expert_parallel_time, replayed_collectives, tensor_parallel_time
-from optimus.plan.comms import Link, all_reduce_time, group_link, mesh_sizes, ring_time, send_time
+from optimus.plan.comms import Link, all_reduce_time, group_link, ring_time, send_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
@@ -333,31 +333,27 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
     step waits for that rank's expert GEMMs (its exchanges are priced at the balanced volume), beyond what shared
     cores absorb where ranks outnumber them.
 
-    Where ranks outnumber cores and no pipeline staggers them, a group smaller than the job finds the other ranks
-    computing for the share of the step they spend outside collectives (comms.py): priced once with the other ranks
-    always computing, that share of the step weighs the two tables of timed collectives the second time.
-
     Where the cluster timed what a collective reached after compute costs beyond its back-to-back call (`here`:
     Cluster.collective_sync), every timed call pays that too, at the layout's compute between two collectives.
     """
     args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
     if not cluster.collective_sync:
-        return _weighed_step(*args)
+        return _priced_step(*args)
     # Where a collective reached after compute costs more than the table's back-to-back call (`here`), by how long
     # the ranks computed before it: priced without that first, the step's collectives counted (what one more
     # microsecond a call adds to the step: those on its critical path) and its compute between two of them read
     # off, then priced at what a call costs after that much compute
-    plain = _weighed_step(*args[:3], replace(cluster, collective_sync_s=0.0), *args[4:])
-    nudged = _weighed_step(*args[:3], replace(cluster, collective_sync_s=SYNC_NUDGE_S), *args[4:])
+    plain = _priced_step(*args[:3], replace(cluster, collective_sync_s=0.0), *args[4:])
+    nudged = _priced_step(*args[:3], replace(cluster, collective_sync_s=SYNC_NUDGE_S), *args[4:])
     collectives = (nudged.step_s - plain.step_s) / SYNC_NUDGE_S
     if collectives < 0.5:
         return plain
     computing = plain.step_s - sum(plain.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)
     sync = sync_after_compute(cluster.collective_sync, computing / collectives)
-    return _weighed_step(*args[:3], replace(cluster, collective_sync_s=sync), *args[4:])
+    return _priced_step(*args[:3], replace(cluster, collective_sync_s=sync), *args[4:])
 
 
-SYNC_NUDGE_S = 1e-6
+SYNC_NUDGE_S = 1e-6  # added to every timed call, what it adds to the step counts the collectives on its path
 
 
 def sync_after_compute(points: tuple[tuple[float, float], ...], compute_s: float) -> float:
@@ -372,23 +368,9 @@ def sync_after_compute(points: tuple[tuple[float, float], ...], compute_s: float
     return points[-1][1]
 
 
-def _weighed_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
-                  efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float) -> StepTime:
-    """step_time with the cluster's collective_sync_s as given: where ranks outnumber cores and no pipeline staggers
-    them, the two tables of a group smaller than the job weighed by the share of the step the others compute."""
-    args = (config, dims, shape, cluster, efficiency, micro_batches, routing_imbalance)
-    smaller_groups = sum(size > 1 for size in mesh_sizes(dims).values()) > 1  # else every group is the whole job
-    if cluster.core_share >= 1 or not cluster.measured_collectives or dims.pp > 1 or not smaller_groups:
-        return _priced_step(*args)
-    first = _priced_step(*args[:3], replace(cluster, others_computing=1.0), *args[4:])
-    waiting = sum(first.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)
-    others_computing = max(0.0, 1.0 - waiting / first.step_s) if first.step_s > 0 else 1.0
-    return _priced_step(*args[:3], replace(cluster, others_computing=others_computing), *args[4:])
-
-
 def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
                  efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float) -> StepTime:
-    """step_time with the cluster's others_computing as given."""
+    """step_time with the cluster's collective_sync_s as given."""
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
     train, p = config.train, config.parallel
