@@ -108,11 +108,11 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
     return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
-                              beside_compute=_others_computing(dims, group, cluster))
+                              beside_compute=_others_computing(dims, group))
                 if size == per_node else None, cluster.collective_sync_s)
 
 
-def _others_computing(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> float:
+def _others_computing(dims: ParallelDims, group: tuple[str, ...]) -> float:
     """The weight of the collectives timed beside compute for a group over `group`'s dims: 1 beside a pipeline's
     other stages, else 0 (see the module)."""
     return 1.0 if dims.pp > 1 and "pp" not in group else 0.0
