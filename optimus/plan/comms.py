@@ -108,24 +108,24 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
     return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
-                              beside_compute=_others_computing(dims, group))
+                              beside_compute=_beside_compute(dims, group))
                 if size == per_node else None, cluster.collective_sync_s)
 
 
-def _others_computing(dims: ParallelDims, group: tuple[str, ...]) -> float:
-    """The weight of the collectives timed beside compute for a group over `group`'s dims: 1 beside a pipeline's
-    other stages, else 0 (see the module)."""
-    return 1.0 if dims.pp > 1 and "pp" not in group else 0.0
+def _beside_compute(dims: ParallelDims, group: tuple[str, ...]) -> bool:
+    """Whether a group over `group`'s dims reads the collectives timed beside compute: beside a pipeline's other
+    stages (see the module)."""
+    return dims.pp > 1 and "pp" not in group
 
 
 def _measured_for(table: dict[str, dict[tuple[int, int, bool], list]] | None, size: int, job: int,
-                  beside_compute: float = 0.0) -> dict[str, tuple] | None:
+                  beside_compute: bool = False) -> dict[str, tuple] | None:
     """The timed points of each operation for a group of `size` in a job of `job` ranks: those timed for that
     group size in the nearest job size (here.collective_table's (members, job, others computed) groups: on a host
     with fewer cores than ranks a pair pays more inside a job of 4 than as a job of 2, and more again while the
-    job's other ranks compute), the rows timed beside compute weighted `beside_compute` (0-1) and those timed with
-    every group at once the rest, size by size where both were timed; else of the nearest timed group size with
-    their bandwidth part rescaled by the ring's (g - 1) / g."""
+    job's other ranks compute), the rows timed beside compute where `beside_compute`, else those timed with every
+    group at once (either where only one was timed); else of the nearest timed group size with their bandwidth part
+    rescaled by the ring's (g - 1) / g."""
     if not table:
         return None
     out = {}
@@ -133,15 +133,9 @@ def _measured_for(table: dict[str, dict[tuple[int, int, bool], list]] | None, si
         if not by_group:
             continue
 
-        def nearest(computing: bool) -> tuple[int, int, bool]:
-            return min(by_group, key=lambda g: (abs(g[0] - size), -g[0], abs(g[1] - job), g[2] != computing))
-        members, _, _ = key = nearest(beside_compute >= 0.5)
+        members, _, _ = key = min(by_group, key=lambda g: (abs(g[0] - size), -g[0], abs(g[1] - job),
+                                                           g[2] != beside_compute))
         points = {float(b): float(t) for b, t in by_group[key]}
-        other = nearest(not key[2])
-        if other[:2] == key[:2] and other != key:  # both tables of this group: weigh them
-            weight = beside_compute if key[2] else 1.0 - beside_compute
-            timed = {float(b): float(t) for b, t in by_group[other]}
-            points = {b: weight * t + (1 - weight) * timed[b] for b, t in points.items() if b in timed} or points
         scale = ((size - 1) / size) / ((members - 1) / members) if members > 1 else 1.0
         out[op] = tuple(sorted((b, t * scale) for b, t in points.items()))
     return out

@@ -38,6 +38,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -256,20 +257,20 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
     return entry
 
 
+def _nearest_job(sizes: Iterable[int | str], ranks: int) -> int:
+    """Of the job sizes timed (ints or their strings), the one nearest `ranks` (the larger on a tie)."""
+    return min(map(int, sizes), key=lambda g: (abs(g - ranks), -g))
+
+
 def _nearest_fit(collectives: dict[str, Any], ranks: int) -> dict[str, float]:
-    fits = collectives["fits"]
-    sizes = sorted(int(g) for g in fits)
-    best = min(sizes, key=lambda g: (abs(g - ranks), -g))
-    return fits[str(best)]
+    return collectives["fits"][str(_nearest_job(collectives["fits"], ranks))]
 
 
 def _nearest_sync(collectives: dict[str, Any], ranks: int) -> tuple[tuple[float, float], ...]:
     """What a collective reached after compute adds, timed in the job size nearest `ranks` (none: a cache timed
     before it was)."""
     sync = collectives.get("sync_after_compute", {})
-    if not sync:
-        return ()
-    return tuple(tuple(point) for point in sync[str(min(map(int, sync), key=lambda g: (abs(g - ranks), -g)))])
+    return tuple(tuple(point) for point in sync[str(_nearest_job(sync, ranks))]) if sync else ()
 
 
 def collective_table(collectives: dict[str, Any]) -> dict[str, dict[tuple[int, int, bool], list]]:
@@ -293,7 +294,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
     share = idle_share
     measured = m.get("share", {})
     if ranks > 1 and threads == 1 and measured:  # as measured: R one-thread matmul processes at once, others' load in
-        nearest = min((int(g) for g in measured if int(g) > 1), key=lambda g: (abs(g - ranks), -g))
+        nearest = _nearest_job((g for g in measured if int(g) > 1), ranks)
         share = measured[str(nearest)] * min(1.0, nearest / ranks)
     # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
     # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket
