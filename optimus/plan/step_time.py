@@ -15,15 +15,16 @@
                  checkpointing mode): block_collectives.py
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
-                 gradient collective below), of every rank's padded shard (memory.fsdp_elements); pp sends of
+                 gradient collective below; under defer_grad_sync=all once a step, in the last micro-batch's
+                 backward), of every rank's padded shard (memory.fsdp_elements); pp sends of
                  activations and gradients (asynchronous, 2 per virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
                  whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
                  draining the pipe waits for 2 (pp - 1) sends
-    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp the gradients'
-                 once per step), on a host CPU also the page faults of those buffers and unsharded weights of
-                 32 MiB or more, which glibc maps afresh each time (fsdp_fresh_bytes), the zero modes' packing
-                 of gradients into their buffers (per reduction) and unpacking of the gathered parameters (per
-                 step): memory-bound work on the rank, never hidden
+    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp or
+                 defer_grad_sync=all the gradients' once per step), on a host CPU also the page faults of those
+                 buffers and unsharded weights of 32 MiB or more, which glibc maps afresh each time
+                 (fsdp_fresh_bytes), the zero modes' packing of gradients into their buffers (per reduction) and
+                 unpacking of the gathered parameters (per step): memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       the last stage (LM head) runs its m micro-batches back to back; filling and draining the pipe
                  add (pp - 1) / v micro-batch times of a stage without the head (pp stages, v virtual stages: the
@@ -49,7 +50,8 @@
     per micro-batch, zero2: its gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
     per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
-                 backward), the gradient all-reduce over dp_replicate (FSDP/HSDP), zero1's gradient
+                 backward), the gradient all-reduce over dp_replicate (FSDP/HSDP; every micro-batch's under
+                 defer_grad_sync=none), zero1's gradient
                  reduce-scatter, the zero modes' parameter all-gather after the update (and the EP-unaware
                  baseline's fp32 all-reduce of its non-expert shard over ep), ddp's all-reduce beyond the last
                  backward that hides it (and with bf16 reduction its comm hook's casts), and the gradient clipping
@@ -463,7 +465,10 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
     dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
     expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
-    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = copies_step = 0.0
+    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = copies_step = reduce_once = 0.0
+    # defer_grad_sync=all (parallel/data_parallel.set_gradient_sync): FSDP accumulates whole gradients, in its reduce
+    # dtype, and reduce-scatters them once, in the last micro-batch's backward
+    defer_all = p.shard_mode == "fsdp" and dims.pp == 1 and p.defer_grad_sync == "all" and micro_batches > 1
     dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
     expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
     if p.shard_mode == "fsdp":
@@ -472,7 +477,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
         # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype
         # (fsdp_gathers_per_micro_batch: two a block and micro-batch without pp, fewer under pp); and one fp32
         # reduce-scatter per micro-batch, under pp deferred by torch's schedules to once per step, after the last
-        # backward (stage.perform_reduce_grad), where nothing hides it
+        # backward (stage.perform_reduce_grad), where nothing hides it, and under defer_grad_sync=all to the last
+        # micro-batch's backward
         block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp, p.pp_virtual_stages)
 
         def unit_gathers(dense: float, experts: float, gathers: float) -> float:
@@ -495,7 +501,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
             owned_now = (block_gathers * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) +
                          root_gathers * root / dims.dp_shard)
             gather_copies = 2 * width * (gathered_now + owned_now) / hbm_eff
-            reduce_copies = ((grad_width if dims.pp > 1 else width) + grad_width) * gathered / hbm_eff
+            reduce_copies = ((grad_width if dims.pp > 1 or defer_all else width) + grad_width) * gathered / hbm_eff
             if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
                 fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
                                                                 (block_gathers, root_gathers), grad_width)
@@ -503,12 +509,15 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
                 reduce_copies += fresh_reduces * cluster.fresh_page_s_per_byte
         if dims.pp > 1:
             fsdp_copy_mb, copies_step, step_sync = gather_copies, reduce_copies, reduce
+        elif defer_all:  # one reduce-scatter a step, in the last micro-batch's backward
+            fsdp_copy_mb, copies_step, reduce_once = gather_copies, reduce_copies, reduce
         else:
             fsdp_mb, fsdp_copy_mb = fsdp_mb + reduce, gather_copies + reduce_copies
-        if dims.dp_replicate > 1:
+        if dims.dp_replicate > 1:  # HSDP's all-reduce over dp_replicate: once a step unless defer_grad_sync=none
             rep_link = group_link(dims, ("dp_replicate",), cluster)
-            step_sync += all_reduce_time(rep_link, grad_width * (dense_stage / dims.dp_shard +
-                                                                 expert_stage / dims.dp_shard_mod_ep))
+            all_reduces = micro_batches if p.defer_grad_sync == "none" and dims.pp == 1 else 1
+            step_sync += all_reduces * all_reduce_time(rep_link, grad_width * (dense_stage / dims.dp_shard +
+                                                                               expert_stage / dims.dp_shard_mod_ep))
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     elif p.shard_mode == "ddp":  # one all-reduce of the whole gradients per step, bucket by bucket as the last
         # micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything. DDP cuts
@@ -553,6 +562,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
                  efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
     exposed_fsdp = max(0.0, fsdp_mb - overlap)
+    exposed_once = max(0.0, fsdp_mb + reduce_once - overlap) - exposed_fsdp  # the last backward's reduce-scatter
     copies_mb = fsdp_copy_mb + zero_copy_mb
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb + copies_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
@@ -569,7 +579,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill
     bubble = fill_drain / (busy + fill_drain) if busy + fill_drain > 0 else 0.0
-    step = pipeline + step_sync + copies_step + optimizer
+    step = pipeline + exposed_once + step_sync + copies_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
@@ -579,7 +589,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
              "memory_bound": memory_mb * micro_batches, "weight_passes": passes_mb * micro_batches,
              "op_overhead": overhead_mb * micro_batches,
              "tp_dispatch": dispatch_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
-             "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches,
+             "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches + exposed_once,
              "zero2_exposed": zero2_mb * micro_batches,
              "buffer_copies": copies_mb * micro_batches + copies_step,
              "bubble": pipeline - busy, "dp_sync": step_sync, "optimizer": optimizer}

@@ -170,6 +170,24 @@ def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
     assert ddp.parts["dp_sync"] > 0 and ddp.parts["zero2_exposed"] == 0
 
 
+def test_deferring_all_gradient_sync_reduce_scatters_once_a_step_and_none_all_reduces_every_micro_batch():
+    host = _host(comm_overlaps_compute=False, measured_collectives=TABLE)
+    fsdp = ["--parallel.dp_shard=2"]
+    one = _step([*fsdp, "--train.micro_batch_size=4"], 2, host)  # 1 micro-batch: all-gathers + reduce-scatter
+    every = _step([*fsdp, "--train.micro_batch_size=2"], 2, host)  # 2, each reduce-scattered (the default)
+    deferred = _step([*fsdp, "--train.micro_batch_size=2", "--parallel.defer_grad_sync=all"], 2, host)
+    reduce_scatter = every.parts["fsdp_exposed"] - deferred.parts["fsdp_exposed"]
+    assert reduce_scatter > 0.01  # the second micro-batch only gathers the weights again
+    assert deferred.parts["fsdp_exposed"] == pytest.approx(2 * one.parts["fsdp_exposed"] - reduce_scatter)
+    assert deferred.parts["buffer_copies"] < every.parts["buffer_copies"]
+    assert deferred.step_s - one.step_s < every.step_s - one.step_s
+    # HSDP: the all-reduce over dp_replicate waits for the last micro-batch unless told not to
+    hsdp = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=1"]
+    once = _step(hsdp, 4, host)
+    each = _step([*hsdp, "--parallel.defer_grad_sync=none"], 4, host)
+    assert once.parts["dp_sync"] > 0 and each.parts["dp_sync"] == pytest.approx(2 * once.parts["dp_sync"])
+
+
 def test_the_search_varies_shard_mode_and_expert_dispatch():
     from optimus.plan.search import plan
 
