@@ -16,10 +16,12 @@
     per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
                  gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
                  gradient collective below; under defer_grad_sync=all once a step, in the last micro-batch's
-                 backward), of every rank's padded shard (memory.fsdp_elements); pp sends of
-                 activations and gradients (asynchronous, 2 per virtual stage); only what exceeds the micro-batch's compute is exposed, all of it on a cluster
-                 whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and
-                 draining the pipe waits for 2 (pp - 1) sends
+                 backward), of every rank's padded shard (memory.fsdp_elements), and HSDP's all-reduce of each
+                 unit's reduced shard over dp_replicate (in the last micro-batch's backward; in every one under
+                 defer_grad_sync=none); pp sends of activations and gradients (asynchronous, 2 per virtual stage);
+                 only what exceeds the micro-batch's compute is exposed, all of it on a cluster whose collectives
+                 cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and draining the pipe
+                 waits for 2 (pp - 1) sends
     buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp or
                  defer_grad_sync=all the gradients' once per step), on a host CPU also the page faults of those
                  buffers and unsharded weights of 32 MiB or more, which glibc maps afresh each time
@@ -49,17 +51,16 @@
                  dtensor_cost.dtensor_operators; zero on the GPU presets)
     per micro-batch, zero2: its gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
-    per step, not overlapped: FSDP's gradient reduce-scatter under pp (torch's schedules defer it to the last
-                 backward), the gradient all-reduce over dp_replicate (FSDP/HSDP; every micro-batch's under
-                 defer_grad_sync=none), zero1's gradient
-                 reduce-scatter, the zero modes' parameter all-gather after the update (and the EP-unaware
-                 baseline's fp32 all-reduce of its non-expert shard over ep), ddp's all-reduce beyond the last
-                 backward that hides it (and with bf16 reduction its comm hook's casts), and the gradient clipping
-                 with the AdamW update (42 bytes of HBM traffic per owned element, at the optimizer class's
-                 rate: one fused in-place pass, which on a CPU streams at about twice a copy's bandwidth). The
-                 zero modes and ddp move their gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch
-                 DDP's 25 MiB), one collective each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora
-                 tiles) 0.15 s of a 1.0 s sync
+    per step, not overlapped: FSDP's gradient reduce-scatter and HSDP's all-reduce under pp (torch's schedules
+                 defer them to the last backward), zero1's gradient reduce-scatter, the zero modes' parameter
+                 all-gather after the update (and the EP-unaware baseline's fp32 all-reduce of its non-expert shard
+                 over ep), ddp's all-reduce beyond the last backward that hides it (and with bf16 reduction its comm
+                 hook's casts), and the gradient clipping with the AdamW update (42 bytes of HBM traffic per owned
+                 element, at the optimizer class's rate: one fused in-place pass, which on a CPU streams at about
+                 twice a copy's bandwidth). The zero modes and ddp move their gradients in buckets
+                 (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective each, so each bucket
+                 pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora tiles) 0.15 s of a 1.0 s
+                 sync
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -513,11 +514,22 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
             fsdp_copy_mb, copies_step, reduce_once = gather_copies, reduce_copies, reduce
         else:
             fsdp_mb, fsdp_copy_mb = fsdp_mb + reduce, gather_copies + reduce_copies
-        if dims.dp_replicate > 1:  # HSDP's all-reduce over dp_replicate: once a step unless defer_grad_sync=none
+        if dims.dp_replicate > 1:  # HSDP: each unit's (a block's, its experts', the root's) reduced shard is
+            # all-reduced over dp_replicate as its backward ends (FSDP2's foreach_reduce), one call per unit: in the
+            # last micro-batch's backward, every micro-batch's under defer_grad_sync=none, after the last backward
+            # under pp
             rep_link = group_link(dims, ("dp_replicate",), cluster)
-            all_reduces = micro_batches if p.defer_grad_sync == "none" and dims.pp == 1 else 1
-            step_sync += all_reduces * all_reduce_time(rep_link, grad_width * (dense_stage / dims.dp_shard +
-                                                                               expert_stage / dims.dp_shard_mod_ep))
+
+            def unit_all_reduce(*shards: float) -> float:
+                return sum(all_reduce_time(rep_link, grad_width * shard) for shard in shards if shard)
+            replicate = (layers * unit_all_reduce(block_dense / dims.dp_shard, block_experts / dims.dp_shard_mod_ep) +
+                         unit_all_reduce(root / dims.dp_shard))
+            if dims.pp > 1:
+                step_sync += replicate
+            elif p.defer_grad_sync == "none":
+                fsdp_mb += replicate
+            else:
+                reduce_once += replicate
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     elif p.shard_mode == "ddp":  # one all-reduce of the whole gradients per step, bucket by bucket as the last
         # micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything. DDP cuts

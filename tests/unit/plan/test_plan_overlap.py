@@ -181,11 +181,31 @@ def test_deferring_all_gradient_sync_reduce_scatters_once_a_step_and_none_all_re
     assert deferred.parts["fsdp_exposed"] == pytest.approx(2 * one.parts["fsdp_exposed"] - reduce_scatter)
     assert deferred.parts["buffer_copies"] < every.parts["buffer_copies"]
     assert deferred.step_s - one.step_s < every.step_s - one.step_s
-    # HSDP: the all-reduce over dp_replicate waits for the last micro-batch unless told not to
-    hsdp = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=1"]
-    once = _step(hsdp, 4, host)
+
+
+def test_hsdp_all_reduces_each_units_shard_in_the_backward():
+    hsdp = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=1"]  # 2 micro-batches
+    host = _host(comm_overlaps_compute=False)
+    once = _step(hsdp, 4, host)  # the default: the all-reduce in the last micro-batch's backward only
     each = _step([*hsdp, "--parallel.defer_grad_sync=none"], 4, host)
-    assert once.parts["dp_sync"] > 0 and each.parts["dp_sync"] == pytest.approx(2 * once.parts["dp_sync"])
+    deferred = _step([*hsdp, "--parallel.defer_grad_sync=all"], 4, host)
+    all_reduce = each.parts["fsdp_exposed"] - once.parts["fsdp_exposed"]
+    reduce_scatter = once.parts["fsdp_exposed"] - deferred.parts["fsdp_exposed"]
+    assert all_reduce > 0.001 and reduce_scatter > 0.001
+    assert once.parts["dp_sync"] == each.parts["dp_sync"] == deferred.parts["dp_sync"] == 0
+    # one all-reduce per FSDP unit (every block and the root), each paying the link's latency (dp_replicate spans
+    # the two 2-rank nodes; dp_shard stays on one)
+    far = replace(host, inter_node_latency_us=1200)
+    far_all_reduce = (_step([*hsdp, "--parallel.defer_grad_sync=none"], 4, far).parts["fsdp_exposed"] -
+                      _step(hsdp, 4, far).parts["fsdp_exposed"])
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, world_size=4)
+    one_call = (all_reduce_time(group_link(dims, ("dp_replicate",), far), 1024) -
+                all_reduce_time(group_link(dims, ("dp_replicate",), host), 1024))
+    units = load_config(CONFIGS / "mula-tiny-dense.yaml").model.n_layers + 1
+    assert one_call > 0 and far_all_reduce - all_reduce == pytest.approx(units * one_call)
+    # where links move bytes beside compute, the backward hides it as it hides the reduce-scatters
+    hidden = _step(hsdp, 4, _host(measured_peak_flops={"fp32": 1e9, "bf16": 1e9}))
+    assert hidden.parts["fsdp_exposed"] == 0 and hidden.parts["dp_sync"] == 0
 
 
 def test_the_search_varies_shard_mode_and_expert_dispatch():
