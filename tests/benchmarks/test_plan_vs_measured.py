@@ -330,7 +330,7 @@ def test_the_summary_counts_the_moe_rows_at_their_routing(load_benchmark, machin
                                                            capsys):
     script = load_benchmark("plan_vs_measured")
     row = dict(ranks=2, measured_step_s=1.0, predicted_step_s=0.8, step_error=-0.2, measured_memory_bytes=2**20,
-               predicted_memory_bytes=2**20, memory_error=0.0)
+               predicted_memory_bytes=2**20, memory_error=0.0, memory_measure="allocator peak")
     routed = dict(routing_imbalance=1.4, predicted_memory_at_routing_bytes=2**20, memory_error_at_routing=0.0,
                   paced_routing_imbalance=1.3, predicted_step_at_routing_s=0.9, step_error_at_routing=-0.1)
     rows = {"dense-1": row, "moe-fsdp2-ep2": {**row, **routed}}
@@ -341,6 +341,21 @@ def test_the_summary_counts_the_moe_rows_at_their_routing(load_benchmark, machin
     assert "(time at routing 1.30x: 0.900 s, -10.0%)" in out
     assert ("at each run's routing (1 MoE rows with split experts): step time within 15%: 1/1 (balanced: 0); "
             "memory within 10%: 1/1 (balanced: 1)") in out
+
+
+def test_memory_read_from_the_resident_set_is_shown_but_not_judged(load_benchmark, machine_cache, tmp_path,
+                                                                   monkeypatch, capsys):
+    script = load_benchmark("plan_vs_measured")
+    row = dict(ranks=2, measured_step_s=1.0, predicted_step_s=1.0, step_error=0.0, measured_memory_bytes=2**21,
+               predicted_memory_bytes=2**20, memory_error=-0.5)
+    rows = {"dense-1": {**row, "memory_measure": "allocator peak", "memory_error": 0.0},
+            "dense-fsdp2": {**row, "memory_measure": "resident set"}}
+    monkeypatch.setattr(script, "run_layout", lambda name, *args: {"layout": name, **rows[name]})
+    assert script.main(["--only", "dense-1,dense-fsdp2", "--memory-runs", "0", "--cache", str(machine_cache),
+                        "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert "-50.0% (resident set)" in out
+    assert ("memory within 10%: 1/1 (1 row(s) without a profiled run read the resident set: not judged)") in out
 
 
 def test_unknown_layout_is_one_line_and_exit_2(load_benchmark, capsys):
