@@ -574,7 +574,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
                  efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
     exposed_fsdp = max(0.0, fsdp_mb - overlap)
-    exposed_once = max(0.0, fsdp_mb + reduce_once - overlap) - exposed_fsdp  # the last backward's reduce-scatter
+    # what the last micro-batch's backward adds: FSDP's deferred reduce-scatter, HSDP's all-reduces
+    exposed_once = max(0.0, fsdp_mb + reduce_once - overlap) - exposed_fsdp
     copies_mb = fsdp_copy_mb + zero_copy_mb
     per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb + copies_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1

@@ -170,7 +170,7 @@ def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
     assert ddp.parts["dp_sync"] > 0 and ddp.parts["zero2_exposed"] == 0
 
 
-def test_deferring_all_gradient_sync_reduce_scatters_once_a_step_and_none_all_reduces_every_micro_batch():
+def test_deferring_all_gradient_sync_reduce_scatters_once_a_step():
     host = _host(comm_overlaps_compute=False, measured_collectives=TABLE)
     fsdp = ["--parallel.dp_shard=2"]
     one = _step([*fsdp, "--train.micro_batch_size=4"], 2, host)  # 1 micro-batch: all-gathers + reduce-scatter
