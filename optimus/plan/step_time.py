@@ -54,13 +54,13 @@
     per step, not overlapped: FSDP's gradient reduce-scatter and HSDP's all-reduce under pp (torch's schedules
                  defer them to the last backward), zero1's gradient reduce-scatter, the zero modes' parameter
                  all-gather after the update (and the EP-unaware baseline's fp32 all-reduce of its non-expert shard
-                 over ep), ddp's all-reduce beyond the last backward that hides it (and with bf16 reduction its comm
-                 hook's casts), and the gradient clipping with the AdamW update (42 bytes of HBM traffic per owned
-                 element, at the optimizer class's rate: one fused in-place pass, which on a CPU streams at about
-                 twice a copy's bandwidth). The zero modes and ddp move their gradients in buckets
-                 (memory.zero_bucket_sizes: 40M elements; torch DDP's 25 MiB), one collective each, so each bucket
-                 pays its ring's latency: over a 128-node ring (220B-A10B on 12,288 Aurora tiles) 0.15 s of a 1.0 s
-                 sync
+                 over ep), ddp's all-reduce beyond the last backward that hides it (every micro-batch's under
+                 defer_grad_sync=none; and with bf16 reduction its comm hook's casts), and the gradient clipping
+                 with the AdamW update (42 bytes of HBM traffic per owned element, at the optimizer class's rate:
+                 one fused in-place pass, which on a CPU streams at about twice a copy's bandwidth). The zero modes
+                 and ddp move their gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25
+                 MiB), one collective each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B
+                 on 12,288 Aurora tiles) 0.15 s of a 1.0 s sync
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -532,13 +532,15 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
                 reduce_once += replicate
         owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
     elif p.shard_mode == "ddp":  # one all-reduce of the whole gradients per step, bucket by bucket as the last
-        # micro-batch's backward (about 2/3 of its compute) produces them; every rank updates everything. DDP cuts
-        # its buckets from the fp32 gradients; bf16 reduction compresses each (its comm hook)
+        # micro-batch's backward (about 2/3 of its compute) produces them (every micro-batch's under
+        # defer_grad_sync=none: no no_sync); every rank updates everything. DDP cuts its buckets from the fp32
+        # gradients; bf16 reduction compresses each (its comm hook)
+        syncs = micro_batches if p.defer_grad_sync == "none" else 1
         buckets = [(dp_link, [b * grad_width / 4 for b in ddp_bucket_bytes(4 * (dense_stage + expert_stage))])]
-        step_sync = max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
+        step_sync = syncs * max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
         owned = dense_stage + expert_stage
         if grad_width != 4:  # the comm hook casts each fp32 bucket to bf16 and the sum back (read 4 + write 2, twice)
-            copies_step = 12 * owned / hbm_eff
+            copies_step = syncs * 12 * owned / hbm_eff
     else:  # zero1/zero2: reduce-scatter the gradients (packed in the reduce dtype, optim/sharded.py), all-gather the
         # updated parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
         # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it

@@ -158,7 +158,7 @@ def test_the_busiest_expert_rank_alone_in_its_group_cannot_take_every_freed_core
     assert extra > 0 and skewed.step_s - balanced.step_s == pytest.approx(extra, rel=1e-6)
 
 
-def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
+def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once_unless_told_otherwise():
     host = _host(comm_overlaps_compute=False)
     two = ["--parallel.dp_shard=2", "--train.micro_batch_size=2"]  # 2 micro-batches per rank
     zero1 = _step([*two, "--parallel.shard_mode=zero1"], 2, host)
@@ -168,6 +168,9 @@ def test_zero2_reduces_every_micro_batch_and_ddp_all_reduces_once():
     assert zero2.parts["zero2_exposed"] > 0 and zero2.parts["dp_sync"] < zero1.parts["dp_sync"]
     assert zero2.parts["zero2_exposed"] + zero2.parts["dp_sync"] > zero1.parts["dp_sync"]
     assert ddp.parts["dp_sync"] > 0 and ddp.parts["zero2_exposed"] == 0
+    # unless told to sync every micro-batch (no no_sync): then each backward all-reduces
+    each = _step([*two, "--parallel.shard_mode=ddp", "--parallel.defer_grad_sync=none"], 2, host)
+    assert each.parts["dp_sync"] == pytest.approx(2 * ddp.parts["dp_sync"])
 
 
 def test_deferring_all_gradient_sync_reduce_scatters_once_a_step():
