@@ -143,8 +143,9 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                                "--parallel.pp_virtual_stages=2", "--train.micro_batch_size=2",
                                                "--train.activation_checkpointing=selective",
                                                "--train.recompute=[attention,moe,norms]"]),
-    # gradients synced every micro-batch (defer_grad_sync=none), as test_gradient_sync trains HSDP and test_ddp
-    # DDP: each micro-batch's backward all-reduces (stop 39)
+    # two micro-batches under HSDP, as test_gradient_sync trains the MoE: the all-reduce in the last backward (the
+    # default), or every micro-batch's (defer_grad_sync=none; and DDP's so, as test_ddp trains it) (stop 39)
+    "moe-hsdp2x2-mb1": (MOE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.micro_batch_size=1"]),
     "moe-hsdp2x2-sync-each": (MOE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
                                        "--parallel.defer_grad_sync=none", "--train.micro_batch_size=1"]),
     "dense-ddp2-sync-each": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=ddp",

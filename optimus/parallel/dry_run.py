@@ -166,10 +166,11 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
     fsdp = "FSDP transient" in memory.bytes
     deferred = fsdp_deferred_reduce_bytes(blocks, root, dims, reduce) if fsdp else 0.0
-    overlap = gradients_not_at_the_activation_peak(step_batch(config, dims).micro_batches,
-                                                   whole_gradient_bytes(mode, local, width),
-                                                   memory.bytes["activations (as configured)"], deferred,
-                                                   fsdp_root_reduce_bytes(root, dims, reduce=reduce) if fsdp else 0.0,
+    micro_batches = step_batch(config, dims).micro_batches
+    root_reduce = (fsdp_root_reduce_bytes(root, dims, reduce=reduce) +
+                   hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
+    overlap = gradients_not_at_the_activation_peak(micro_batches, whole_gradient_bytes(mode, local, width),
+                                                   memory.bytes["activations (as configured)"], deferred, root_reduce,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0,
                                                    forwards_first(config, dims))
     if overlap:
@@ -234,6 +235,20 @@ def fsdp_root_reduce_bytes(root: float, dims: ParallelDims, loss_weight_gradient
     if dims.pp > 1 or not dims.has_data_parallel:
         return 0.0
     return reduce * root * (2 if gloo and dims.dp_shard > 1 else 1) + loss_weight_gradient
+
+
+def hsdp_last_shards_bytes(config: Config, dims: ParallelDims, micro_batches: int, local: float) -> float:
+    """What HSDP (FSDP over dp_replicate x dp_shard, no pp) holds beside the sharded gradients at the end of a step's
+    last backward when it sums several micro-batches: FSDP2 keeps each unit's freshly reduced shard (its all-reduce
+    buffer, in the reduce dtype: FSDPParamGroup._all_reduce_state, or _partial_reduce_output) until that backward
+    ends, apart from the gradients the earlier micro-batches left; so the root's reduce meets one more shard of
+    every unit (`local` elements). Measured, the tiny MoE at HSDP 2 x 2 with two micro-batches of one sequence:
+    766 MiB allocated at the peak, 791 syncing every micro-batch, against 667 with one micro-batch of two. None
+    under defer_grad_sync=all: the last backward's shards become the gradients."""
+    if (config.parallel.shard_mode != "fsdp" or dims.pp > 1 or dims.dp_replicate == 1 or micro_batches == 1
+            or config.parallel.defer_grad_sync == "all"):
+        return 0.0
+    return config.parallel.grad_reduce_bytes * local
 
 
 def fsdp_deferred_reduce_bytes(blocks: list[float], root: float, dims: ParallelDims, reduce: float = 4.0) -> float:

@@ -24,7 +24,9 @@ the unsplit model (ModelShape) and the layout's degrees:
                   the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes); FSDP without
                   pp: the root's reduce at the end of the backward holds every sharded gradient and the root's flat
                   copy (on CPU: gloo's copy of it and the loss's head-weight gradient) but no activations and no
-                  transient: the larger phase counts (dry_run.fsdp_root_reduce_bytes)
+                  transient: the larger phase counts (dry_run.fsdp_root_reduce_bytes); under HSDP with several
+                  micro-batches it also meets the last backward's reduced shards, which FSDP2 keeps until that
+                  backward ends (dry_run.hsdp_last_shards_bytes)
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -47,6 +49,7 @@ from optimus.parallel.dry_run import (
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
+    hsdp_last_shards_bytes,
     whole_gradient_bytes,
     zero_gradient_bytes,
 )
@@ -216,10 +219,12 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     deferred = fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims,
                                           config.parallel.grad_reduce_bytes) if fsdp else 0.0
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
-    root_reduce = fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
-                                         reduce=config.parallel.grad_reduce_bytes) if fsdp else 0.0
+    micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
+    root_reduce = (fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
+                                          reduce=config.parallel.grad_reduce_bytes) +
+                   hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
-        resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches,
+        micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"], deferred, root_reduce,
         held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims))
     return held

@@ -171,3 +171,20 @@ def test_fsdp_without_pp_peaks_in_the_roots_reduce_when_it_outweighs_the_activat
     replicate = ParallelDims(world_size=2, dp_replicate=2)
     assert fsdp_root_reduce_bytes(10.0, replicate, loss_weight_gradient=5.0, gloo=True) == 45.0
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=2, tp=2)) == 0.0  # no FSDP
+
+
+def test_hsdp_summing_micro_batches_holds_the_last_backwards_shards_beside_the_gradients():
+    from optimus.parallel.dry_run import hsdp_last_shards_bytes
+
+    def config(**parallel):
+        return build_config({"parallel": parallel})
+
+    hsdp = ParallelDims(world_size=4, dp_replicate=2, dp_shard=2)
+    assert hsdp_last_shards_bytes(config(), hsdp, 2, 10.0) == 40.0  # one fp32 shard of every unit
+    assert hsdp_last_shards_bytes(config(defer_grad_sync="none"), hsdp, 2, 10.0) == 40.0
+    assert hsdp_last_shards_bytes(config(grad_reduce_dtype="bf16"), hsdp, 2, 10.0) == 20.0
+    assert hsdp_last_shards_bytes(config(), hsdp, 1, 10.0) == 0.0  # one micro-batch: the shards are the gradients
+    assert hsdp_last_shards_bytes(config(defer_grad_sync="all"), hsdp, 2, 10.0) == 0.0  # reduced once, in the last
+    assert hsdp_last_shards_bytes(config(), ParallelDims(world_size=2, dp_shard=2), 2, 10.0) == 0.0  # no all-reduce
+    assert hsdp_last_shards_bytes(config(), ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, pp=2), 2, 10.0) == 0
+    assert hsdp_last_shards_bytes(config(shard_mode="zero1"), hsdp, 2, 10.0) == 0.0
