@@ -26,7 +26,9 @@ the unsplit model (ModelShape) and the layout's degrees:
                   copy (on CPU: gloo's copy of it and the loss's head-weight gradient) but no activations and no
                   transient: the larger phase counts (dry_run.fsdp_root_reduce_bytes); under HSDP with several
                   micro-batches it also meets the last backward's reduced shards, which FSDP2 keeps until that
-                  backward ends (dry_run.hsdp_last_shards_bytes)
+                  backward ends (dry_run.hsdp_last_shards_bytes); under defer_grad_sync=all the later
+                  micro-batches' activations meet every unit's whole accumulated gradients, not the shards
+                  (dry_run.fsdp_accumulated_beyond_shards_bytes)
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -45,6 +47,7 @@ from optimus.parallel.activation_memory import (
     rank_activation_bytes,
 )
 from optimus.parallel.dry_run import (
+    fsdp_accumulated_beyond_shards_bytes,
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
@@ -223,9 +226,13 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     root_reduce = (fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
                                           reduce=config.parallel.grad_reduce_bytes) +
                    hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
+    accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, [gathered_block] * layers,
+                                                       gathered_root, local) if fsdp else 0.0
+    if accumulated:
+        held["FSDP whole gradients beyond the shards (defer_grad_sync=all)"] = accumulated
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         micro_batches,
-        whole_gradient_bytes(mode, local, width), held["activations"], deferred, root_reduce,
+        whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
         held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims))
     return held
 

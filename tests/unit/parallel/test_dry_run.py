@@ -188,3 +188,16 @@ def test_hsdp_summing_micro_batches_holds_the_last_backwards_shards_beside_the_g
     assert hsdp_last_shards_bytes(config(), ParallelDims(world_size=2, dp_shard=2), 2, 10.0) == 0.0  # no all-reduce
     assert hsdp_last_shards_bytes(config(), ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, pp=2), 2, 10.0) == 0
     assert hsdp_last_shards_bytes(config(shard_mode="zero1"), hsdp, 2, 10.0) == 0.0
+
+
+def test_deferring_every_reduction_holds_whole_gradients_at_the_later_micro_batches_peak():
+    from optimus.parallel.dry_run import fsdp_accumulated_beyond_shards_bytes
+
+    defer_all = build_config({"parallel": {"defer_grad_sync": "all"}})
+    hsdp = ParallelDims(world_size=4, dp_replicate=2, dp_shard=2)
+    # whole fp32 gradients of two blocks of 10 and a root of 5 elements, beyond a 15-element fp32 shard
+    assert fsdp_accumulated_beyond_shards_bytes(defer_all, hsdp, 2, [10.0, 10.0], 5.0, 15.0) == 4.0 * 25 - 4.0 * 15
+    assert fsdp_accumulated_beyond_shards_bytes(defer_all, hsdp, 1, [10.0, 10.0], 5.0, 15.0) == 0.0
+    assert fsdp_accumulated_beyond_shards_bytes(build_config({}), hsdp, 2, [10.0, 10.0], 5.0, 15.0) == 0.0
+    piped = ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, pp=2)  # under pp: the FSDP transient's
+    assert fsdp_accumulated_beyond_shards_bytes(defer_all, piped, 2, [10.0, 10.0], 5.0, 15.0) == 0.0

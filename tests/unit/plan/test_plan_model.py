@@ -56,6 +56,9 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
     ("mula-tiny-dense.yaml", ["--parallel.dp_shard=8", "--parallel.shard_mode=ddp"]),
     # HSDP summing two micro-batches: the last backward's reduced shards beside the gradients at the root's reduce
     ("mula-tiny-moe.yaml", ["--parallel.dp_replicate=2", "--parallel.dp_shard=4", "--train.micro_batch_size=1"]),
+    # and deferring every reduction: the whole accumulated gradients at the later micro-batches' peak
+    ("mula-tiny-dense.yaml", ["--parallel.dp_replicate=2", "--parallel.dp_shard=4", "--train.micro_batch_size=1",
+                              "--parallel.defer_grad_sync=all"]),
     # gradients reduced in bf16: FSDP's reduce-scatter inputs and the zero modes' buffers at 2 bytes an element
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=4", "--train.dtype=bf16",
                             "--parallel.grad_reduce_dtype=bf16"]),
