@@ -262,8 +262,8 @@ def fsdp_accumulated_beyond_shards_bytes(config: Config, dims: ParallelDims, mic
     unit's whole gradients, in its reduce dtype (`blocks` and `root` in gathered elements), and the later
     micro-batches' activation peak meets those instead of the fp32 shards (`local` elements, made only by the last
     backward's reduce): what that adds beyond the shards. 0 otherwise (under pp fsdp_transient_bytes counts them).
-    Measured, the tiny dense at HSDP 2 x 2 with two micro-batches: 490-498 MiB allocated at the peak on three
-    ranks, 474 predicted without it, 484 with it."""
+    Measured, the tiny dense at HSDP 2 x 2 with two micro-batches: 490 MiB allocated at the peak on every rank,
+    474 predicted without it, 485 with it."""
     if (config.parallel.shard_mode != "fsdp" or dims.pp > 1 or not dims.has_data_parallel or micro_batches == 1
             or config.parallel.defer_grad_sync != "all"):
         return 0.0

@@ -47,6 +47,7 @@ from optimus.parallel.activation_memory import (
     rank_activation_bytes,
 )
 from optimus.parallel.dry_run import (
+    ACCUMULATED_LABEL,
     fsdp_accumulated_beyond_shards_bytes,
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
@@ -229,7 +230,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, [gathered_block] * layers,
                                                        gathered_root, local) if fsdp else 0.0
     if accumulated:
-        held["FSDP whole gradients beyond the shards (defer_grad_sync=all)"] = accumulated
+        held[ACCUMULATED_LABEL] = accumulated
     held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
         micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
