@@ -169,7 +169,8 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     micro_batches = step_batch(config, dims).micro_batches
     root_reduce = (fsdp_root_reduce_bytes(root, dims, reduce=reduce) +
                    hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
-    accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, blocks, root, local) if fsdp else 0
+    accumulated = (fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, blocks, root, local)
+                   if fsdp else 0.0)
     if accumulated:
         memory.bytes[ACCUMULATED_LABEL] = accumulated
     overlap = gradients_not_at_the_activation_peak(micro_batches, whole_gradient_bytes(mode, local, width),

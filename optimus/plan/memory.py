@@ -48,6 +48,7 @@ from optimus.parallel.activation_memory import (
 )
 from optimus.parallel.dry_run import (
     ACCUMULATED_LABEL,
+    OVERLAP_LABEL,
     fsdp_accumulated_beyond_shards_bytes,
     fsdp_deferred_reduce_bytes,
     fsdp_root_reduce_bytes,
@@ -231,7 +232,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
                                                        gathered_root, local) if fsdp else 0.0
     if accumulated:
         held[ACCUMULATED_LABEL] = accumulated
-    held["overlap: gradients / activations"] = -gradients_not_at_the_activation_peak(
+    held[OVERLAP_LABEL] = -gradients_not_at_the_activation_peak(
         micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
         held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims))
