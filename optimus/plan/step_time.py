@@ -13,20 +13,14 @@
                  forward's exchange of per-expert counts, or all-gather of the tokens + reduce-scatter of their
                  combined outputs), and of each what the recompute runs again (replayed_collectives, counted per
                  checkpointing mode): block_collectives.py
-    per micro-batch, overlapped with compute: FSDP's parameter all-gathers (forward and backward, prefetched) and
-                 gradient reduce-scatter (in parallel.grad_reduce_dtype: fp32, or bf16 at half the bytes; so every
-                 gradient collective below; under defer_grad_sync=all once a step, in the last micro-batch's
-                 backward), of every rank's padded shard (memory.fsdp_elements), and HSDP's all-reduce of each
-                 unit's reduced shard over dp_replicate (in the last micro-batch's backward; in every one under
-                 defer_grad_sync=none); pp sends of activations and gradients (asynchronous, 2 per virtual stage);
-                 only what exceeds the micro-batch's compute is exposed, all of it on a cluster whose collectives
-                 cannot run beside compute (`here`: gloo on the ranks' own cores). Filling and draining the pipe
-                 waits for 2 (pp - 1) sends
-    buffer copies FSDP's copies in and out of its communication buffers (per micro-batch; under pp or
-                 defer_grad_sync=all the gradients' once per step), on a host CPU also the page faults of those
-                 buffers and unsharded weights of 32 MiB or more, which glibc maps afresh each time
-                 (fsdp_fresh_bytes), the zero modes' packing of gradients into their buffers (per reduction) and
-                 unpacking of the gathered parameters (per step): memory-bound work on the rank, never hidden
+    per micro-batch, overlapped with compute: data parallelism's gradient and parameter collectives where they run
+                 beside a backward or a micro-batch (FSDP's gathers and reduce-scatters, HSDP's all-reduces:
+                 data_parallel_time.py says which and when) and pp sends of activations and gradients
+                 (asynchronous, 2 per virtual stage); only what exceeds the micro-batch's compute is exposed, all of
+                 it on a cluster whose collectives cannot run beside compute (`here`: gloo on the ranks' own cores).
+                 Filling and draining the pipe waits for 2 (pp - 1) sends
+    buffer copies data parallelism's copies in and out of its communication buffers (data_parallel_time.py):
+                 memory-bound work on the rank, never hidden
     collectives  optimus/plan/comms.py: each group placed on the node hierarchy, hierarchical or flat rings
     bubble       the last stage (LM head) runs its m micro-batches back to back; filling and draining the pipe
                  add (pp - 1) / v micro-batch times of a stage without the head (pp stages, v virtual stages: the
@@ -51,16 +45,11 @@
                  dtensor_cost.dtensor_operators; zero on the GPU presets)
     per micro-batch, zero2: its gradient reduce-scatter, less the 2/3 of the micro-batch's compute (its
                  backward) that hides it
-    per step, not overlapped: FSDP's gradient reduce-scatter and HSDP's all-reduce under pp (torch's schedules
-                 defer them to the last backward), zero1's gradient reduce-scatter, the zero modes' parameter
-                 all-gather after the update (and the EP-unaware baseline's fp32 all-reduce of its non-expert shard
-                 over ep), ddp's all-reduce beyond the last backward that hides it (every micro-batch's under
-                 defer_grad_sync=none; and with bf16 reduction its comm hook's casts), and the gradient clipping
-                 with the AdamW update (42 bytes of HBM traffic per owned element, at the optimizer class's rate:
-                 one fused in-place pass, which on a CPU streams at about twice a copy's bandwidth). The zero modes
-                 and ddp move their gradients in buckets (memory.zero_bucket_sizes: 40M elements; torch DDP's 25
-                 MiB), one collective each, so each bucket pays its ring's latency: over a 128-node ring (220B-A10B
-                 on 12,288 Aurora tiles) 0.15 s of a 1.0 s sync
+    per step, not overlapped: data parallelism's collectives after the last backward (data_parallel_time.py:
+                 FSDP's and HSDP's under pp, the zero modes' reductions and parameter gathers, ddp's all-reduce
+                 beyond the backward that hides it), and the gradient clipping with the AdamW update (42 bytes of
+                 HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
+                 CPU streams at about twice a copy's bandwidth)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -68,21 +57,19 @@ preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `-
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from optimus.config import Config
 from optimus.models.flops import ParameterCount, flops_per_token
-from optimus.parallel.data_parallel import DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_BYTES
 from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
 from optimus.plan.block_collectives import expert_parallel_time, replayed_collectives, tensor_parallel_time
-from optimus.plan.comms import Link, all_reduce_time, group_link, ring_time, send_time
+from optimus.plan.comms import group_link, send_time
+from optimus.plan.data_parallel_time import data_parallel_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
-from optimus.plan.memory import ModelShape, fsdp_elements, fsdp_gathered_block, zero_bucket_sizes
+from optimus.plan.memory import ModelShape
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
 # gradient clipping (train/step.py, optim/sharded.py): the norm reads each fp32 gradient, the scale by the clip
@@ -119,72 +106,6 @@ class StepTime:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     bubble_fraction: float = 0.0
-
-
-def fsdp_gathers_per_micro_batch(layers: int, micro_batches: int, pp: int, virtual: int) -> tuple[float, float]:
-    """FSDP all-gathers per micro-batch of each of a rank's `layers` blocks and of its root (embedding, final norm,
-    head), averaged over the step's micro-batches.
-
-    Without pp: two for a block (its forward, again for its backward), one for the last block and the root, which
-    stay gathered from their forward to their backward (parallel/data_parallel.py). Under pp torch's schedules keep
-    a unit gathered from its first backward to the step's end (reshard after backward off until the last
-    micro-batch): each of the `virtual` stage modules gathers its l - 1 resharding blocks once per forward and once
-    more for the first backward, its last block and the root once a step. Counted (gloo all-gathers of a profiled
-    MoE PP 2 + EP 2 step): 4, 6, 7 and 11 block gathers for l = 2, 2, 3, 3 blocks and m = 2, 4, 2, 4 micro-batches,
-    8 for two virtual stages of 2 blocks at m = 2, 1 root gather each time; the per-micro-batch count priced 60%
-    more at l = 2.
-    """
-    if pp == 1:
-        return (2 * layers - 1) / layers, 1.0
-    per_module = layers / virtual
-    per_step = virtual * ((per_module - 1) * (micro_batches + 1) + 1)
-    return per_step / (layers * micro_batches), 1.0 / micro_batches
-
-
-def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshold: int, layers: int,
-                     gathers: tuple[float, float], reduce: float = 4.0) -> tuple[float, float]:
-    """(per micro-batch's all-gathers, per reduction) bytes of FSDP's buffers of `threshold` bytes or more, which a
-    host allocator that hands such blocks back to the kernel on free (glibc) pages in afresh every time: each
-    all-gather's output and the unsharded weights it is copied out into, each reduce-scatter's input and output
-    (`reduce` bytes an element: fp32 4, bf16 2). `gathers`: (per block, for the root) all-gathers per micro-batch,
-    as step_time counts them; each of the stage's units reduces once per reduction. Under pp the last stage's (the
-    LM head's) root."""
-    def fresh(nbytes: float) -> float:
-        return nbytes if nbytes >= threshold else 0.0
-
-    units: dict[str, list] = {"block": [], "experts": [], "root": []}
-    for tensor in shape.tensors:
-        unit = "experts" if tensor.expert else "block" if tensor.where == "block" else "root"
-        if unit != "root" or tensor.on_stage(first=dims.pp == 1, last=True):
-            units[unit].append(tensor)
-    gathers = {"block": layers * gathers[0], "experts": layers * gathers[0], "root": gathers[1]}
-    reduces = {"block": layers, "experts": layers, "root": 1}
-    per_gather = per_reduce = 0.0
-    for unit, tensors in units.items():
-        if not tensors:
-            continue
-        ranks = dims.dp_shard_mod_ep if unit == "experts" else dims.dp_shard
-        gathered = sum(fsdp_elements(t, dims)[1] for t in tensors)
-        copied_out = sum(fresh(width * math.prod(t.local_shape(dims))) for t in tensors)
-        per_gather += gathers[unit] * (fresh(width * gathered) + copied_out)
-        per_reduce += reduces[unit] * (fresh(reduce * gathered) + fresh(reduce * gathered / ranks))
-    return per_gather, per_reduce
-
-
-def ddp_bucket_bytes(gradient_bytes: float) -> list[float]:
-    """torch DDP's gradient buckets: a small first one, then bucket_cap_mb each (parallel/data_parallel.py), the
-    last short; each is one all-reduce."""
-    first, cap = DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_MB * 2 ** 20
-    if gradient_bytes <= first:
-        return [gradient_bytes]
-    full, tail = divmod(gradient_bytes - first, cap)
-    return [first] + [cap] * int(full) + ([tail] if tail else [])
-
-
-def _per_bucket(collective_time, groups: list[tuple[Link, list[float]]]) -> float:
-    """The time of one collective per bucket (a size, over its group's link), one after another; equal buckets
-    priced once (the search prices tens of thousands of layouts, each with dozens of buckets)."""
-    return sum(count * collective_time(link, size) for link, sizes in groups for size, count in Counter(sizes).items())
 
 
 def _flops_by_class(config: Config, shape: ModelShape) -> dict[str, float]:
@@ -257,9 +178,10 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     reduced shard into the fp32 shard gradients (FSDP2's sharded .grad, optim/sharded.py's grad_shard): the same
     passes over the elements the rank owns.
 
-    Where the weights stay fp32 under bf16 compute (as activation_memory.autocast_weight_copy_bytes: no data parallelism, or
-    ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every matrix in the
-    forward, again where recomputed, and its gradient back to fp32 in the backward (AUTOCAST_CAST_BYTES each).
+    Where the weights stay fp32 under bf16 compute (as activation_memory.autocast_weight_copy_bytes: no data
+    parallelism, or ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every
+    matrix in the forward, again where recomputed, and its gradient back to fp32 in the backward
+    (AUTOCAST_CAST_BYTES each).
     Measured: the compiled Mula-7B-A1B block on one H100 spent 48 ms of a 0.28 s step in these casts and the fp32
     adds (triton to_copy kernels and CUDAFunctor_add over 1.9 B parameters, benchmarks/step_profile.py), which the
     compiled step's fused count left out (15% too fast).
@@ -460,126 +382,16 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     # what compute hides of a collective: the micro-batch's compute (the backward's 2/3 for gradient traffic)
     # where the links move bytes beside it, nothing where the ranks' own cores must move them (`here`)
     overlap = compute_mb if cluster.comm_overlaps_compute else 0.0
-    hidden_by_backward = 2 / 3 * overlap
-    grad_width = p.grad_reduce_bytes  # what data parallelism reduces gradients in (parallel.grad_reduce_dtype)
-    # parameters of one stage, gathered over the data-parallel dims (still split over tp and ep)
-    root = (shape.embedding + shape.head) / dims.tp if dims.pp == 1 else max(shape.embedding, shape.head) / dims.tp
-    dense_stage = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root
-    expert_stage = layers * shape.block_experts / (dims.ep * dims.tp)
-    fsdp_mb = fsdp_copy_mb = step_sync = zero2_mb = zero_copy_mb = copies_step = reduce_once = 0.0
-    # defer_grad_sync=all (parallel/data_parallel.set_gradient_sync): FSDP accumulates whole gradients, in its reduce
-    # dtype, and reduce-scatters them once, in the last micro-batch's backward
-    defer_all = p.shard_mode == "fsdp" and dims.pp == 1 and p.defer_grad_sync == "all" and micro_batches > 1
-    dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep", "ep"), cluster)
-    expert_dp_link = group_link(dims, ("dp_replicate", "dp_shard_mod_ep"), cluster)
-    if p.shard_mode == "fsdp":
-        shard_link = group_link(dims, ("dp_shard_mod_ep", "ep"), cluster)
-        expert_link = group_link(dims, ("dp_shard_mod_ep",), cluster)
-        # per FSDP unit (each block, and the root: embedding, head, final norm) all-gathers in the compute dtype
-        # (fsdp_gathers_per_micro_batch: two a block and micro-batch without pp, fewer under pp); and one fp32
-        # reduce-scatter per micro-batch, under pp deferred by torch's schedules to once per step, after the last
-        # backward (stage.perform_reduce_grad), where nothing hides it, and under defer_grad_sync=all to the last
-        # micro-batch's backward
-        block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp, p.pp_virtual_stages)
-
-        def unit_gathers(dense: float, experts: float, gathers: float) -> float:
-            return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))
-
-        def unit_reduce(dense: float, experts: float) -> float:
-            return (ring_time(shard_link, grad_width * dense, "reduce_scatter") +
-                    ring_time(expert_link, grad_width * experts, "reduce_scatter"))
-        block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
-        fsdp_mb = layers * unit_gathers(block_dense, block_experts, block_gathers) + unit_gathers(root, 0.0, root_gathers)
-        reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
-        gather_copies = reduce_copies = 0.0
-        if dims.has_data_parallel:  # and their copies, which no link hides (without data parallelism the
-            # trainer applies no FSDP): each all-gather copies the shard in and the whole unit out, the
-            # reduce-scatter copies the whole gradients into its input (read as backward wrote them, in the compute
-            # dtype, or under pp as FSDP accumulated them, in the reduce dtype; written in the reduce dtype)
-            gathered = dense_stage + expert_stage
-            blocks_dense = dense_stage - root
-            gathered_now = block_gathers * (blocks_dense + expert_stage) + root_gathers * root
-            owned_now = (block_gathers * (blocks_dense / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep) +
-                         root_gathers * root / dims.dp_shard)
-            gather_copies = 2 * width * (gathered_now + owned_now) / hbm_eff
-            reduce_copies = ((grad_width if dims.pp > 1 or defer_all else width) + grad_width) * gathered / hbm_eff
-            if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
-                fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
-                                                                (block_gathers, root_gathers), grad_width)
-                gather_copies += fresh_gathers * cluster.fresh_page_s_per_byte
-                reduce_copies += fresh_reduces * cluster.fresh_page_s_per_byte
-        if dims.pp > 1:
-            fsdp_copy_mb, copies_step, step_sync = gather_copies, reduce_copies, reduce
-        elif defer_all:  # one reduce-scatter a step, in the last micro-batch's backward
-            fsdp_copy_mb, copies_step, reduce_once = gather_copies, reduce_copies, reduce
-        else:
-            fsdp_mb, fsdp_copy_mb = fsdp_mb + reduce, gather_copies + reduce_copies
-        if dims.dp_replicate > 1:  # HSDP: each unit's (a block's, its experts', the root's) reduced shard is
-            # all-reduced over dp_replicate as its backward ends (FSDP2's foreach_reduce), one call per unit: in the
-            # last micro-batch's backward, every micro-batch's under defer_grad_sync=none, after the last backward
-            # under pp
-            rep_link = group_link(dims, ("dp_replicate",), cluster)
-
-            def unit_all_reduce(*shards: float) -> float:
-                return sum(all_reduce_time(rep_link, grad_width * shard) for shard in shards if shard)
-            replicate = (layers * unit_all_reduce(block_dense / dims.dp_shard, block_experts / dims.dp_shard_mod_ep) +
-                         unit_all_reduce(root / dims.dp_shard))
-            if dims.pp > 1:
-                step_sync += replicate
-            elif p.defer_grad_sync == "none":
-                fsdp_mb += replicate
-            else:
-                reduce_once += replicate
-        owned = dense_stage / dims.dp_shard + expert_stage / dims.dp_shard_mod_ep
-    elif p.shard_mode == "ddp":  # one all-reduce of the whole gradients per step, bucket by bucket as the last
-        # micro-batch's backward (about 2/3 of its compute) produces them (every micro-batch's under
-        # defer_grad_sync=none: no no_sync); every rank updates everything. DDP cuts its buckets from the fp32
-        # gradients; bf16 reduction compresses each (its comm hook)
-        syncs = micro_batches if p.defer_grad_sync == "none" else 1
-        buckets = [(dp_link, [b * grad_width / 4 for b in ddp_bucket_bytes(4 * (dense_stage + expert_stage))])]
-        step_sync = syncs * max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
-        owned = dense_stage + expert_stage
-        if grad_width != 4:  # the comm hook casts each fp32 bucket to bf16 and the sum back (read 4 + write 2, twice)
-            copies_step = syncs * 12 * owned / hbm_eff
-    else:  # zero1/zero2: reduce-scatter the gradients (packed in the reduce dtype, optim/sharded.py), all-gather the
-        # updated parameters (compute dtype) after the update; zero2 reduce-scatters each bucket in every micro-batch's
-        # backward as it is produced (optim/sharded.py), so that backward (about 2/3 of its compute) hides it
-        # one collective per bucket each way (optim/sharded.py), and each pays its ring's latency
-        dense_link = dp_link if p.ep_aware else expert_dp_link
-        dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense_stage, expert_stage,
-                                                          first=dims.pp == 1, last=True)
-        buckets = [(dense_link, dense_buckets), (expert_dp_link, expert_buckets)]
-        reduce = _per_bucket(lambda link, n: ring_time(link, grad_width * n, "reduce_scatter"), buckets)
-        gather = _per_bucket(lambda link, n: ring_time(link, width * n), buckets)
-        # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): each reduction packs the
-        # gradients into a persistent bucket buffer (read w B, write the reduce dtype's); after the update each
-        # rank writes its masters into the send area (4 + w B per owned element) and the gathered blocks are
-        # copied into the parameters (read and write w B)
-        local_elements = (dense_stage + expert_stage) if dims.is_parallel else 0.0  # one process: a plain optimizer
-        group = dims.dp if p.ep_aware else dims.expert_dp
-        pack = (grad_width + width) * local_elements / hbm_eff
-        unpack = (2 * width + (4 + width) / group) * local_elements / hbm_eff
-        if p.shard_mode == "zero2":
-            zero2_mb = max(0.0, reduce - hidden_by_backward)
-            zero_copy_mb, copies_step = pack, unpack
-            reduce = 0.0
-        else:
-            copies_step = pack + unpack
-        step_sync = reduce + gather
-        owned = dense_stage / group + expert_stage / dims.expert_dp
-        if not p.ep_aware and dims.ep > 1:  # the EP-unaware baseline sums its reduced non-expert shard over ep too
-            ep_link = group_link(dims, ("ep",), cluster)
-            step_sync += all_reduce_time(ep_link, 4 * dense_stage / dims.expert_dp)
+    dp = data_parallel_time(config, dims, shape, cluster, layers, micro_batches, 2 / 3 * overlap, hbm_eff)
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
     # in-place kernel, not the unfused elementwise ops memory_bound times)
-    optimizer = (owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +
+    optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +
                  efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
-    exposed_fsdp = max(0.0, fsdp_mb - overlap)
+    exposed_fsdp = max(0.0, dp.overlappable_mb - overlap)
     # what the last micro-batch's backward adds: FSDP's deferred reduce-scatter, HSDP's all-reduces
-    exposed_once = max(0.0, fsdp_mb + reduce_once - overlap) - exposed_fsdp
-    copies_mb = fsdp_copy_mb + zero_copy_mb
-    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + zero2_mb + copies_mb
+    exposed_once = max(0.0, dp.overlappable_mb + dp.last_backward - overlap) - exposed_fsdp
+    per_mb = compute_mb + tp_mb + ep_mb + pp_mb + exposed_fsdp + dp.exposed_mb + dp.copies_mb
     virtual = p.pp_virtual_stages if dims.pp > 1 else 1
     busy = per_mb * micro_batches
     # The last stage (it holds the LM head) paces the pipe: it runs its m micro-batches back to back once the first
@@ -594,7 +406,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill
     bubble = fill_drain / (busy + fill_drain) if busy + fill_drain > 0 else 0.0
-    step = pipeline + exposed_once + step_sync + copies_step + optimizer
+    step = pipeline + exposed_once + dp.step_sync + dp.copies_step + optimizer
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
@@ -605,7 +417,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
              "op_overhead": overhead_mb * micro_batches,
              "tp_dispatch": dispatch_mb * micro_batches, "tp": tp_mb * micro_batches, "ep": ep_mb * micro_batches,
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches + exposed_once,
-             "zero2_exposed": zero2_mb * micro_batches,
-             "buffer_copies": copies_mb * micro_batches + copies_step,
-             "bubble": pipeline - busy, "dp_sync": step_sync, "optimizer": optimizer}
+             "zero2_exposed": dp.exposed_mb * micro_batches,
+             "buffer_copies": dp.copies_mb * micro_batches + dp.copies_step,
+             "bubble": pipeline - busy, "dp_sync": dp.step_sync, "optimizer": optimizer}
     return StepTime(step, parts, tokens / step, mfu, bubble)

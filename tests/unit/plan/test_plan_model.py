@@ -401,7 +401,7 @@ def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_thr
     output, are past glibc's 32 MiB; no block buffer is."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
-    from optimus.plan.step_time import fsdp_fresh_bytes
+    from optimus.plan.data_parallel_time import fsdp_fresh_bytes
 
     layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
                                                                             "--train.dtype=fp32"]), 2)
@@ -419,7 +419,8 @@ def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_thr
 def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
-    from optimus.plan.step_time import fsdp_fresh_bytes, step_time
+    from optimus.plan.data_parallel_time import fsdp_fresh_bytes
+    from optimus.plan.step_time import step_time
 
     layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
                                                                             "--train.dtype=fp32"]), 2)
@@ -513,7 +514,7 @@ def test_bf16_gradient_reduction_halves_the_gradient_collectives():
 
 
 def test_ddp_all_reduces_in_torchs_buckets():
-    from optimus.plan.step_time import ddp_bucket_bytes
+    from optimus.plan.data_parallel_time import ddp_bucket_bytes
 
     mib = 2 ** 20
     assert ddp_bucket_bytes(0.5 * mib) == [0.5 * mib]
@@ -549,7 +550,7 @@ def test_the_vocab_parallel_loss_pays_its_own_passes_over_the_logits(monkeypatch
 def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_batches, virtual, counted):
     """The block all-gathers counted in profiled MoE PP 2 + EP 2 steps (gloo all-gathers of a block unit's size,
     last stage): torch's schedules keep a unit gathered from its first backward to the step's end."""
-    from optimus.plan.step_time import fsdp_gathers_per_micro_batch
+    from optimus.plan.data_parallel_time import fsdp_gathers_per_micro_batch
 
     block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=2, virtual=virtual)
     assert block * layers * micro_batches == pytest.approx(counted)
