@@ -395,27 +395,6 @@ def test_fsdp_elements_pad_the_sharded_dim_to_whole_shards():
     assert fsdp_elements(down, dims(3072, tp=2)) == (4096, 3072 * 4096)
 
 
-def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_threshold():
-    """Tiny dense model (vocabulary 50,304 x d 256: the embedding and head are 49 MiB each in fp32) at FSDP 2: per
-    step the root's all-gather output and the two weights copied out of it, and its reduce-scatter's input and
-    output, are past glibc's 32 MiB; no block buffer is."""
-    from optimus.parallel.validate import validate_layout
-    from optimus.plan.memory import ModelShape
-    from optimus.plan.data_parallel_time import fsdp_fresh_bytes
-
-    layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
-                                                                            "--train.dtype=fp32"]), 2)
-    shape = ModelShape.of(layout.config)
-    model = layout.config.model
-    weight = 4 * model.vocab_size * model.d_model
-    root = 4 * (shape.embedding + shape.head)  # embedding, head and final norm: no padding at an even vocabulary
-    per_micro_batch = ((2 * shape.n_layers - 1) / shape.n_layers, 1.0)  # block and root gathers, no pp
-    gathers, reduces = fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers, per_micro_batch)
-    assert weight >= 32 * 2**20
-    assert gathers == root + 2 * weight and reduces == root + root / 2
-    assert fsdp_fresh_bytes(shape, layout.dims, 4, 2**40, shape.n_layers, per_micro_batch) == (0.0, 0.0)
-
-
 def test_fresh_pages_add_their_cost_to_fsdp_buffer_copies_on_a_host():
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
@@ -513,16 +492,6 @@ def test_bf16_gradient_reduction_halves_the_gradient_collectives():
     assert dp_sync(zero1, "fp32") - dp_sync(zero1, "bf16") == pytest.approx(saved, rel=1e-6) and saved > 0
 
 
-def test_ddp_all_reduces_in_torchs_buckets():
-    from optimus.plan.data_parallel_time import ddp_bucket_bytes
-
-    mib = 2 ** 20
-    assert ddp_bucket_bytes(0.5 * mib) == [0.5 * mib]
-    buckets = ddp_bucket_bytes(100 * mib)  # a 1 MiB first bucket, then 25 MiB ones, the last short
-    assert buckets[0] == mib and buckets[1:4] == [25 * mib] * 3 and buckets[4] == pytest.approx(24 * mib)
-    assert sum(buckets) == pytest.approx(100 * mib)
-
-
 def test_the_vocab_parallel_loss_pays_its_own_passes_over_the_logits(monkeypatch):
     """Under tp the loss head is the vocab-parallel one, which reduces its logits in separate passes; the loss_head
     class (timed on the fused op) does not include them; the memory-bound part does."""
@@ -543,21 +512,6 @@ def test_the_vocab_parallel_loss_pays_its_own_passes_over_the_logits(monkeypatch
     logits = 2 * 128 * layout.config.model.vocab_size / 2  # a micro-batch's fp32 logits on one tp rank
     hbm_eff = cluster.hbm_gb_s * 1e9 * cluster.efficiency.memory_bound
     assert with_passes - memory_bound() == pytest.approx(4 * 20 * logits / hbm_eff)
-
-
-@pytest.mark.parametrize("layers, micro_batches, virtual, counted", [(2, 2, 1, 4), (2, 4, 1, 6), (3, 2, 1, 7),
-                                                                     (3, 4, 1, 11), (4, 2, 2, 8)])
-def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_batches, virtual, counted):
-    """The block all-gathers counted in profiled MoE PP 2 + EP 2 steps (gloo all-gathers of a block unit's size,
-    last stage): torch's schedules keep a unit gathered from its first backward to the step's end."""
-    from optimus.plan.data_parallel_time import fsdp_gathers_per_micro_batch
-
-    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=2, virtual=virtual)
-    assert block * layers * micro_batches == pytest.approx(counted)
-    assert root * micro_batches == pytest.approx(1.0)  # the root once a step
-    # without pp: forward and backward each micro-batch, the last block and the root once
-    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=1, virtual=1)
-    assert (block * layers, root) == (2 * layers - 1, 1.0)
 
 
 def test_op_level_checkpointing_replays_the_gathers_and_casts_but_no_matmul():

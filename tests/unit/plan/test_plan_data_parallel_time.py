@@ -1,0 +1,135 @@
+"""Data parallelism's share of a step (optimus/plan/data_parallel_time.py): where each shard mode's collectives fall
+(per micro-batch beside compute, in the last backward, after it), its buffers, and the helpers that count them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from optimus.config import load_config
+from optimus.parallel.validate import validate_layout
+from optimus.plan.cluster import Cluster
+from optimus.plan.data_parallel_time import DataParallelTime, data_parallel_time
+from optimus.plan.memory import ModelShape
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+HBM = 1e12  # bytes a second of memory-bound work: any, the tests compare layouts on the same one
+
+
+def _toy() -> Cluster:
+    return Cluster(name="toy", device="H100", devices_per_node=4, memory_gb=80, hbm_gb_s=3000,
+                   intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
+                   node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
+
+
+def _time(overrides: list[str], hidden_by_backward: float = 0.0, preset: str = "mula-tiny-dense") -> DataParallelTime:
+    """The tiny model's data-parallel time at a layout (bf16, micro-batch 2, global batch 8 unless overridden)."""
+    config = load_config(CONFIGS / f"{preset}.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=2",
+                                                      "--train.global_batch_size=8", *overrides])
+    layout = validate_layout(config, config.parallel.layout_ranks)
+    shape, dims = ModelShape.of(layout.config), layout.dims
+    layers = -(-shape.n_layers // dims.pp)
+    return data_parallel_time(layout.config, dims, shape, _toy(), layers, layout.batch.micro_batches,
+                              hidden_by_backward, HBM)
+
+
+def test_fsdp_under_defer_all_reduce_scatters_once_in_the_last_backward():
+    """Two micro-batches at FSDP 2: by default each reduce-scatters beside its own compute; under
+    defer_grad_sync=all the same reduce-scatter runs once, in the last backward, and its copies once a step."""
+    each = _time(["--parallel.dp_shard=2"])
+    once = _time(["--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"])
+    assert each.last_backward == 0.0 and once.last_backward > 0.0
+    assert each.overlappable_mb - once.overlappable_mb == pytest.approx(once.last_backward)
+    assert once.copies_step > 0.0 == each.copies_step and once.copies_mb < each.copies_mb
+    assert once.step_sync == each.step_sync == 0.0 and once.owned == each.owned
+    # one micro-batch: nothing to defer
+    single = ["--parallel.dp_shard=2", "--train.global_batch_size=4"]
+    assert _time([*single, "--parallel.defer_grad_sync=all"]) == _time(single)
+
+
+def test_hsdp_all_reduces_each_unit_in_the_last_backward_or_every_one_under_none():
+    replicate = _time(["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.global_batch_size=16"])
+    none = _time(["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--train.global_batch_size=16",
+                  "--parallel.defer_grad_sync=none"])
+    plain = _time(["--parallel.dp_shard=2", "--train.global_batch_size=16", "--parallel.dp_replicate=1"])
+    assert replicate.last_backward > 0.0 == none.last_backward
+    assert none.overlappable_mb - replicate.overlappable_mb == pytest.approx(replicate.last_backward)
+    assert replicate.overlappable_mb == pytest.approx(plain.overlappable_mb)  # the shard group is the same
+
+
+def test_fsdp_under_pp_reduces_once_after_the_last_backward():
+    piped = _time(["--parallel.dp_shard=2", "--parallel.pp=2"])
+    assert piped.step_sync > 0.0 and piped.last_backward == 0.0 and piped.copies_step > 0.0
+
+
+def test_ddp_all_reduces_every_micro_batch_under_none_and_its_backward_hides_it():
+    once = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp"])
+    each = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp", "--parallel.defer_grad_sync=none"])
+    assert once.step_sync > 0.0 and each.step_sync == pytest.approx(2 * once.step_sync)
+    assert _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp"], hidden_by_backward=1.0).step_sync == 0.0
+    assert once.overlappable_mb == once.last_backward == once.copies_mb == 0.0
+    # bf16 reduction: the comm hook's casts, once a sync
+    cast = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp", "--parallel.grad_reduce_dtype=bf16"])
+    assert cast.copies_step == pytest.approx(12 * cast.owned / HBM) and once.copies_step == 0.0
+
+
+def test_zero2_reduces_in_each_backward_what_zero1_reduces_after_the_last():
+    zero1 = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=zero1", "--train.global_batch_size=4"])
+    zero2 = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=zero2", "--train.global_batch_size=4"])
+    assert zero2.exposed_mb > 0.0 and zero1.exposed_mb == 0.0
+    assert zero1.step_sync == pytest.approx(zero2.step_sync + zero2.exposed_mb)  # one micro-batch: the same bytes
+    hidden = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=zero2", "--train.global_batch_size=4"],
+                   hidden_by_backward=1.0)
+    assert hidden.exposed_mb == 0.0
+
+
+def test_each_mode_updates_its_share_of_the_parameters():
+    """A dense model on 2 ranks: FSDP and the zero modes update half of what DDP updates (the whole model)."""
+    whole = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp"]).owned
+    for mode in ("fsdp", "zero1", "zero2"):
+        assert _time(["--parallel.dp_shard=2", f"--parallel.shard_mode={mode}"]).owned == pytest.approx(whole / 2)
+
+
+def test_fsdp_buffers_of_fresh_pages_are_the_root_gather_and_reduce_past_the_threshold():
+    """Tiny dense model (vocabulary 50,304 x d 256: the embedding and head are 49 MiB each in fp32) at FSDP 2: per
+    step the root's all-gather output and the two weights copied out of it, and its reduce-scatter's input and
+    output, are past glibc's 32 MiB; no block buffer is."""
+    from optimus.plan.data_parallel_time import fsdp_fresh_bytes
+
+    layout = validate_layout(load_config(CONFIGS / "mula-tiny-dense.yaml", ["--parallel.dp_shard=2",
+                                                                            "--train.dtype=fp32"]), 2)
+    shape = ModelShape.of(layout.config)
+    model = layout.config.model
+    weight = 4 * model.vocab_size * model.d_model
+    root = 4 * (shape.embedding + shape.head)  # embedding, head and final norm: no padding at an even vocabulary
+    per_micro_batch = ((2 * shape.n_layers - 1) / shape.n_layers, 1.0)  # block and root gathers, no pp
+    gathers, reduces = fsdp_fresh_bytes(shape, layout.dims, 4, 32 * 2**20, shape.n_layers, per_micro_batch)
+    assert weight >= 32 * 2**20
+    assert gathers == root + 2 * weight and reduces == root + root / 2
+    assert fsdp_fresh_bytes(shape, layout.dims, 4, 2**40, shape.n_layers, per_micro_batch) == (0.0, 0.0)
+
+
+def test_ddp_all_reduces_in_torchs_buckets():
+    from optimus.plan.data_parallel_time import ddp_bucket_bytes
+
+    mib = 2 ** 20
+    assert ddp_bucket_bytes(0.5 * mib) == [0.5 * mib]
+    buckets = ddp_bucket_bytes(100 * mib)  # a 1 MiB first bucket, then 25 MiB ones, the last short
+    assert buckets[0] == mib and buckets[1:4] == [25 * mib] * 3 and buckets[4] == pytest.approx(24 * mib)
+    assert sum(buckets) == pytest.approx(100 * mib)
+
+
+@pytest.mark.parametrize("layers, micro_batches, virtual, counted", [(2, 2, 1, 4), (2, 4, 1, 6), (3, 2, 1, 7),
+                                                                     (3, 4, 1, 11), (4, 2, 2, 8)])
+def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_batches, virtual, counted):
+    """The block all-gathers counted in profiled MoE PP 2 + EP 2 steps (gloo all-gathers of a block unit's size,
+    last stage): torch's schedules keep a unit gathered from its first backward to the step's end."""
+    from optimus.plan.data_parallel_time import fsdp_gathers_per_micro_batch
+
+    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=2, virtual=virtual)
+    assert block * layers * micro_batches == pytest.approx(counted)
+    assert root * micro_batches == pytest.approx(1.0)  # the root once a step
+    # without pp: forward and backward each micro-batch, the last block and the root once
+    block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=1, virtual=1)
+    assert (block * layers, root) == (2 * layers - 1, 1.0)
