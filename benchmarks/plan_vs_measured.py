@@ -150,6 +150,52 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                        "--parallel.defer_grad_sync=none", "--train.micro_batch_size=1"]),
     "dense-ddp2-sync-each": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=ddp",
                                         "--parallel.defer_grad_sync=none", "--train.micro_batch_size=2"]),
+    # the kinds the distributed tests train that the rows above lacked (stop 40, read test by test): dense FSDP 4
+    # (test_data_parallel), MoE FSDP without ep and at 4 (test_resharding, test_sharded_optimizer), FSDP in bf16
+    # and zero1 in bf16 (test_sharded_optimizer), the all-gather dispatch over FSDP at ep 2 and 4
+    # (test_expert_parallel), selective recompute at FSDP 4 x ep 2 (test_data_parallel), MoE tp x dp_replicate and
+    # tp x pp under 1F1B (test_expert_tensor_parallel), FSDP and zero2 summing two micro-batches, FSDP with bf16
+    # reduction (test_grad_reduce_dtype), MoE HSDP deferring everything (test_gradient_sync), FSDP replicating over
+    # dp_replicate 2 alone and under pp 2 (test_heldout_eval, test_preemption), MoE pipelines alone
+    # (test_pipeline), zero1 at FSDP 4 x ep 2 EP-aware and not, MoE zero1 under pp, MoE zero2 at ep 2 and zero1
+    # over 3 ranks (test_sharded_optimizer), and one process, FSDP x ep and tp summing several micro-batches
+    "dense-fsdp4": (DENSE, 4, ["--parallel.dp_shard=4"]),
+    "moe-fsdp2-mb2": (MOE, 2, ["--parallel.dp_shard=2", "--train.micro_batch_size=2"]),
+    "moe-fsdp4": (MOE, 4, ["--parallel.dp_shard=4"]),
+    "moe-fsdp4-ep2-selective": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2",
+                                         "--train.activation_checkpointing=selective",
+                                         "--train.recompute=[moe,norms]"]),
+    "moe-fsdp2-ep2-allgather-mb2": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
+                                             "--parallel.ep_dispatch=allgather", "--train.micro_batch_size=2"]),
+    "moe-fsdp4-ep4-allgather": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=4",
+                                         "--parallel.ep_dispatch=allgather"]),
+    "moe-replicate2-tp2-mb2": (MOE, 4, ["--parallel.tp=2", "--parallel.dp_replicate=2",
+                                        "--train.micro_batch_size=2"]),
+    "moe-tp2-pp2": (MOE, 4, ["--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch_size=2"]),
+    "dense-fsdp2-bf16-reduce-mb2": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.grad_reduce_dtype=bf16",
+                                               "--train.micro_batch_size=2"]),
+    "dense-zero2-2-mb2": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero2",
+                                     "--train.micro_batch_size=2"]),
+    "moe-hsdp2x2-defer": (MOE, 4, ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                                   "--parallel.defer_grad_sync=all", "--train.micro_batch_size=1"]),
+    "dense-replicate2": (DENSE, 2, ["--parallel.dp_replicate=2"]),
+    "dense-replicate2-pp2": (DENSE, 4, ["--parallel.dp_replicate=2", "--parallel.pp=2",
+                                        "--train.micro_batch_size=2"]),
+    "moe-pp2": (MOE, 2, ["--parallel.pp=2", "--train.micro_batch_size=2"]),
+    "moe-zero1-ep2-4": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.shard_mode=zero1"]),
+    "moe-zero1-ep2-4-unaware": (MOE, 4, ["--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.shard_mode=zero1",
+                                         "--parallel.ep_aware=false"]),
+    "moe-pp2-zero1-2": (MOE, 4, ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.shard_mode=zero1",
+                                 "--train.micro_batch_size=2"]),
+    "moe-zero2-2-ep2-mb2": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.shard_mode=zero2",
+                                     "--train.micro_batch_size=2"]),
+    "moe-zero1-3-mb2": (MOE, 3, ["--parallel.dp_shard=3", "--parallel.shard_mode=zero1",
+                                 "--train.global_batch_size=12", "--train.micro_batch_size=2"]),
+    "dense-1-mb2": (DENSE, 1, ["--train.micro_batch_size=2"]),
+    "moe-fsdp2-ep2-mb2": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2", "--train.micro_batch_size=2"]),
+    "dense-tp2-mb2": (DENSE, 2, ["--parallel.tp=2", "--train.micro_batch_size=2"]),
+    "dense-fsdp2-bf16": (DENSE, 2, ["--parallel.dp_shard=2", "--train.dtype=bf16"]),
+    "dense-zero1-2-bf16": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero1", "--train.dtype=bf16"]),
     # a lone rank on every core's thread, as `optimus train` alone runs (make train): torch's intra-op threads
     "dense-1-all-cores": (DENSE, 1, []),
     "moe-1-all-cores": (MOE, 1, []),
