@@ -175,6 +175,12 @@ def test_measured_share_of_the_cores_replaces_the_idle_assumption():
     two, four = here_cluster({"machine": machine}, 2), here_cluster({"machine": machine}, 4)
     assert two.peak_flops("fp32") == pytest.approx(1.5e10) and four.peak_flops("fp32") == pytest.approx(6e9)
     assert two.hbm_gb_s == pytest.approx(4.0) and two.efficiency.op_overhead_us == pytest.approx(20.0)
+    # a job size not measured: the nearest one's cores spread over its ranks (3 ranks: 4 ranks' 4 x 0.2 over 3; 8
+    # ranks: 4 ranks' over 8), never past what the cores allow each (cores / ranks)
+    assert here_cluster({"machine": machine}, 3).peak_flops("fp32") == pytest.approx(3e10 * 0.8 / 3)
+    assert here_cluster({"machine": machine}, 8).peak_flops("fp32") == pytest.approx(3e10 * 0.8 / 8)
+    idle = {**machine, "share": {"1": 1.0, "2": 1.0, "4": 0.5}}
+    assert here_cluster({"machine": idle}, 3).peak_flops("fp32") == pytest.approx(3e10 * 2 / 3)
 
 
 def test_share_is_measured_with_forked_processes_running_at_once():
