@@ -177,7 +177,7 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
                                                    memory.bytes["activations (as configured)"] + accumulated,
                                                    deferred, root_reduce,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0,
-                                                   forwards_first(config, dims))
+                                                   forwards_first(config, dims), mode != "zero2")
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
@@ -203,13 +203,17 @@ def whole_gradient_bytes(mode: str, local: float, width: int) -> float:
 
 def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, activations: float,
                                          deferred_reduce: float = 0.0, root_reduce: float = 0.0,
-                                         transient: float = 0.0, forwards_first: bool = False) -> float:
+                                         transient: float = 0.0, forwards_first: bool = False,
+                                         kept_between_backwards: bool = True) -> float:
     """Bytes to take off a sum that holds both a step's gradients and its activations. The trainer frees the
     gradients before each step (zero_grad(set_to_none)) and the backward creates them while it frees the
     activations, so with one micro-batch a step the peak holds the larger of the two, not both (one process on
     the tiny dense model: 712 MiB allocated at the peak, 821 predicted counting both). With several micro-batches
     the later ones' activations meet the gradients accumulated so far: nothing comes off, unless the schedule runs
-    every forward before the first backward (`forwards_first`: GPipe), whose peak then meets no gradient either.
+    every forward before the first backward (`forwards_first`: GPipe), whose peak then meets no gradient either,
+    or the gradients counted do not outlive their backward (not `kept_between_backwards`: zero2 reduces its buckets
+    and drops the whole gradients in every backward, summing only its fp32 shard, counted apart; dense zero2 at 2
+    ranks summing two micro-batches read 586 MiB, 701 predicted with them at the later activation peak).
     deferred_reduce: FSDP under pp (fsdp_deferred_reduce_bytes). The stage reduces once, after its last backward,
     so the sharded gradients exist only then, when the activations are gone and the reduce-scatters hold flat
     copies of the unsharded gradients: the peak holds the larger of the activations and those copies, never the
@@ -222,7 +226,8 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
     reduce-scatter once the CPU loss kept one [512, V] buffer)."""
     if deferred_reduce:
         return gradients + activations - max(activations, deferred_reduce)
-    held = max(gradients, activations) if micro_batches == 1 or forwards_first else gradients + activations
+    apart = micro_batches == 1 or forwards_first or not kept_between_backwards
+    held = max(gradients, activations) if apart else gradients + activations
     if root_reduce:
         held = max(transient + held, gradients + root_reduce) - transient
     return gradients + activations - held

@@ -235,7 +235,7 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held[OVERLAP_LABEL] = -gradients_not_at_the_activation_peak(
         micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
-        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims))
+        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims), mode != "zero2")
     return held
 
 

@@ -173,6 +173,16 @@ def test_fsdp_without_pp_peaks_in_the_roots_reduce_when_it_outweighs_the_activat
     assert fsdp_root_reduce_bytes(10.0, ParallelDims(world_size=2, tp=2)) == 0.0  # no FSDP
 
 
+def test_gradients_dropped_in_every_backward_never_meet_a_later_micro_batchs_activations():
+    """zero2 reduces its buckets and drops the whole gradients in every backward: summing two micro-batches, the
+    second one's activation peak holds none of them (the smaller of the two comes off, as with one micro-batch);
+    gradients kept between backwards meet it (nothing comes off)."""
+    from optimus.parallel.dry_run import gradients_not_at_the_activation_peak
+
+    assert gradients_not_at_the_activation_peak(2, 1.0, 3.0) == 0.0
+    assert gradients_not_at_the_activation_peak(2, 1.0, 3.0, kept_between_backwards=False) == 1.0
+
+
 def test_hsdp_summing_micro_batches_holds_the_last_backwards_shards_beside_the_gradients():
     from optimus.parallel.dry_run import hsdp_last_shards_bytes
 

@@ -302,20 +302,22 @@ def test_here_takes_what_a_call_after_compute_costs_from_the_nearest_job_size():
 def test_a_call_after_compute_costs_what_was_timed_after_the_layouts_compute_between_collectives():
     """Every timed collective pays the sync at the layout's compute between two of its collectives: the step's
     collectives counted by what one more microsecond a call adds, its compute (the step less its waits on
-    collectives) split between them; linear between the timed points, the nearest outside them."""
+    collectives) split between them; linear between the timed points, the last one's past them, linear from nothing
+    below the first."""
     from optimus.parallel.validate import validate_layout
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import COLLECTIVE_PARTS, step_time, sync_after_compute
 
     points = ((0.01, 1e-3), (0.04, 4e-3))
-    assert sync_after_compute(points, 0.005) == 1e-3 and sync_after_compute(points, 0.1) == 4e-3
-    assert sync_after_compute(points, 0.02) == pytest.approx(2e-3)
+    assert sync_after_compute(points, 0.1) == 4e-3 and sync_after_compute(points, 0.02) == pytest.approx(2e-3)
+    # below the first point, linear from nothing: no compute between two calls is the back-to-back call timed
+    assert sync_after_compute(points, 0.005) == pytest.approx(0.5e-3) and sync_after_compute(points, 0.0) == 0.0
     layout = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32",
                                                 "--parallel.tp=2", "--parallel.dp_shard=2"]), 4)
     args = (layout.config, layout.dims, ModelShape.of(layout.config))
     cluster = here_cluster(_sync_entry({"4": [list(p) for p in points]}), 4)
     plain = step_time(*args, replace(cluster, collective_sync=()), None, layout.batch.micro_batches)
-    flat = step_time(*args, replace(cluster, collective_sync=((0.01, 2e-3), (0.04, 2e-3))), None,
+    flat = step_time(*args, replace(cluster, collective_sync=((1e-6, 2e-3), (0.04, 2e-3))), None,
                      layout.batch.micro_batches)
     nudged = step_time(*args, replace(cluster, collective_sync=(), collective_sync_s=1e-3), None,
                        layout.batch.micro_batches)

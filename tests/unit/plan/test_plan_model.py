@@ -54,6 +54,8 @@ def _memory_pair(path: str, world: int, overrides: list[str]) -> tuple[float, fl
                               "--train.activation_checkpointing=selective"]),
     ("mula-tiny-moe.yaml", ["--parallel.dp_shard=8", "--parallel.ep=2", "--parallel.shard_mode=zero2"]),
     ("mula-tiny-dense.yaml", ["--parallel.dp_shard=8", "--parallel.shard_mode=ddp"]),
+    # zero2 summing two micro-batches: the whole gradients dropped in each backward, not held at the later peak
+    ("mula-tiny-dense.yaml", ["--parallel.dp_shard=8", "--parallel.shard_mode=zero2", "--train.micro_batch_size=1"]),
     # HSDP summing two micro-batches: the last backward's reduced shards beside the gradients at the root's reduce
     ("mula-tiny-moe.yaml", ["--parallel.dp_replicate=2", "--parallel.dp_shard=4", "--train.micro_batch_size=1"]),
     # and deferring every reduction: the whole accumulated gradients at the later micro-batches' peak
