@@ -5,8 +5,9 @@
         [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zero1/2, TP, PP (1F1B, interleaved), EP,
-expert-tensor parallelism, activation checkpointing: every layout tests/distributed trains, in kind; a lone rank on
-every core, as `optimus train` alone runs; bf16 compute, where the CPU has it natively) it runs the
+expert-tensor parallelism, activation checkpointing, one or several micro-batches a step: the kinds of layout
+tests/distributed trains, read test by test at stop 40 (BENCHMARKS.md), those combining kinds already here aside;
+a lone rank on every core, as `optimus train` alone runs; bf16 compute, where the CPU has it natively) it runs the
 Trainer, the same code path as `optimus train` (forked ranks joined by gloo, one thread each, as torchrun gives
 them, or every core's for the ALL_CORES rows), for warm-up + measured steps, reads each step's time from its
 metrics.jsonl (global tokens per step / tokens_per_s, logged every step), takes the median step of each of
@@ -110,8 +111,8 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "moe-fsdp2-ep2-bf16-reduce": (MOE, 2, ["--parallel.dp_shard=2", "--parallel.ep=2",
                                            "--parallel.grad_reduce_dtype=bf16"]),
     # the 2-D layouts tests/distributed trains that the rows above lack: FSDP x TP, dense and MoE
-    # (test_tensor_parallel), FSDP2 replicating over dp_replicate 2 (dp_shard 1) x TP (test_vocab_parallel), zero1 x TP
-    # and FSDP x PP under zero1 (test_sharded_optimizer)
+    # (test_tensor_parallel), FSDP2 replicating over dp_replicate 2 (dp_shard 1) x TP (test_vocab_parallel, with
+    # selective recompute), zero1 x TP and zero1 under PP (test_sharded_optimizer, an MoE: moe-pp2-zero1-2 below)
     "dense-fsdp2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2"]),
     "moe-fsdp2-tp2": (MOE, 4, ["--parallel.tp=2", "--parallel.dp_shard=2"]),
     "dense-replicate2-tp2": (DENSE, 4, ["--parallel.tp=2", "--parallel.dp_replicate=2"]),
