@@ -296,7 +296,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
     if ranks > 1 and threads == 1 and measured:  # as measured: R one-thread matmul processes at once, others' load in
         nearest = _nearest_job((g for g in measured if int(g) > 1), ranks)
         # a job size not timed gets the nearest one's cores spread over its own ranks, at most each one's idle share
-        # (3 ranks on 2 cores: 4 ranks' share x 4/3; taking 4 ranks' share as it was priced them 30% slow)
+        # (3 ranks on 2 cores: 4 ranks' share x 4/3; 4 ranks' share alone priced them 30% slow)
         scaled = measured[str(nearest)] * nearest / ranks
         share = scaled if nearest == ranks else min(idle_share, scaled)
     # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
