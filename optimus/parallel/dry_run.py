@@ -177,7 +177,8 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
                                                    memory.bytes["activations (as configured)"] + accumulated,
                                                    deferred, root_reduce,
                                                    memory.bytes["FSDP transient"] if fsdp else 0.0,
-                                                   forwards_first(config, dims), mode != "zero2")
+                                                   forwards_first(config, dims),
+                                                   keeps_gradients_between_backwards(mode))
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
@@ -199,6 +200,12 @@ def whole_gradient_bytes(mode: str, local: float, width: int) -> float:
     if mode == "zero2":
         return width * min(local, 2 * DEFAULT_BUCKET_NUMEL)
     return 4.0 * local
+
+
+def keeps_gradients_between_backwards(mode: str) -> bool:
+    """Whether the whole gradients whole_gradient_bytes counts outlive the backward that made them: not zero2's,
+    whose buckets are reduced and dropped in every backward (optim/sharded.py)."""
+    return mode != "zero2"
 
 
 def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, activations: float,

@@ -297,8 +297,7 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
         nearest = _nearest_job((g for g in measured if int(g) > 1), ranks)
         # a job size not timed gets the nearest one's cores spread over its own ranks, at most each one's idle share
         # (3 ranks on 2 cores: 4 ranks' share x 4/3; 4 ranks' share alone priced them 30% slow)
-        scaled = measured[str(nearest)] * nearest / ranks
-        share = scaled if nearest == ranks else min(idle_share, scaled)
+        share = min(idle_share, measured[str(nearest)] * nearest / ranks)  # (a measured share is capped so already)
     # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
     # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket
     bandwidth = min(thread_bandwidth(m, threads) / 1e9 * share, m["copy_gb_s_all_cores"] / ranks)

@@ -55,6 +55,7 @@ from optimus.parallel.dry_run import (
     fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
     hsdp_last_shards_bytes,
+    keeps_gradients_between_backwards,
     whole_gradient_bytes,
     zero_gradient_bytes,
 )
@@ -235,7 +236,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held[OVERLAP_LABEL] = -gradients_not_at_the_activation_peak(
         micro_batches,
         whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
-        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims), mode != "zero2")
+        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims),
+        keeps_gradients_between_backwards(mode))
     return held
 
 
