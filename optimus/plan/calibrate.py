@@ -1,6 +1,6 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
-Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2 and 4 forked
+Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2, 3 and 4 forked
 ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them), and over
 the pairs of a 4-rank job, both pairs at once and one pair while the other computes (what tensor, expert and
 data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a pipeline); per world
@@ -64,7 +64,9 @@ LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 # all-gathers and reduce-scatters averaged 1.6 ms. The slowest tenth of the bursts is dropped: on a shared host
 # another process can stall one.
 BURST_CALLS = {1024 * 1024: 8, 8 * 1024 * 1024: 4}  # up to that many bytes: calls per burst; larger: 2
-COLLECTIVE_WORLDS = (2, 4)
+# every job size the tests and the table run: priced from 4 ranks' timings (their collectives and their share of
+# the cores), a 3-rank ZeRO-1 job on the 2-core EPYC read 16-17% slow; timed as itself, 5% (2026-11-29)
+COLLECTIVE_WORLDS = (2, 3, 4)
 # groups timed inside a larger job: (members, job ranks, what the other groups do meanwhile). Where ranks outnumber
 # cores a pair's collective waits for its peer to get a core back: with every pair in collectives at once (tensor,
 # expert or data parallelism of 2 in a 4-rank job without a pipeline: the pairs run in step) a 1 MiB all-gather
@@ -74,7 +76,7 @@ COLLECTIVE_WORLDS = (2, 4)
 # 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "mean call; pairs in 4, beside collectives or compute; sync after 10, 40 ms"  # else re-timed
+COLLECTIVE_TIMING = "mean call; jobs of 2, 3, 4; pairs in 4, beside collectives or compute; sync after 10, 40 ms"  # else re-timed
 # A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
 # all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
 # table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms

@@ -9,7 +9,7 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
                             process has: the trainer keeps freed blocks for reuse (train/host_memory.py), so
                             on glibc this is about 0; where it cannot (other C libraries), a block past the
                             mmap threshold comes from fresh kernel pages every step
-    collectives             gloo over loopback: 2 and 4 forked ranks, and the pairs of 4 ranks (both at once, and
+    collectives             gloo over loopback: 2, 3 and 4 forked ranks, and the pairs of 4 ranks (both at once, and
                             one while the other computes); the mean time per call over bursts of back-to-back
                             calls (what a step pays): a table, and alpha (per hop) and beta (per rank) fitted by
                             least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
@@ -240,7 +240,7 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         entry["machine"] = measure_machine(cpu_cache)
         write_cache(cache_file, entry)
     else:  # a cache from before a measurement was added or changed: take that one again
-        from optimus.plan.calibrate import COLLECTIVE_TIMING, measure_collectives
+        from optimus.plan.calibrate import COLLECTIVE_TIMING, COLLECTIVE_WORLDS, measure_collectives, measure_share
 
         measured, updated = entry["machine"], False
         if measured.get("host_memory") != HOST_MEMORY:  # fresh pages timed before the trainer reused freed memory
@@ -252,6 +252,9 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
             print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
                   "about a minute, once)", file=sys.stderr, flush=True)
             measured["collectives"], updated = measure_collectives(), True
+        shares = measured.get("share")
+        if shares and any(str(world) not in shares for world in COLLECTIVE_WORLDS):  # fewer job sizes timed
+            measured["share"], updated = measure_share(), True
         if updated:
             write_cache(cache_file, entry)
     return entry
@@ -295,8 +298,8 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
     measured = m.get("share", {})
     if ranks > 1 and threads == 1 and measured:  # as measured: R one-thread matmul processes at once, others' load in
         nearest = _nearest_job((g for g in measured if int(g) > 1), ranks)
-        # a job size not timed gets the nearest one's cores spread over its own ranks, at most each one's idle share
-        # (3 ranks on 2 cores: 4 ranks' share x 4/3; 4 ranks' share alone priced them 30% slow)
+        # a job size not timed (past 4 ranks) gets the nearest one's cores spread over its own ranks, at most each
+        # one's idle share (3 ranks on 2 cores, before 3 were timed: 4 ranks' share alone priced them 30% slow)
         share = min(idle_share, measured[str(nearest)] * nearest / ranks)  # (a measured share is capped so already)
     # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
     # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket

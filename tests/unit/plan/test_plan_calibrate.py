@@ -181,6 +181,29 @@ def test_measured_share_of_the_cores_replaces_the_idle_assumption():
     assert here_cluster({"machine": machine}, 8).peak_flops("fp32") == pytest.approx(3e10 * 0.8 / 8)
     idle = {**machine, "share": {"1": 1.0, "2": 1.0, "4": 0.5}}
     assert here_cluster({"machine": idle}, 3).peak_flops("fp32") == pytest.approx(3e10 * 2 / 3)
+    # a job size measured is priced as measured (a 3-rank job, timed since 3-rank ZeRO-1 read 16% slow from 4's)
+    timed_three = {**machine, "share": {**machine["share"], "3": 0.3}}
+    assert here_cluster({"machine": timed_three}, 3).peak_flops("fp32") == pytest.approx(3e10 * 0.3)
+
+
+def test_every_job_size_the_tests_run_is_timed_and_an_older_cache_gets_the_missing_share(tmp_path, monkeypatch):
+    """1-4 ranks: a 3-rank job reads its own collectives and share, not 4 ranks' rescaled; a cache whose share
+    was measured for fewer job sizes has it measured again once, its collectives kept."""
+    from optimus.plan import calibrate, here
+
+    assert calibrate.COLLECTIVE_WORLDS == (2, 3, 4)
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate.COLLECTIVE_TIMING}
+    old = {"cpu": "c", "cores": 2, "fresh_page_s_per_byte": 0.0, "host_memory": here.HOST_MEMORY,
+           "fp32_flops_all_cores": 1.0, "collectives": timed, "share": {"1": 1.0, "2": 0.9, "4": 0.45}}
+    here.write_cache(tmp_path / "plan_here.json", {"machine": old})
+    shares = {"1": 1.0, "2": 0.9, "3": 0.6, "4": 0.45}
+    monkeypatch.setattr(calibrate, "measure_share", lambda: shares)
+    monkeypatch.setattr(calibrate, "measure_collectives", lambda: pytest.fail("collectives timed again"))
+    entry = here.machine(tmp_path / "plan_here.json")
+    assert entry["machine"]["share"] == shares and entry["machine"]["collectives"] == timed
+    monkeypatch.setattr(calibrate, "measure_share", lambda: pytest.fail("share measured again"))
+    here.machine(tmp_path / "plan_here.json")
 
 
 def test_share_is_measured_with_forked_processes_running_at_once():
