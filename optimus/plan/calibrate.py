@@ -76,7 +76,8 @@ COLLECTIVE_WORLDS = (2, 3, 4)
 # 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = "mean call; jobs of 2, 3, 4; pairs in 4, beside collectives or compute; sync after 10, 40 ms"  # else re-timed
+COLLECTIVE_TIMING = ("mean call, freed memory reused; jobs of 2, 3, 4; pairs in 4, beside collectives or compute; "
+                     "sync after 10, 40 ms")  # else re-timed
 # A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
 # all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
 # table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms
@@ -104,6 +105,12 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
     `done_file` ("compute")."""
     import torch.distributed as dist
 
+    from optimus.train.host_memory import reuse_freed_host_memory
+
+    # with the allocator a training process has: gloo's reduce-scatter and the all-to-all's input are fresh 64 MiB
+    # buffers each call, which plain glibc maps and faults in anew (2-core EPYC, 2026-11-29: a 64 MiB reduce-scatter
+    # 81 -> 61-72 ms on 2 ranks, 125 -> 86 ms on 3, an all-to-all 55 -> 35 ms; 8 MiB and all-gathers alike)
+    reuse_freed_host_memory()
     group, g = None, world
     if members is not None and members < world:
         groups = [dist.new_group(list(range(first, first + members))) for first in range(0, world, members)]
