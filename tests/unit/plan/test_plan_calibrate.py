@@ -246,9 +246,14 @@ def test_a_cache_timed_before_bursts_has_its_collectives_timed_again(tmp_path, m
     here.machine(tmp_path / "plan_here.json")
 
 
-def test_collectives_are_timed_in_bursts_of_back_to_back_calls():
-    from optimus.plan.calibrate import burst_calls, measure_collectives
+def test_collectives_are_timed_in_bursts_of_back_to_back_calls(tmp_path, monkeypatch):
+    import uuid
 
+    from optimus.plan.calibrate import burst_calls, measure_collectives
+    from optimus.train import host_memory
+
+    # each timed rank (forked: the patch is inherited) keeps freed memory for reuse, as a training process does
+    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: (tmp_path / uuid.uuid4().hex).touch())
     assert burst_calls(4096) == 8 and burst_calls(8 << 20) == 4 and burst_calls(64 << 20) == 2
     table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2, subgroups=((2, 4, "collectives"),
                                                                                    (2, 4, "compute")), sync_samples=1)
@@ -263,6 +268,7 @@ def test_collectives_are_timed_in_bursts_of_back_to_back_calls():
         pairs = [r for r in table["rows"] if r.get("others") == others]
         assert {r["op"] for r in pairs} == set(COLLECTIVES) and all(r["ranks"] == 2 and r["job"] == 4 for r in pairs)
     assert all(r["seconds"] > 0 for r in table["rows"])
+    assert len(list(tmp_path.iterdir())) == 2 + 4 + 4  # every rank of the job of 2 and of both 4-rank jobs
 
 
 def test_a_pair_inside_a_larger_job_is_priced_from_the_pairs_timed_in_that_job():
