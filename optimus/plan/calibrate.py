@@ -65,7 +65,7 @@ LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 # another process can stall one.
 BURST_CALLS = {1024 * 1024: 8, 8 * 1024 * 1024: 4}  # up to that many bytes: calls per burst; larger: 2
 # every job size the tests and the table run: priced from 4 ranks' timings (their collectives and their share of
-# the cores), a 3-rank ZeRO-1 job on the 2-core EPYC read 16-17% slow; timed as itself, 5% (2026-11-29)
+# the cores), a 3-rank ZeRO-1 job on the 2-core EPYC read 16-17% slow; timed as itself, 5-9% (2026-11-29)
 COLLECTIVE_WORLDS = (2, 3, 4)
 # groups timed inside a larger job: (members, job ranks, what the other groups do meanwhile). Where ranks outnumber
 # cores a pair's collective waits for its peer to get a core back: with every pair in collectives at once (tensor,
@@ -109,7 +109,8 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
 
     # with the allocator a training process has: gloo's reduce-scatter and the all-to-all's input are fresh 64 MiB
     # buffers each call, which plain glibc maps and faults in anew (2-core EPYC, 2026-11-29: a 64 MiB reduce-scatter
-    # 81 -> 61-72 ms on 2 ranks, 125 -> 86 ms on 3, an all-to-all 55 -> 35 ms; 8 MiB and all-gathers alike)
+    # 81 -> 61-72 ms on 2 ranks, 125 -> 86 ms on 3, an all-to-all 55 -> 35 ms; 8 MiB messages and all-gathers
+    # unchanged)
     reuse_freed_host_memory()
     group, g = None, world
     if members is not None and members < world:
