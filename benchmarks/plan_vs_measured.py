@@ -199,8 +199,9 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "dense-zero1-2-bf16": (DENSE, 2, ["--parallel.dp_shard=2", "--parallel.shard_mode=zero1", "--train.dtype=bf16"]),
     # the kinds the distributed tests train that the rows above still lacked (stop 41, read test by test again):
     # bf16 reduction under a pipeline and at HSDP, FSDP 4 x ep 2 and zero2 at ep 2 over 4 (test_grad_reduce_dtype),
-    # zero2 under tp, full recompute under zero2 x ep, FSDP alone and tp with sub-module selective recompute
-    # (test_expert_tensor_parallel, test_sharded_optimizer, test_data_parallel, test_vocab_parallel), recompute with
+    # zero2 under tp, full recompute under zero2 x ep and under FSDP alone, sub-module selective recompute under
+    # tp x dp_replicate (test_expert_tensor_parallel, test_sharded_optimizer, test_data_parallel,
+    # test_vocab_parallel), recompute with
     # the all-gather dispatch (test_data_parallel), bf16 compute with zero1 or with bf16 reduction
     # (test_grad_reduce_dtype, test_sharded_optimizer), the interleaved MoE pipeline alone (test_pipeline), the
     # EP-unaware zero2 (test_sharded_optimizer), DDP summing micro-batches under no_sync (test_ddp), and the 2-D
