@@ -21,10 +21,12 @@ the unsplit model (ModelShape) and the layout's degrees:
                   whole ones) and the activations it frees are not both at the peak: the smaller comes off
                   (dry_run.gradients_not_at_the_activation_peak); FSDP under pp: the sharded gradients are made
                   only by the step's one reduce-scatter, which holds a flat copy of the unsharded ones instead of
-                  the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes); FSDP without
+                  the activations: the larger of the two counts (dry_run.fsdp_deferred_reduce_bytes; summing in a
+                  dtype other than the backward's, its cast temporaries: fsdp_accumulate_cast_bytes); FSDP without
                   pp: the root's reduce at the end of the backward holds every sharded gradient and the root's flat
-                  copy (on CPU: gloo's copy of it and the loss's head-weight gradient) but no activations and no
-                  transient: the larger phase counts (dry_run.fsdp_root_reduce_bytes); under HSDP with several
+                  copy (on CPU: gloo's copy of it and the loss's head-weight gradient; summing micro-batches, the
+                  reduce's output shard beside the gradients it is added to) but no activations and no transient:
+                  the larger phase counts (dry_run.fsdp_root_reduce_bytes); under HSDP with several
                   micro-batches it also meets the last backward's reduced shards, which FSDP2 keeps until that
                   backward ends (dry_run.hsdp_last_shards_bytes); under defer_grad_sync=all the later
                   micro-batches' activations meet every unit's whole accumulated gradients, not the shards
@@ -49,8 +51,10 @@ from optimus.parallel.activation_memory import (
 from optimus.parallel.dry_run import (
     ACCUMULATED_LABEL,
     OVERLAP_LABEL,
+    fsdp_accumulate_cast_bytes,
     fsdp_accumulated_beyond_shards_bytes,
     fsdp_deferred_reduce_bytes,
+    fsdp_reduce_accumulates,
     fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
     gradients_not_at_the_activation_peak,
@@ -222,12 +226,16 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held["bf16 weight copies (autocast)"] = autocast_weight_copy_bytes(act_config, dims, layers, last, loss_on_cpu)
     mode = config.parallel.shard_mode
     fsdp = mode == "fsdp" and "FSDP transient" in held
-    deferred = fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims,
-                                          config.parallel.grad_reduce_bytes) if fsdp else 0.0
+    largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
+    deferred = max(fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims,
+                                              config.parallel.grad_reduce_bytes),
+                   fsdp_accumulate_cast_bytes([gathered_block] * layers, gathered_root, largest, width, dims,
+                                              config.parallel.grad_reduce_bytes)) if fsdp else 0.0
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
     root_reduce = (fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
-                                          reduce=config.parallel.grad_reduce_bytes) +
+                                          reduce=config.parallel.grad_reduce_bytes,
+                                          accumulating=fsdp_reduce_accumulates(config, dims, micro_batches)) +
                    hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
     accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, [gathered_block] * layers,
                                                        gathered_root, local) if fsdp else 0.0

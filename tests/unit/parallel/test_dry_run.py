@@ -200,6 +200,41 @@ def test_hsdp_summing_micro_batches_holds_the_last_backwards_shards_beside_the_g
     assert hsdp_last_shards_bytes(config(shard_mode="zero1"), hsdp, 2, 10.0) == 0.0
 
 
+def test_fsdp_summing_micro_batches_holds_the_roots_fresh_shard_beside_its_gradients():
+    """A later micro-batch's reduce makes a fresh output and adds it to the gradients the earlier ones left: the
+    root's reduce holds one more root shard, in the reduce dtype (FSDP over dp_shard alone)."""
+    from optimus.parallel.dry_run import fsdp_reduce_accumulates, fsdp_root_reduce_bytes
+
+    def config(**parallel):
+        return build_config({"parallel": parallel})
+
+    fsdp = ParallelDims(world_size=2, dp_shard=2)
+    assert fsdp_reduce_accumulates(config(), fsdp, 2)
+    assert fsdp_reduce_accumulates(config(defer_grad_sync="replicate"), fsdp, 2)  # nothing to defer without HSDP
+    assert not fsdp_reduce_accumulates(config(), fsdp, 1)  # one micro-batch: the output becomes the gradients
+    assert not fsdp_reduce_accumulates(config(defer_grad_sync="all"), fsdp, 2)  # one reduce a step, into nothing
+    assert not fsdp_reduce_accumulates(config(), ParallelDims(world_size=4, dp_replicate=2, dp_shard=2), 2)  # HSDP's
+    assert not fsdp_reduce_accumulates(config(), ParallelDims(world_size=4, dp_shard=2, pp=2), 2)  # pp: deferred
+    assert not fsdp_reduce_accumulates(config(shard_mode="zero1"), fsdp, 2)
+    assert not fsdp_reduce_accumulates(config(), ParallelDims(world_size=2, tp=2), 2)  # no FSDP
+    # 10 root elements over 2 ranks: input 40 + gloo's copy 40 + the loss's 5 + a fresh fp32 shard 20 (bf16: 10)
+    assert fsdp_root_reduce_bytes(10.0, fsdp, loss_weight_gradient=5.0, gloo=True, accumulating=True) == 105.0
+    assert fsdp_root_reduce_bytes(10.0, fsdp, reduce=2.0, accumulating=True) == 30.0
+
+
+def test_summing_under_pp_in_another_dtype_holds_fresh_gradients_and_the_adds_temporaries():
+    """A bf16 sum of fp32 gradients: the larger unit's fresh fp32 gradients and two fp32 temporaries of the largest
+    tensor (an fp32 sum of bf16 ones: one); nothing where the dtypes agree, without pp or without FSDP."""
+    from optimus.parallel.dry_run import fsdp_accumulate_cast_bytes
+
+    piped = ParallelDims(world_size=4, dp_shard=2, pp=2)
+    assert fsdp_accumulate_cast_bytes([10.0, 12.0], 20.0, 8.0, 4, piped, reduce=2.0) == 4 * 20 + 2 * 4 * 8
+    assert fsdp_accumulate_cast_bytes([10.0, 12.0], 20.0, 8.0, 2, piped, reduce=4.0) == 2 * 20 + 4 * 8
+    assert fsdp_accumulate_cast_bytes([10.0, 12.0], 20.0, 8.0, 4, piped, reduce=4.0) == 0.0
+    assert fsdp_accumulate_cast_bytes([10.0], 20.0, 8.0, 4, ParallelDims(world_size=2, dp_shard=2), reduce=2.0) == 0
+    assert fsdp_accumulate_cast_bytes([10.0], 20.0, 8.0, 4, ParallelDims(world_size=2, pp=2), reduce=2.0) == 0.0
+
+
 def test_deferring_every_reduction_holds_whole_gradients_at_the_later_micro_batches_peak():
     from optimus.parallel.dry_run import fsdp_accumulated_beyond_shards_bytes
 
