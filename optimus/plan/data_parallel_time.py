@@ -161,7 +161,7 @@ def data_parallel_time(config: Config, dims: ParallelDims, shape: ModelShape, cl
         return _fsdp_time(config, dims, shape, cluster, stage, micro_batches, hbm_eff)
     if config.parallel.shard_mode == "ddp":
         return _ddp_time(config, dims, cluster, stage, micro_batches, hidden_by_backward, hbm_eff)
-    return _zero_time(config, dims, shape, cluster, stage, hidden_by_backward, hbm_eff)
+    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, hbm_eff)
 
 
 def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
@@ -251,7 +251,7 @@ def _ddp_time(config: Config, dims: ParallelDims, cluster: Cluster, stage: _Stag
 
 
 def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
-               hidden_by_backward: float, hbm_eff: float) -> DataParallelTime:
+               micro_batches: int, hidden_by_backward: float, hbm_eff: float) -> DataParallelTime:
     """zero1/zero2 (optim/sharded.py): reduce-scatter the gradients (packed in the reduce dtype), all-gather the
     updated parameters (compute dtype) after the update, one collective per bucket each way, each paying its ring's
     latency; zero2 reduce-scatters each bucket in every micro-batch's backward as it is produced, so that backward
@@ -266,23 +266,41 @@ def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
     buckets = [(dense_link, dense_buckets), (expert_dp_link, expert_buckets)]
     reduce = _per_bucket(lambda link, n: ring_time(link, grad_width * n, "reduce_scatter"), buckets)
     gather = _per_bucket(lambda link, n: ring_time(link, width * n), buckets)
-    # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): each reduction packs the
-    # gradients into a persistent bucket buffer (read w B, write the reduce dtype's); after the update each rank
-    # writes its masters into the send area (4 + w B per owned element) and the gathered blocks are copied into the
-    # parameters (read and write w B)
-    local_elements = (stage.dense + stage.experts) if dims.is_parallel else 0.0  # one process: a plain optimizer
+    # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): _zero_copy_bytes
     group = dims.dp if p.ep_aware else dims.expert_dp
-    pack = (grad_width + width) * local_elements / hbm_eff
-    unpack = (2 * width + (4 + width) / group) * local_elements / hbm_eff
     zero2 = p.shard_mode == "zero2"
+    first = later = unpack = 0.0
+    if dims.is_parallel:  # one process: a plain optimizer
+        for elements, ranks in ((stage.dense, group), (stage.experts, dims.expert_dp)):
+            copies = _zero_copy_bytes(elements, ranks, width, grad_width)
+            first, later, unpack = first + copies[0], later + copies[1], unpack + copies[2]
     step_sync = (0.0 if zero2 else reduce) + gather
     if not p.ep_aware and dims.ep > 1:  # the EP-unaware baseline sums its reduced non-expert shard over ep too
         step_sync += all_reduce_time(group_link(dims, ("ep",), cluster), 4 * stage.dense / dims.expert_dp)
     owned = stage.dense / group + stage.experts / dims.expert_dp
-    if zero2:
-        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=pack, copies_step=unpack,
-                                step_sync=step_sync, owned=owned)
-    return DataParallelTime(copies_step=pack + unpack, step_sync=step_sync, owned=owned)
+    if zero2:  # it reduces in every micro-batch's backward: the step's first into nothing, the later ones summed
+        per_mb = (first + (micro_batches - 1) * later) / micro_batches
+        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb / hbm_eff,
+                                copies_step=unpack / hbm_eff, step_sync=step_sync, owned=owned)
+    return DataParallelTime(copies_step=(first + unpack) / hbm_eff, step_sync=step_sync, owned=owned)
+
+
+def _zero_copy_bytes(elements: float, ranks: int, width: int, grad_width: int) -> tuple[float, float, float]:
+    """Bytes zero1/zero2's buffers move for `elements` parameters sharded over `ranks` (optim/sharded.py): (the
+    step's first reduction, a later one (zero2's later micro-batches), the step's parameter gather).
+    Over several ranks a reduction packs the whole gradients into the bucket buffer (read `width`, write the reduce
+    dtype's) and lands the reduced shard: written there by the collective itself (the first, in fp32), copied into
+    the fp32 shard (the first, in bf16) or added to it (a later one); after the update each rank writes its masters
+    into the send area (4 + width B per owned element) and the gathered blocks are copied into the parameters (read
+    and write `width`). On one rank nothing travels: the first reduction packs straight into the fp32 shard, a later
+    one into the buffer and then adds it to the shard (12 B more), and the update writes the masters into the
+    parameters, unless fp32 parameters are their own masters."""
+    if ranks == 1:
+        return (width + 4) * elements, (width + 4 + 12) * elements, (0 if width == 4 else 4 + width) * elements
+    pack = width + grad_width
+    first = pack + (0 if grad_width == 4 else grad_width + 4) / ranks
+    later = pack + (4 + grad_width + 4) / ranks
+    return first * elements, later * elements, (2 * width + (4 + width) / ranks) * elements
 
 
 def _widths(config: Config) -> tuple[int, int]:

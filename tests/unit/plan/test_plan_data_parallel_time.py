@@ -84,6 +84,23 @@ def test_zero2_reduces_in_each_backward_what_zero1_reduces_after_the_last():
     assert hidden.exposed_mb == 0.0
 
 
+def test_zero_buffers_move_what_optim_sharded_moves():
+    """On one data-parallel rank (tp 2) nothing travels: zero2's later micro-batches pack into the buffer and add it
+    to the fp32 shard (12 B an element more than the first, packed straight into it), and fp32 parameters, their
+    own masters, need no copy after the update; bf16 ones are written from the masters. Over two ranks a later
+    reduction adds its landed output into the shard."""
+    from optimus.plan.data_parallel_time import _zero_copy_bytes
+
+    assert _zero_copy_bytes(10.0, 1, 4, 4) == (80.0, 200.0, 0.0)
+    assert _zero_copy_bytes(10.0, 1, 2, 4) == (60.0, 180.0, 60.0)
+    first, later, gather = _zero_copy_bytes(10.0, 2, 4, 4)
+    assert (first, later) == (80.0, 80.0 + 60.0) and gather == 80.0 + 40.0
+    assert _zero_copy_bytes(10.0, 2, 4, 2)[0] == 60.0 + 30.0  # bf16 reduced: the landed shard copied into fp32
+    fp32 = ["--train.dtype=fp32", "--parallel.tp=2", "--parallel.shard_mode=zero2"]
+    one, four = (_time([*fp32, f"--train.global_batch_size={n}"]) for n in (2, 8))  # 1 and 4 micro-batches of 2
+    assert one.copies_step == 0.0 and four.copies_mb > one.copies_mb
+
+
 def test_each_mode_updates_its_share_of_the_parameters():
     """A dense model on 2 ranks: FSDP and the zero modes update half of what DDP updates (the whole model)."""
     whole = _time(["--parallel.dp_shard=2", "--parallel.shard_mode=ddp"]).owned
