@@ -164,8 +164,9 @@ def _ring(members: int, alpha: float, beta: float, nbytes: float) -> float:
 def ring_time(link: Link, gathered_bytes: float, op: str = "all_gather") -> float:
     """All-gather or reduce-scatter (`op`) of `gathered_bytes` (the full, gathered size) over the group: the
     cheaper of the hierarchical algorithm (intra-node phase, then inter-node over 1/per_node of the data) and a
-    flat ring; the timed table where the cluster has one."""
-    if link.size <= 1:
+    flat ring; the timed table where the cluster has one. Nothing to move is no call: 0 (a dense model's experts,
+    the root unit's: a layout prices them apart and they have none)."""
+    if link.size <= 1 or gathered_bytes <= 0:
         return 0.0
     if link.measured and op in link.measured:
         return _interpolate(link.measured[op], gathered_bytes) + link.sync
@@ -180,7 +181,9 @@ def ring_time(link: Link, gathered_bytes: float, op: str = "all_gather") -> floa
 
 
 def all_reduce_time(link: Link, nbytes: float) -> float:
-    """All-reduce: a reduce-scatter and an all-gather (or the timed table)."""
+    """All-reduce: a reduce-scatter and an all-gather (or the timed table); 0 for nothing."""
+    if nbytes <= 0:
+        return 0.0
     if link.size > 1 and link.measured and "all_reduce" in link.measured:
         return _interpolate(link.measured["all_reduce"], nbytes) + link.sync
     return ring_time(link, nbytes, "reduce_scatter") + ring_time(link, nbytes, "all_gather")
@@ -191,7 +194,7 @@ def all_to_all_time(link: Link, send_bytes: float, cluster: Cluster | None = Non
     on-node share over the intra-node link and the off-node share over the NIC share, at the same time.
     (`cluster` is accepted for older callers; the link carries everything needed.)"""
     g = link.size
-    if g <= 1:
+    if g <= 1 or send_bytes <= 0:
         return 0.0
     if link.measured and "all_to_all" in link.measured:
         return _interpolate(link.measured["all_to_all"], send_bytes) + link.sync

@@ -100,6 +100,20 @@ def test_alpha_beta_on_a_hand_computed_case():
     assert all_to_all_time(ep, send) == pytest.approx(expected)
 
 
+def test_nothing_to_move_is_no_collective():
+    """A dense model's FSDP units have no experts, the root none either: pricing that part costs no latency, on
+    the alpha-beta links and on a timed table alike (a dense FSDP 2 step was charged 37 ms of calls never made)."""
+    from dataclasses import replace
+
+    link = group_link(ParallelDims(dp_shard=8, ep=8, world_size=8), ("ep",), _toy(n=4))
+    timed = replace(link, measured={op: ((4096, 1e-3), (2 ** 26, 0.1)) for op in
+                                    ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}, sync=2e-3)
+    for each in (link, timed):
+        assert ring_time(each, 0.0) == ring_time(each, 0.0, "reduce_scatter") == 0.0
+        assert all_reduce_time(each, 0.0) == all_to_all_time(each, 0.0) == 0.0
+        assert ring_time(each, 4096.0) > 0.0
+
+
 def test_a_group_inside_one_node_uses_only_the_intra_node_link():
     cluster = _toy(n=4)
     link = group_link(ParallelDims(dp_shard=8, ep=4, world_size=8), ("ep",), cluster)  # ep = 4 innermost: one node
