@@ -23,6 +23,9 @@ its logits are step_time's), and read against the same formula the step-time mod
                     T rows (it works chunk by chunk, so its rate per row does not depend on T): 6 T d V FLOPs
     memory_bound    an RMSNorm, SwiGLU's product and a residual add at (T, d) / (T, f): the bytes
                     step_time.memory_bound_bytes counts for them / time / those threads' copy bandwidth
+    buffer_copy     a unit's tensors concatenated into a flat buffer and split back out, as FSDP copies them in
+                    and out, and chunk-concatenated into the reduce dtype, as its reduce-scatter copies them in
+                    (measure_buffer_copies): bytes / time / those threads' copy bandwidth
     optimizer       the trainer's gradient clipping and AdamW step (fused where torch has the kernel: CPU, CUDA)
                     over OPTIMIZER_ELEMENTS fp32 parameters: step_time.OPTIMIZER_BYTES_PER_ELEMENT a parameter /
                     time / those threads' copy bandwidth (the in-place update beats a copy: above 1 on a CPU)
@@ -396,6 +399,8 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
     measured["loss_head"] = {"seconds": best_time(run, COMPUTE_REPEATS), "flops": 6.0 * rows * h * vocab}
     measured["optimizer"] = measure_optimizer_step()
+    measured["buffer_copy"] = measure_buffer_copies(
+        dt, torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32)
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
     tiny = torch.ones(8, requires_grad=True)
 
@@ -419,9 +424,35 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         attention=rate("attention"), loss_head=rate("loss_head"),
         memory_bound=min(1.0, measured["memory_bound"]["bytes"] / measured["memory_bound"]["seconds"] / copy_bytes_s),
         optimizer=min(OPTIMIZER_MAX, measured["optimizer"]["bytes"] / measured["optimizer"]["seconds"] / copy_bytes_s),
+        buffer_copy=min(OPTIMIZER_MAX,
+                        measured["buffer_copy"]["bytes"] / measured["buffer_copy"]["seconds"] / copy_bytes_s),
         op_overhead_us=1e6 * measured["op_overhead"]["seconds"] / measured["op_overhead"]["operators"],
         dtensor_overhead_us=measured["dtensor_overhead"]["us_per_operator"])
     return {"efficiency": efficiency.to_dict(), "timed": measured}
+
+
+BUFFER_COPY_ELEMENTS = (8 * 1024 * 1024, 4 * 1024 * 1024, 2 * 1024 * 1024, 1024 * 1024, 1024 * 1024)
+
+
+def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype) -> dict[str, float]:
+    """Data parallelism's copies as FSDP makes them (optim/sharded.py's packing is the same kind), over 16 M elements
+    in `dtype` (past the last-level cache, as a model's larger units are): a unit's tensors concatenated into one
+    flat buffer and split back out (its all-gather's copy-in and copy-out: torch.cat, torch.split_with_sizes_copy),
+    and chunk-concatenated into a `reduce_dtype` buffer (its reduce-scatter's copy-in: torch._chunk_cat, which
+    casts several times slower than a plain copy does: 0.56 of a copy's bandwidth from fp32 to bf16 on a 2-core
+    EPYC, 0.94 without the cast); a read and a write per element each."""
+    tensors = [torch.randn(n).to(dtype) for n in BUFFER_COPY_ELEMENTS]
+    elements = sum(BUFFER_COPY_ELEMENTS)
+    flat = torch.empty(elements, dtype=dtype)
+    reduce_input = torch.empty(2, elements // 2, dtype=reduce_dtype)
+    back = [torch.empty_like(t) for t in tensors]
+
+    def copies() -> None:
+        torch.cat(tensors, out=flat)
+        torch.split_with_sizes_copy(flat, list(BUFFER_COPY_ELEMENTS), out=back)
+        torch._chunk_cat(tensors, 0, 2, out=reduce_input)
+    width, reduce_width = flat.element_size(), reduce_input.element_size()
+    return {"seconds": best_time(copies, COMPUTE_REPEATS), "bytes": elements * (4 * width + width + reduce_width)}
 
 
 def calibrate_op_classes(config: Config, entry: dict[str, Any], threads: int = 1) -> dict[str, Any]:
@@ -475,11 +506,12 @@ def describe(entry: dict[str, Any]) -> list[str]:
         e, timed = entry["efficiency"], entry.get("timed", {})
         threads = entry.get("calibrated_threads", 1)
         lines.append(f"  op classes at {entry.get('calibrated_for', '?')} ({threads_phrase(threads)}):")
-        for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer"):
+        for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer",
+                     "buffer_copy"):
             took = timed.get(name, {}).get("seconds")
             if name not in e:  # a calibration from before the optimizer step was timed
                 continue
-            bandwidth_bound = name in ("memory_bound", "optimizer")
+            bandwidth_bound = name in ("memory_bound", "optimizer", "buffer_copy")
             of = f"of the copy bandwidth on {threads_phrase(threads)}" if bandwidth_bound else "of peak"
             lines.append(f"    {name:<13} {e[name]:.2f} {of}" + (f" ({took * 1e3:.1f} ms timed)" if took else
                                                                  " (no experts: as dense_gemm)"))

@@ -151,21 +151,21 @@ class _Stage:
 
 
 def data_parallel_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, layers: int,
-                       micro_batches: int, hidden_by_backward: float, hbm_eff: float) -> DataParallelTime:
+                       micro_batches: int, hidden_by_backward: float, copy_rate: float) -> DataParallelTime:
     """Data parallelism's share of one step of `config` (resolved: its dtype as the trainer runs it) laid out as
     `dims`, for a stage of `layers` blocks (the last: with the LM head). hidden_by_backward: what a micro-batch's
-    backward hides of a collective (zero where the ranks' own cores move the bytes); hbm_eff: the bytes a second
-    memory-bound work moves on a rank."""
+    backward hides of a collective (zero where the ranks' own cores move the bytes); copy_rate: the bytes a second
+    its buffer copies move on a rank (Efficiency.buffer_copy)."""
     stage = _Stage.of(shape, dims, layers)
     if config.parallel.shard_mode == "fsdp":
-        return _fsdp_time(config, dims, shape, cluster, stage, micro_batches, hbm_eff)
+        return _fsdp_time(config, dims, shape, cluster, stage, micro_batches, copy_rate)
     if config.parallel.shard_mode == "ddp":
-        return _ddp_time(config, dims, cluster, stage, micro_batches, hidden_by_backward, hbm_eff)
-    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, hbm_eff)
+        return _ddp_time(config, dims, cluster, stage, micro_batches, hidden_by_backward, copy_rate)
+    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, copy_rate)
 
 
 def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
-               micro_batches: int, hbm_eff: float) -> DataParallelTime:
+               micro_batches: int, copy_rate: float) -> DataParallelTime:
     """FSDP and HSDP (the module docstring says what runs when)."""
     p, layers, root = config.parallel, stage.layers, stage.root
     width, grad_width = _widths(config)
@@ -199,9 +199,9 @@ def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
         gathered_now = block_gathers * (blocks_dense + stage.experts) + root_gathers * root
         owned_now = (block_gathers * (blocks_dense / dims.dp_shard + stage.experts / dims.dp_shard_mod_ep) +
                      root_gathers * root / dims.dp_shard)
-        gather_copies = 2 * width * (gathered_now + owned_now) / hbm_eff
+        gather_copies = 2 * width * (gathered_now + owned_now) / copy_rate
         read_width = grad_width if dims.pp > 1 or defer_all else width
-        reduce_copies = (read_width + grad_width) * (stage.dense + stage.experts) / hbm_eff
+        reduce_copies = (read_width + grad_width) * (stage.dense + stage.experts) / copy_rate
         if cluster.fresh_page_s_per_byte:  # a host whose allocator pages FSDP's large buffers in every time
             fresh_gathers, fresh_reduces = fsdp_fresh_bytes(shape, dims, width, cluster.fresh_block_bytes, layers,
                                                             (block_gathers, root_gathers), grad_width)
@@ -235,7 +235,7 @@ def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
 
 
 def _ddp_time(config: Config, dims: ParallelDims, cluster: Cluster, stage: _Stage, micro_batches: int,
-              hidden_by_backward: float, hbm_eff: float) -> DataParallelTime:
+              hidden_by_backward: float, copy_rate: float) -> DataParallelTime:
     """torch DDP: one all-reduce of the whole gradients per step, bucket by bucket as the last micro-batch's backward
     produces them (every micro-batch's under defer_grad_sync=none: no no_sync); every rank updates everything. DDP
     cuts its buckets from the fp32 gradients; bf16 reduction compresses each (its comm hook)."""
@@ -246,12 +246,12 @@ def _ddp_time(config: Config, dims: ParallelDims, cluster: Cluster, stage: _Stag
     buckets = [(dp_link, [b * grad_width / 4 for b in ddp_bucket_bytes(4 * owned)])]
     step_sync = syncs * max(0.0, _per_bucket(all_reduce_time, buckets) - hidden_by_backward)
     # the comm hook casts each fp32 bucket to bf16 and the sum back (read 4 + write 2, twice)
-    copies_step = syncs * 12 * owned / hbm_eff if grad_width != 4 else 0.0
+    copies_step = syncs * 12 * owned / copy_rate if grad_width != 4 else 0.0
     return DataParallelTime(copies_step=copies_step, step_sync=step_sync, owned=owned)
 
 
 def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
-               micro_batches: int, hidden_by_backward: float, hbm_eff: float) -> DataParallelTime:
+               micro_batches: int, hidden_by_backward: float, copy_rate: float) -> DataParallelTime:
     """zero1/zero2 (optim/sharded.py): reduce-scatter the gradients (packed in the reduce dtype), all-gather the
     updated parameters (compute dtype) after the update, one collective per bucket each way, each paying its ring's
     latency; zero2 reduce-scatters each bucket in every micro-batch's backward as it is produced, so that backward
@@ -280,9 +280,9 @@ def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
     owned = stage.dense / group + stage.experts / dims.expert_dp
     if zero2:  # it reduces in every micro-batch's backward: the step's first into nothing, the later ones summed
         per_mb = (first + (micro_batches - 1) * later) / micro_batches
-        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb / hbm_eff,
-                                copies_step=unpack / hbm_eff, step_sync=step_sync, owned=owned)
-    return DataParallelTime(copies_step=(first + unpack) / hbm_eff, step_sync=step_sync, owned=owned)
+        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb / copy_rate,
+                                copies_step=unpack / copy_rate, step_sync=step_sync, owned=owned)
+    return DataParallelTime(copies_step=(first + unpack) / copy_rate, step_sync=step_sync, owned=owned)
 
 
 def _zero_copy_bytes(elements: float, ranks: int, width: int, grad_width: int) -> tuple[float, float, float]:

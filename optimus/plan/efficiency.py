@@ -16,6 +16,12 @@ fraction of a peak:
                     measured. It may exceed 1 where the "peak" is a measured copy (`here`): the update works in
                     place, so it pays none of a copy's reads-for-ownership of the lines it writes (2.1-2.4 x one
                     thread's copy on a 2-core EPYC)
+    buffer_copy     data parallelism's own copies (FSDP's copy-in and copy-out, the zero modes' packing and
+                    unpacking, DDP's buckets): plain copies and casts of flat buffers, fraction of peak memory
+                    bandwidth; as memory_bound unless measured. Not memory_bound's eager elementwise ops, which
+                    upcast: on a 2-core EPYC those reach 0.43 of a copy's bandwidth in fp32 and 0.21 in bf16, FSDP's
+                    chunk_cat and split_with_sizes_copy 0.94-1.06 in either (cache-resident ones up to 3), so its
+                    dense FSDP 2 step in bf16 was priced 97 ms of copies for some 28 ms profiled
     op_overhead_us  fixed cost per operator launched (Python dispatch, kernel launch) that does not overlap the
                     work: tens of microseconds on a CPU running tiny ops; on a GPU the host queues kernels ahead
                     of the device, but not through runs of small ones: an H200's eager Mula steps left it idle
@@ -44,8 +50,9 @@ DEFAULT_MEMORY_BOUND = 0.70  # reasoning: unfused eager elementwise kernels reac
 # reasoning: the head GEMMs run at dense_gemm; the fp32 softmax over each chunk of logits adds ~2 passes of
 # 4 V bytes per token against 6 d V FLOPs, ~10% on a GPU at d = 4096
 DEFAULT_LOSS_HEAD = 0.70
-# the optimizer's bandwidth against a measured copy's: an in-place update can beat the copy (see `optimizer`
-# below), by far less than this; a larger value is a broken measurement
+# the optimizer's (and the buffer copies') bandwidth against a measured copy's: an in-place update, or a copy that
+# stays in cache, can beat the large copy (see `optimizer` below), by far less than this; a larger value is a broken
+# measurement
 OPTIMIZER_MAX = 4.0
 
 
@@ -62,6 +69,11 @@ class Efficiency:
     dtensor_overhead_us: float = 0.0
     optimizer: float = DEFAULT_MEMORY_BOUND
     eager_memory_traffic: float = 1.0
+    buffer_copy: float | None = None  # None: as memory_bound
+
+    def __post_init__(self) -> None:
+        if self.buffer_copy is None:
+            object.__setattr__(self, "buffer_copy", self.memory_bound)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, where: str) -> "Efficiency":
@@ -82,14 +94,16 @@ class Efficiency:
                 return value < 0
             if name == "eager_memory_traffic":
                 return value < 1
-            return not 0 < value <= (OPTIMIZER_MAX if name == "optimizer" else 1)
+            return not 0 < value <= (OPTIMIZER_MAX if name in ("optimizer", "buffer_copy") else 1)
         bad = [k for k, v in values.items() if out_of_range(k, v)]
         if bad:
             raise ValueError(f"{where}: efficiency {bad[0]}={values[bad[0]]:g} is out of range (fractions in (0, 1], "
-                             f"optimizer in (0, {OPTIMIZER_MAX:g}], op_overhead_us and dtensor_overhead_us >= 0, "
+                             f"optimizer and buffer_copy in (0, {OPTIMIZER_MAX:g}], op_overhead_us and "
+                             "dtensor_overhead_us >= 0, "
                              "eager_memory_traffic >= 1)")
         # presets and calibrations from before the optimizer was timed price it as the other memory-bound work
         values.setdefault("optimizer", values.get("memory_bound", DEFAULT_MEMORY_BOUND))
+        values.setdefault("buffer_copy", values.get("memory_bound", DEFAULT_MEMORY_BOUND))  # so were the copies
         return cls(**values)
 
     def to_dict(self) -> dict[str, float]:

@@ -55,9 +55,10 @@ from optimus.train.host_memory import reuse_freed_host_memory
 # model-sized matmuls, less on the per-expert loop and on SDPA's blocked kernel; elementwise kernels stream at
 # about half of a copy's bandwidth; an eager aten call costs ~10 us of dispatch on a current x86 core, one on a
 # DTensor ~100 us more (measured 80-200 us on a 2-core EPYC); the fused in-place AdamW update with its clipping
-# streams at about twice a copy's bandwidth (2.1-2.4 measured on a 2-core EPYC).
+# streams at about twice a copy's bandwidth (2.1-2.4 measured on a 2-core EPYC); data parallelism's flat-buffer
+# copies at a copy's (0.94-1.06 on it).
 CPU_DEFAULT_EFFICIENCY = Efficiency(dense_gemm=0.8, grouped_gemm=0.5, attention=0.4, memory_bound=0.5,
-                                    op_overhead_us=10.0, dtensor_overhead_us=100.0, optimizer=2.0)
+                                    op_overhead_us=10.0, dtensor_overhead_us=100.0, optimizer=2.0, buffer_copy=1.0)
 CPU_NODE_POWER_KW = 0.15  # estimate: a server CPU socket with its memory; nothing here is metered
 COPY_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of fp32: far larger than any last-level cache
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts: however its dynamic mmap threshold moves, a block this large
@@ -307,9 +308,10 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
     bandwidth = min(thread_bandwidth(m, threads) / 1e9 * share, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")
-    # a calibration from before DTensor dispatch or the optimizer step was measured keeps the CPU default for it
+    # a calibration from before DTensor dispatch, the optimizer step or the buffer copies were measured keeps the
+    # CPU default for it
     defaults = {"dtensor_overhead_us": CPU_DEFAULT_EFFICIENCY.dtensor_overhead_us,
-                "optimizer": CPU_DEFAULT_EFFICIENCY.optimizer}
+                "optimizer": CPU_DEFAULT_EFFICIENCY.optimizer, "buffer_copy": CPU_DEFAULT_EFFICIENCY.buffer_copy}
     efficiency = (Efficiency.from_dict({**defaults, **calibrated},
                                        "the `here` calibration cache") if calibrated else CPU_DEFAULT_EFFICIENCY)
     efficiency = replace(efficiency, op_overhead_us=efficiency.op_overhead_us / share,

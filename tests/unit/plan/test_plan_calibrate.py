@@ -46,14 +46,31 @@ def test_op_classes_are_timed_at_the_model_shapes_and_read_as_fractions_of_peak(
     # the trainer's clipping and AdamW step over OPTIMIZER_ELEMENTS parameters, at step_time's bytes per parameter
     assert timed["optimizer"]["bytes"] == OPTIMIZER_ELEMENTS * OPTIMIZER_BYTES_PER_ELEMENT
     assert eff.optimizer == pytest.approx(timed["optimizer"]["bytes"] / timed["optimizer"]["seconds"] / 1e12)
+    # FSDP's copies: its gather's copy-in and copy-out and its reduce's copy-in (fp32 into fp32), 16 M elements
+    assert timed["buffer_copy"]["bytes"] == 16 * 1024 * 1024 * (4 * 4 + 4 + 4)
+    assert eff.buffer_copy == pytest.approx(timed["buffer_copy"]["bytes"] / timed["buffer_copy"]["seconds"] / 1e12)
 
 
 def test_the_optimizer_class_defaults_to_memory_bound_and_may_beat_a_copy():
     assert Efficiency.from_dict({"memory_bound": 0.4}, "preset").optimizer == 0.4  # presets, older caches
     assert Efficiency.from_dict({"memory_bound": 0.4, "optimizer": 2.2}, "cache").optimizer == 2.2
-    for bad in ({"optimizer": 9.0}, {"memory_bound": 1.5}):
+    for bad in ({"optimizer": 9.0}, {"memory_bound": 1.5}, {"buffer_copy": 9.0}):
         with pytest.raises(ValueError, match="out of range"):
             Efficiency.from_dict(bad, "cache")
+
+
+def test_the_buffer_copies_default_to_memory_bound_and_are_timed_as_fsdp_copies():
+    """Presets price data parallelism's copies as the other memory-bound work unless they say; a cast into the
+    reduce dtype is part of what is timed (a bf16 reduce of fp32 gradients: 2 bytes written a reduced element)."""
+    assert Efficiency.from_dict({"memory_bound": 0.4}, "preset").buffer_copy == 0.4
+    assert Efficiency(memory_bound=0.3).buffer_copy == 0.3
+    assert Efficiency.from_dict({"memory_bound": 0.4, "buffer_copy": 1.3}, "cache").buffer_copy == 1.3
+    import torch
+
+    from optimus.plan.calibrate import measure_buffer_copies
+
+    timed = measure_buffer_copies(torch.float32, torch.bfloat16)
+    assert timed["seconds"] > 0 and timed["bytes"] == 16 * 1024 * 1024 * (4 * 4 + 4 + 2)
 
 
 @pytest.mark.parametrize("parallel, experts, share", [(["--parallel.dp_shard=2", "--parallel.ep=2"], 8, 1),
@@ -102,6 +119,8 @@ def test_here_cluster_shares_the_host_between_ranks():
     assert here_cluster(entry, 2).fresh_block_bytes == 32 * 1024 * 1024
     del entry["efficiency"]["optimizer"]  # a calibration from before the optimizer step was timed
     assert here_cluster(entry, 2).efficiency.optimizer == CPU_DEFAULT_EFFICIENCY.optimizer
+    del entry["efficiency"]["buffer_copy"]  # nor the buffer copies
+    assert here_cluster(entry, 2).efficiency.buffer_copy == CPU_DEFAULT_EFFICIENCY.buffer_copy == 1.0
 
 
 def test_a_rank_runs_omp_num_threads_else_every_core_alone_and_one_among_several():
