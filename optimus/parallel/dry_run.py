@@ -164,24 +164,12 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
     if config.parallel.shard_mode == "ddp":  # whole replicas, nothing gathered
         memory.bytes.pop("FSDP transient")
     mode = config.parallel.shard_mode if getattr(model, "zero_plan", None) is not None else "fsdp"
-    fsdp = "FSDP transient" in memory.bytes
     largest = max((_gathered_numel(p) for p in params), default=0)
-    deferred = max(fsdp_deferred_reduce_bytes(blocks, root, dims, reduce),
-                   fsdp_accumulate_cast_bytes(blocks, root, largest, width, dims, reduce)) if fsdp else 0.0
-    micro_batches = step_batch(config, dims).micro_batches
-    root_reduce = (fsdp_root_reduce_bytes(root, dims, reduce=reduce,
-                                          accumulating=fsdp_reduce_accumulates(config, dims, micro_batches)) +
-                   hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
-    accumulated = (fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, blocks, root, local)
-                   if fsdp else 0.0)
+    accumulated, overlap = peak_phase_terms(config, dims, step_batch(config, dims).micro_batches, mode, local, width,
+                                            memory.bytes["activations (as configured)"],
+                                            memory.bytes.get("FSDP transient"), blocks, root, largest)
     if accumulated:
         memory.bytes[ACCUMULATED_LABEL] = accumulated
-    overlap = gradients_not_at_the_activation_peak(micro_batches, whole_gradient_bytes(mode, local, width),
-                                                   memory.bytes["activations (as configured)"] + accumulated,
-                                                   deferred, root_reduce,
-                                                   memory.bytes["FSDP transient"] if fsdp else 0.0,
-                                                   forwards_first(config, dims),
-                                                   keeps_gradients_between_backwards(mode))
     if overlap:
         memory.bytes[OVERLAP_LABEL] = -overlap
     for label, variant in checkpointing_modes(config).items():
@@ -191,6 +179,31 @@ def _measure_rank(model: nn.Module, config: Config, dims: ParallelDims, rank: in
 
 OVERLAP_LABEL = "overlap: gradients / activations"
 ACCUMULATED_LABEL = "FSDP whole gradients beyond the shards (defer_grad_sync=all)"
+
+
+def peak_phase_terms(config: Config, dims: ParallelDims, micro_batches: int, mode: str, local: float, width: int,
+                     activations: float, transient: float | None, blocks: list[float], root: float, largest: float,
+                     loss_weight_gradient: float = 0.0, gloo: bool = False) -> tuple[float, float]:
+    """The two terms that place a rank's peak in the phase that holds the most (the dry run and plan/memory count
+    them alike): (FSDP's whole gradients beyond the shards under defer_grad_sync=all, the bytes to take off the
+    sum of the other terms: gradients_not_at_the_activation_peak). `local`: the elements this rank holds;
+    `transient`: FSDP's (None where FSDP is not applied); `blocks`, `root`, `largest`: the stage's blocks, its
+    root unit and its largest tensor in gathered elements; `loss_weight_gradient` and `gloo` as
+    fsdp_root_reduce_bytes takes them."""
+    reduce = config.parallel.grad_reduce_bytes
+    deferred = root_reduce = accumulated = 0.0
+    if transient is not None:
+        deferred = max(fsdp_deferred_reduce_bytes(blocks, root, dims, reduce),
+                       fsdp_accumulate_cast_bytes(blocks, root, largest, width, dims, reduce))
+        root_reduce = (fsdp_root_reduce_bytes(root, dims, loss_weight_gradient, gloo=gloo, reduce=reduce,
+                                              accumulating=fsdp_reduce_accumulates(config, dims, micro_batches)) +
+                       hsdp_last_shards_bytes(config, dims, micro_batches, local))
+        accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, blocks, root, local)
+    overlap = gradients_not_at_the_activation_peak(micro_batches, whole_gradient_bytes(mode, local, width),
+                                                   activations + accumulated, deferred, root_reduce, transient or 0.0,
+                                                   forwards_first(config, dims),
+                                                   keeps_gradients_between_backwards(mode))
+    return accumulated, overlap
 
 
 def whole_gradient_bytes(mode: str, local: float, width: int) -> float:

@@ -30,7 +30,8 @@ the unsplit model (ModelShape) and the layout's degrees:
                   micro-batches it also meets the last backward's reduced shards, which FSDP2 keeps until that
                   backward ends (dry_run.hsdp_last_shards_bytes); under defer_grad_sync=all the later
                   micro-batches' activations meet every unit's whole accumulated gradients, not the shards
-                  (dry_run.fsdp_accumulated_beyond_shards_bytes)
+                  (dry_run.fsdp_accumulated_beyond_shards_bytes). dry_run.peak_phase_terms composes these, for the
+                  dry run alike
 
 Both the first pipeline stage (embedding, most micro-batches in flight) and the last (LM head and the loss's
 saved gradients) are counted; the larger is the rank's peak. tests/unit/plan checks it against the dry run.
@@ -44,23 +45,14 @@ from dataclasses import dataclass
 from optimus.config import Config
 from optimus.parallel.activation_memory import (
     autocast_weight_copy_bytes,
-    forwards_first,
     micro_batches_in_flight,
     rank_activation_bytes,
 )
 from optimus.parallel.dry_run import (
     ACCUMULATED_LABEL,
     OVERLAP_LABEL,
-    fsdp_accumulate_cast_bytes,
-    fsdp_accumulated_beyond_shards_bytes,
-    fsdp_deferred_reduce_bytes,
-    fsdp_reduce_accumulates,
-    fsdp_root_reduce_bytes,
     fsdp_transient_bytes,
-    gradients_not_at_the_activation_peak,
-    hsdp_last_shards_bytes,
-    keeps_gradients_between_backwards,
-    whole_gradient_bytes,
+    peak_phase_terms,
     zero_gradient_bytes,
 )
 from optimus.parallel.mesh import ParallelDims
@@ -224,28 +216,17 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu,
                                                 routing_imbalance)
     held["bf16 weight copies (autocast)"] = autocast_weight_copy_bytes(act_config, dims, layers, last, loss_on_cpu)
-    mode = config.parallel.shard_mode
-    fsdp = mode == "fsdp" and "FSDP transient" in held
     largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
-    deferred = max(fsdp_deferred_reduce_bytes([gathered_block] * layers, gathered_root, dims,
-                                              config.parallel.grad_reduce_bytes),
-                   fsdp_accumulate_cast_bytes([gathered_block] * layers, gathered_root, largest, width, dims,
-                                              config.parallel.grad_reduce_bytes)) if fsdp else 0.0
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
-    root_reduce = (fsdp_root_reduce_bytes(gathered_root, dims, loss_weight_gradient, gloo=loss_on_cpu,
-                                          reduce=config.parallel.grad_reduce_bytes,
-                                          accumulating=fsdp_reduce_accumulates(config, dims, micro_batches)) +
-                   hsdp_last_shards_bytes(config, dims, micro_batches, local) if fsdp else 0.0)
-    accumulated = fsdp_accumulated_beyond_shards_bytes(config, dims, micro_batches, [gathered_block] * layers,
-                                                       gathered_root, local) if fsdp else 0.0
+    blocks = [gathered_block] * layers if "FSDP transient" in held else []
+    accumulated, overlap = peak_phase_terms(config, dims, micro_batches, config.parallel.shard_mode, local, width,
+                                            held["activations"], held.get("FSDP transient"), blocks,
+                                            gathered_root if blocks else 0.0, largest, loss_weight_gradient,
+                                            gloo=loss_on_cpu)
     if accumulated:
         held[ACCUMULATED_LABEL] = accumulated
-    held[OVERLAP_LABEL] = -gradients_not_at_the_activation_peak(
-        micro_batches,
-        whole_gradient_bytes(mode, local, width), held["activations"] + accumulated, deferred, root_reduce,
-        held["FSDP transient"] if fsdp else 0.0, forwards_first(config, dims),
-        keeps_gradients_between_backwards(mode))
+    held[OVERLAP_LABEL] = -overlap
     return held
 
 
