@@ -103,7 +103,6 @@ class Efficiency:
                              "eager_memory_traffic >= 1)")
         # presets and calibrations from before the optimizer was timed price it as the other memory-bound work
         values.setdefault("optimizer", values.get("memory_bound", DEFAULT_MEMORY_BOUND))
-        values.setdefault("buffer_copy", values.get("memory_bound", DEFAULT_MEMORY_BOUND))  # so were the copies
         return cls(**values)
 
     def to_dict(self) -> dict[str, float]:

@@ -191,10 +191,11 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
     dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
+    blocks, gathered_root = [], 0.0  # FSDP's units in gathered elements (none without FSDP)
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
-        transient = fsdp_transient_bytes([gathered_block] * layers, gathered_root, width, dims,
-                                         config.parallel.grad_reduce_bytes)
+        blocks = [gathered_block] * layers
+        transient = fsdp_transient_bytes(blocks, gathered_root, width, dims, config.parallel.grad_reduce_bytes)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
         local = dense + experts
@@ -219,11 +220,9 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
-    blocks = [gathered_block] * layers if "FSDP transient" in held else []
     accumulated, overlap = peak_phase_terms(config, dims, micro_batches, config.parallel.shard_mode, local, width,
-                                            held["activations"], held.get("FSDP transient"), blocks,
-                                            gathered_root if blocks else 0.0, largest, loss_weight_gradient,
-                                            gloo=loss_on_cpu)
+                                            held["activations"], held.get("FSDP transient"), blocks, gathered_root,
+                                            largest, loss_weight_gradient, gloo=loss_on_cpu)
     if accumulated:
         held[ACCUMULATED_LABEL] = accumulated
     held[OVERLAP_LABEL] = -overlap
