@@ -2,17 +2,19 @@
 activation-checkpointing mode runs again of them (replayed_collectives), tensor parallelism's (sequence-parallel
 gathers and scatters, QK-norm's all-reduces, the vocab-parallel head's) and expert parallelism's dispatch and
 combine (all_to_all, or the allgather dispatch's gathers and reduce-scatter), each priced by the alpha-beta model
-of comms.py on the mesh dimension's link."""
+of comms.py on the mesh dimension's link. Where a collective reached after compute costs more by how long the
+ranks computed before it (`here`: Cluster.collective_sync), tensor parallelism's calls are priced each at the compute
+before it in the block's order (TensorParallelGaps): half of them follow a few small operators, not a GEMM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optimus.config import Config
 from optimus.ops.cross_entropy import DEFAULT_CHUNK_ROWS
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time
+from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, sync_after_compute
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,54 @@ def replayed_collectives(config: Config) -> ReplayedCollectives:
     return ReplayedCollectives()
 
 
+@dataclass(frozen=True)
+class TensorParallelGaps:
+    """One micro-batch's forward seconds on a tensor-parallel rank that come before each of a block's collectives;
+    the backward runs each segment again at twice the cost before the mirrored call (the all-gather's gradient is a
+    reduce-scatter and vice versa).
+
+    qkv: a layer's q, k and v projections; attention: its attention core and output projection; mlp: its MLP or
+    MoE layer (0 where expert parallelism's combine comes between: the closing reduce-scatter follows that
+    exchange); between: a layer's other forward work (norms, residual adds, activations, operator dispatch), spread
+    evenly over its calls; head: the LM head's and the loss's forward.
+    """
+
+    qkv: float
+    attention: float
+    mlp: float
+    between: float
+    head: float
+
+
+def tensor_parallel_call_gaps(config: Config, dims: ParallelDims, layers: int, again: ReplayedCollectives,
+                              gaps: TensorParallelGaps) -> list[float]:
+    """The compute before each of one micro-batch's tensor-parallel collectives (tensor_parallel_time's calls, in
+    the block's order; profiled on the tiny dense model at tp 2: all-gather, 3.5 ms of q/k/v projections, q's
+    all-reduce, 0.3 ms, k's, 4 ms of attention, reduce-scatter, 0.9 ms, all-gather, 11 ms of MLP, reduce-scatter)."""
+    m, mode = config.model, config.train.activation_checkpointing
+    calls = 6 if m.qk_norm else 4
+    b = gaps.between / calls
+    if m.qk_norm:
+        attention = [gaps.qkv + b, b, gaps.attention + b]  # q's all-reduce, k's, the reduce-scatter
+    else:
+        attention = [gaps.qkv + gaps.attention + b]
+    forward = [b, *attention, b, gaps.mlp + b]
+    scatters = [attention[-1], gaps.mlp + b]
+    # what the recompute runs again: the gathers after a few operators, the scatters and QK-norm's all-reduces after
+    # the GEMMs they follow where those run again too (full; selective's recomputed attention)
+    recomputes_attention = mode == "full" or (mode == "selective" and "attention" in config.train.recompute)
+    qk_again = [gaps.qkv + b, b] if recomputes_attention else [b, b]
+    replayed = [b] * again.tp_gathers + scatters[:again.tp_scatters] + qk_again[:again.qk_norm]
+    block = forward + [2 * g for g in forward] + replayed
+    rows = min(DEFAULT_CHUNK_ROWS, config.train.micro_batch_size * config.train.seq_len)
+    chunks = -(-config.train.micro_batch_size * config.train.seq_len // rows)
+    head = [b] + [gaps.head / chunks] * chunks + [2 * gaps.head]  # gather, each chunk's statistics, scatter back
+    embedding = [b, b] if dims.pp == 1 else []
+    return block * layers + head + embedding
+
+
 def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int, act_bytes: float,
-                          again: ReplayedCollectives) -> float:
+                         again: ReplayedCollectives, gaps: TensorParallelGaps | None = None) -> float:
     """One micro-batch's tensor-parallel collectives on the last pipeline stage (parallel/tensor_parallel.py).
 
     Per block: an all-gather before and a reduce-scatter after attention and the MLP (sequence parallel), each
@@ -59,9 +107,17 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     k, forward and backward. The root: the embedding's output reduce-scattered to sequence shards (an all-gather
     back), the LM head's input all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows]
     statistics per chunk.
+
+    gaps: where the cluster timed what a call reached after compute costs (Cluster.collective_sync), each call pays
+    that at the compute before it (tensor_parallel_call_gaps) instead of the link's one sync for every call.
     """
     m, train = config.model, config.train
     link = group_link(dims, ("tp",), cluster)
+    per_gap = 0.0
+    if gaps is not None and link.measured and cluster.collective_sync:
+        link = replace(link, sync=0.0)
+        per_gap = sum(sync_after_compute(cluster.collective_sync, gap)
+                      for gap in tensor_parallel_call_gaps(config, dims, layers, again, gaps))
     gather, scatter = ring_time(link, act_bytes), ring_time(link, act_bytes, "reduce_scatter")
     gather_scatter = gather + scatter
     tokens = train.micro_batch_size * train.seq_len
@@ -71,7 +127,7 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     head = gather_scatter + -(-tokens // rows) * ring_time(link, dims.tp * 2 * 4 * rows)
     # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
     embedding = gather_scatter if dims.pp == 1 else 0.0
-    return blocks + qk_norm + head + embedding
+    return blocks + qk_norm + head + embedding + per_gap
 
 
 def allgather_exchange_bytes(ep: int, act_bytes: float, tokens: int, top_k: int) -> dict[str, float]:

@@ -64,8 +64,9 @@ from optimus.models.flops import ParameterCount, flops_per_token
 from optimus.parallel.activation_memory import weights_stay_fp32
 from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster
-from optimus.plan.block_collectives import expert_parallel_time, replayed_collectives, tensor_parallel_time
-from optimus.plan.comms import group_link, send_time
+from optimus.plan.block_collectives import (TensorParallelGaps, expert_parallel_time, replayed_collectives,
+                                            tensor_parallel_time)
+from optimus.plan.comms import group_link, send_time, sync_after_compute  # noqa: F401 (re-exported)
 from optimus.plan.data_parallel_time import data_parallel_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
@@ -275,30 +276,18 @@ def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cl
         return plain
     computing = plain.step_s - sum(plain.parts.get(part, 0.0) for part in COLLECTIVE_PARTS)
     sync = sync_after_compute(cluster.collective_sync, computing / collectives)
-    return _priced_step(*args[:3], replace(cluster, collective_sync_s=sync), *args[4:])
+    # tensor parallelism's calls are priced each at the compute before it instead (block_collectives)
+    return _priced_step(*args[:3], replace(cluster, collective_sync_s=sync), *args[4:], tp_gaps=True)
 
 
 SYNC_NUDGE_S = 1e-6  # added to every timed call, what it adds to the step counts the collectives on its path
 
 
-def sync_after_compute(points: tuple[tuple[float, float], ...], compute_s: float) -> float:
-    """Seconds a collective reached after `compute_s` of compute costs beyond the back-to-back call, from the timed
-    (compute seconds, seconds) points: linear between them, the last one's past them, and below the first linear
-    from nothing (no compute between two calls is the back-to-back call the collective table timed: dense TP 2
-    summing four micro-batches, its calls about 3 ms of compute apart, measured 1.098 s and was priced 1.267 s at
-    the 10 ms point's sync; so, 1.068 s against 1.047 measured)."""
-    points = tuple(sorted(points))
-    if compute_s <= points[0][0]:
-        return points[0][1] * max(0.0, compute_s) / points[0][0] if points[0][0] > 0 else points[0][1]
-    for (c0, s0), (c1, s1) in zip(points, points[1:]):
-        if compute_s <= c1:
-            return s0 + (s1 - s0) * (compute_s - c0) / (c1 - c0)
-    return points[-1][1]
-
-
 def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
-                 efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float) -> StepTime:
-    """step_time with the cluster's collective_sync_s as given."""
+                 efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float,
+                 tp_gaps: bool = False) -> StepTime:
+    """step_time with the cluster's collective_sync_s as given; with tp_gaps, tensor parallelism's calls pay the
+    cluster's collective_sync at the compute before each (TensorParallelGaps) instead."""
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
     train, p = config.train, config.parallel
@@ -370,7 +359,22 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     again = replayed_collectives(config)
     tp_mb = 0.0
     if dims.tp > 1:
-        tp_mb = tensor_parallel_time(config, dims, cluster, layers, act_bytes, again)
+        gaps = None
+        if tp_gaps:
+            # one micro-batch's forward on the last stage, split where tp's collectives fall: the GEMMs at their
+            # classes' rates (the forward a third of the training FLOPs), the rest (memory-bound work, operator
+            # launches, DTensor dispatch) a forward pass's share of the micro-batch's
+            forward = {c: tokens_mb * by_class[c] / 3 * share[c] / dims.tp / (peak * rate[c]) for c in by_class}
+            kv = config.model.kv_heads * config.model.head_dim
+            qkv_share = (h + 2 * kv) / (2 * h + 2 * kv)  # of the attention projections' FLOPs
+            moe_mlp = expert_s / expert_passes if config.model.is_moe and dims.ep == 1 else 0.0
+            passes = 3 + (1 if recompute else 0)
+            gaps = TensorParallelGaps(
+                qkv=qkv_share * forward["attention_proj"] / layers,
+                attention=((1 - qkv_share) * forward["attention_proj"] + forward["attention"]) / layers,
+                mlp=(forward["mlp"] + moe_mlp) / layers if dims.ep == 1 or not config.model.is_moe else 0.0,
+                between=(memory_mb + overhead_mb + dispatch_mb) / passes / layers, head=forward["head"])
+        tp_mb = tensor_parallel_time(config, dims, cluster, layers, act_bytes, again, gaps)
     ep_mb = expert_parallel_time(config, dims, cluster, layers, tokens_mb, act_bytes, again) if dims.ep > 1 else 0.0
     pp_mb = pp_fill = 0.0
     if dims.pp > 1:

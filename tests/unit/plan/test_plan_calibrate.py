@@ -360,8 +360,9 @@ def test_a_call_after_compute_costs_what_was_timed_after_the_layouts_compute_bet
     assert sync_after_compute(points, 0.1) == 4e-3 and sync_after_compute(points, 0.02) == pytest.approx(2e-3)
     # below the first point, linear from nothing: no compute between two calls is the back-to-back call timed
     assert sync_after_compute(points, 0.005) == pytest.approx(0.5e-3) and sync_after_compute(points, 0.0) == 0.0
+    # (FSDP alone: tensor parallelism's calls are priced each at their own compute, the next test)
     layout = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32",
-                                                "--parallel.tp=2", "--parallel.dp_shard=2"]), 4)
+                                                "--parallel.dp_shard=4"]), 4)
     args = (layout.config, layout.dims, ModelShape.of(layout.config))
     cluster = here_cluster(_sync_entry({"4": [list(p) for p in points]}), 4)
     plain = step_time(*args, replace(cluster, collective_sync=()), None, layout.batch.micro_batches)
@@ -370,7 +371,7 @@ def test_a_call_after_compute_costs_what_was_timed_after_the_layouts_compute_bet
     nudged = step_time(*args, replace(cluster, collective_sync=(), collective_sync_s=1e-3), None,
                        layout.batch.micro_batches)
     collectives = (nudged.step_s - plain.step_s) / 1e-3
-    assert collectives > 10  # tp's all-reduces and FSDP's gathers and reduce-scatters, every layer
+    assert collectives > 10  # FSDP's gathers and reduce-scatters, every layer
     assert flat.step_s == pytest.approx(plain.step_s + 2e-3 * collectives, rel=1e-3)
     between = (plain.step_s - sum(plain.parts[p] for p in COLLECTIVE_PARTS)) / collectives
     timed = step_time(*args, cluster, None, layout.batch.micro_batches)
@@ -381,3 +382,81 @@ def test_a_call_after_compute_costs_what_was_timed_after_the_layouts_compute_bet
     with_sync = replace(here_cluster(_sync_entry({"4": [list(p) for p in points]}), 1), collective_sync=points)
     unsynced = replace(with_sync, collective_sync=())
     assert step_time(*lone_args, with_sync).step_s == step_time(*lone_args, unsynced).step_s
+
+
+TP_CASES = [  # (overrides, ranks): each activation-checkpointing mode's replays, dense and MoE, with and without pp
+    (["--model.preset=mula-tiny-dense", "--parallel.tp=2"], 2),
+    (["--model.preset=mula-tiny-dense", "--parallel.tp=2", "--train.activation_checkpointing=full"], 2),
+    (["--model.preset=mula-tiny-dense", "--parallel.tp=2", "--train.activation_checkpointing=selective_ops"], 2),
+    (["--model.preset=mula-tiny-moe", "--parallel.tp=2", "--train.activation_checkpointing=full"], 2),
+    (["--model.preset=mula-tiny-moe", "--parallel.tp=2", "--train.activation_checkpointing=selective",
+      "--train.recompute=[attention]"], 2),
+    (["--model.preset=mula-tiny-moe", "--parallel.tp=2", "--parallel.ep=2", "--parallel.dp_shard=2"], 4),
+    (["--model.preset=mula-tiny-dense", "--parallel.tp=2", "--parallel.pp=2", "--model.qk_norm=false"], 4),
+]
+
+
+@pytest.mark.parametrize("overrides, ranks", TP_CASES)
+def test_every_tensor_parallel_call_has_the_compute_before_it(overrides, ranks):
+    """tensor_parallel_call_gaps lists one gap per call tensor_parallel_time prices (what one more second of sync a
+    call adds to it), and a flat sync curve prices the calls as one sync for every call did."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.block_collectives import (TensorParallelGaps, replayed_collectives, tensor_parallel_call_gaps,
+                                                tensor_parallel_time)
+
+    layout = validate_layout(load_config(None, ["--train.dtype=fp32", *overrides]), ranks)
+    config, dims = layout.config, layout.dims
+    cluster = here_cluster(_sync_entry({str(ranks): [[0.01, 1e-3], [0.04, 2e-3]]}), ranks)
+    layers, act, again = 2, 1 << 20, replayed_collectives(config)
+    gaps = TensorParallelGaps(qkv=3e-3, attention=4e-3, mlp=11e-3, between=6e-3, head=0.2)
+    calls = (tensor_parallel_time(config, dims, replace(cluster, collective_sync_s=1.0), layers, act, again) -
+             tensor_parallel_time(config, dims, cluster, layers, act, again))
+    assert len(tensor_parallel_call_gaps(config, dims, layers, again, gaps)) == pytest.approx(calls)
+    flat = replace(cluster, collective_sync=((1e-6, 2e-3), (1.0, 2e-3)))
+    assert tensor_parallel_time(config, dims, flat, layers, act, again, gaps) == pytest.approx(
+        tensor_parallel_time(config, dims, replace(cluster, collective_sync_s=2e-3), layers, act, again))
+
+
+def test_tensor_parallel_calls_come_in_the_blocks_order():
+    """A dense block with QK-norm at tp 2, as profiled: all-gather after a few operators, q's all-reduce after the
+    q/k/v projections, k's right after, the reduce-scatter after attention, the all-gather after a few operators,
+    the reduce-scatter after the MLP; the backward mirrors each at twice the compute; full checkpointing runs the
+    gathers, the scatters and QK-norm's all-reduces again after the compute they follow in the forward."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.block_collectives import TensorParallelGaps, replayed_collectives, tensor_parallel_call_gaps
+
+    gaps = TensorParallelGaps(qkv=3.0, attention=4.0, mlp=11.0, between=6.0, head=60.0)
+    for mode, replayed in (("none", []), ("full", [1, 1, 5, 12, 4, 1])):
+        layout = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32",
+                                                    "--parallel.tp=2", "--train.micro_batch_size=1",
+                                                    f"--train.activation_checkpointing={mode}"]), 2)
+        config = layout.config
+        listed = tensor_parallel_call_gaps(config, layout.dims, 1, replayed_collectives(config), gaps)
+        forward = [1, 4, 1, 5, 1, 12]
+        block = forward + [2 * g for g in forward] + replayed
+        assert listed[:len(block)] == block
+        # the root: the head's gather, one statistics gather per chunk of rows, its scatter back, the embedding's two
+        assert listed[-5:] == [1, 60, 120, 1, 1]
+
+
+def test_tensor_parallel_calls_after_a_few_operators_pay_less_than_at_the_mean_compute():
+    """Where a call reached after compute costs more the longer the ranks computed (linear from nothing up to the
+    first timed point), tp's calls priced at their own compute cost less than all of them at the mean: half
+    follow a few operators. A layout without tp is priced as before (the test above), one with it no lower
+    than without any sync."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import COLLECTIVE_PARTS, step_time, sync_after_compute
+
+    points = ((0.01, 1e-3), (0.04, 4e-3))
+    layout = validate_layout(load_config(None, ["--model.preset=mula-tiny-dense", "--train.dtype=fp32",
+                                                "--parallel.tp=2"]), 2)
+    args = (layout.config, layout.dims, ModelShape.of(layout.config))
+    cluster = here_cluster(_sync_entry({"2": [list(p) for p in points]}), 2)
+    plain = step_time(*args, replace(cluster, collective_sync=()), None, layout.batch.micro_batches)
+    nudged = step_time(*args, replace(cluster, collective_sync=(), collective_sync_s=1e-3), None,
+                       layout.batch.micro_batches)
+    collectives = (nudged.step_s - plain.step_s) / 1e-3
+    between = (plain.step_s - sum(plain.parts[p] for p in COLLECTIVE_PARTS)) / collectives
+    timed = step_time(*args, cluster, None, layout.batch.micro_batches)
+    assert plain.step_s < timed.step_s < plain.step_s + sync_after_compute(points, between) * collectives
