@@ -31,7 +31,8 @@ since time slicing breaks the ranks' lockstep; the sync below prices that drift 
 differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
 down once a message leaves the cache, which no single alpha-beta pair fits. A step reaches its collectives after
 compute, its ranks apart, which the back-to-back calls of the table do not: each timed call adds the link's `sync`
-(Cluster.collective_sync_s, which step_time sets).
+(Cluster.collective_sync_s, which step_time sets; tensor parallelism's calls pay it at the compute before each
+instead: block_collectives.TensorParallelGaps).
 """
 
 from __future__ import annotations

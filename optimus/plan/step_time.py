@@ -367,12 +367,13 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
             forward = {c: tokens_mb * by_class[c] / 3 * share[c] / dims.tp / (peak * rate[c]) for c in by_class}
             kv = config.model.kv_heads * config.model.head_dim
             qkv_share = (h + 2 * kv) / (2 * h + 2 * kv)  # of the attention projections' FLOPs
-            moe_mlp = expert_s / expert_passes if config.model.is_moe and dims.ep == 1 else 0.0
             passes = 3 + (1 if recompute else 0)
             gaps = TensorParallelGaps(
                 qkv=qkv_share * forward["attention_proj"] / layers,
                 attention=((1 - qkv_share) * forward["attention_proj"] + forward["attention"]) / layers,
-                mlp=(forward["mlp"] + moe_mlp) / layers if dims.ep == 1 or not config.model.is_moe else 0.0,
+                # under ep the closing reduce-scatter follows the combine, not the experts
+                mlp=0.0 if config.model.is_moe and dims.ep > 1 else
+                (forward["mlp"] + expert_s / expert_passes) / layers,
                 between=(memory_mb + overhead_mb + dispatch_mb) / passes / layers, head=forward["head"])
         tp_mb = tensor_parallel_time(config, dims, cluster, layers, act_bytes, again, gaps)
     ep_mb = expert_parallel_time(config, dims, cluster, layers, tokens_mb, act_bytes, again) if dims.ep > 1 else 0.0
