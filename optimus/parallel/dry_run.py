@@ -240,8 +240,9 @@ def gradients_not_at_the_activation_peak(micro_batches: int, gradients: float, a
     deferred_reduce: FSDP under pp (fsdp_deferred_reduce_bytes). The stage reduces once, after its last backward,
     so the sharded gradients exist only then, when the activations are gone and the reduce-scatters hold flat
     copies of the unsharded gradients: the peak holds the larger of the activations and those copies (or what
-    summing them in another dtype holds: fsdp_accumulate_cast_bytes), never the sharded gradients (the tiny MoE at FSDP 2 x EP 2 x PP 2, allocator's peak: the last stage's inside the loss,
-    the first stage's in its reduce-scatter).
+    summing them in another dtype holds: fsdp_accumulate_cast_bytes), never the sharded gradients (the tiny MoE
+    at FSDP 2 x EP 2 x PP 2, allocator's peak: the last stage's inside the loss, the first stage's in its
+    reduce-scatter).
     root_reduce: FSDP without pp (fsdp_root_reduce_bytes). Its last reduce, the root's at the end of the backward,
     meets every sharded gradient but no activations and no FSDP `transient` (the blocks and the root are
     resharded by then): the peak is the larger of that phase and the one above, so this may take off less than

@@ -70,6 +70,12 @@ class TensorParallelGaps:
     head: float
 
 
+def _loss_chunks(config: Config) -> int:
+    """The chunks of rows the vocab-parallel loss works through in one micro-batch (ops/cross_entropy.py)."""
+    tokens = config.train.micro_batch_size * config.train.seq_len
+    return -(-tokens // min(DEFAULT_CHUNK_ROWS, tokens))
+
+
 def tensor_parallel_call_gaps(config: Config, dims: ParallelDims, layers: int, again: ReplayedCollectives,
                               gaps: TensorParallelGaps) -> list[float]:
     """The compute before each of one micro-batch's tensor-parallel collectives (tensor_parallel_time's calls, in
@@ -90,8 +96,7 @@ def tensor_parallel_call_gaps(config: Config, dims: ParallelDims, layers: int, a
     qk_again = [gaps.qkv + b, b] if recomputes_attention else [b, b]
     replayed = [b] * again.tp_gathers + scatters[:again.tp_scatters] + qk_again[:again.qk_norm]
     block = forward + [2 * g for g in forward] + replayed
-    rows = min(DEFAULT_CHUNK_ROWS, config.train.micro_batch_size * config.train.seq_len)
-    chunks = -(-config.train.micro_batch_size * config.train.seq_len // rows)
+    chunks = _loss_chunks(config)
     head = [b] + [gaps.head / chunks] * chunks + [2 * gaps.head]  # gather, each chunk's statistics, scatter back
     embedding = [b, b] if dims.pp == 1 else []
     return block * layers + head + embedding
@@ -124,7 +129,7 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     blocks = layers * (2 * 2 * gather_scatter + again.tp_gathers * gather + again.tp_scatters * scatter)
     qk_norm = layers * (2 * 2 + again.qk_norm) * all_reduce_time(link, 4 * tokens) if m.qk_norm else 0.0
     rows = min(DEFAULT_CHUNK_ROWS, tokens)
-    head = gather_scatter + -(-tokens // rows) * ring_time(link, dims.tp * 2 * 4 * rows)
+    head = gather_scatter + _loss_chunks(config) * ring_time(link, dims.tp * 2 * 4 * rows)
     # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
     embedding = gather_scatter if dims.pp == 1 else 0.0
     return blocks + qk_norm + head + embedding + per_gap

@@ -191,10 +191,11 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     root_dense = (shape.embedding / dims.tp if first else 0) + (shape.head / dims.tp if last else 0)
     dense = layers * (shape.block_tp_split / dims.tp + shape.block_replicated) + root_dense
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
-    blocks, gathered_root = [], 0.0  # FSDP's units in gathered elements (none without FSDP)
+    blocks, gathered_root, largest = [], 0.0, 0  # FSDP's units and largest tensor, gathered (none without FSDP)
     if config.parallel.shard_mode == "fsdp":
         local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
         blocks = [gathered_block] * layers
+        largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
         transient = fsdp_transient_bytes(blocks, gathered_root, width, dims, config.parallel.grad_reduce_bytes)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
@@ -217,7 +218,6 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     held["activations"] = rank_activation_bytes(act_config, dims, layers, last, in_flight, loss_on_cpu,
                                                 routing_imbalance)
     held["bf16 weight copies (autocast)"] = autocast_weight_copy_bytes(act_config, dims, layers, last, loss_on_cpu)
-    largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
     loss_weight_gradient = 4.0 * config.model.vocab_size * config.model.d_model / dims.tp if loss_on_cpu else 0.0
     micro_batches = resolve_batch(config.train, dims, config.parallel.pp_schedule).micro_batches
     accumulated, overlap = peak_phase_terms(config, dims, micro_batches, config.parallel.shard_mode, local, width,

@@ -305,8 +305,12 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     # whole LM head and loss (the first holds the embedding, a lookup); with few blocks per stage the head is a
     # large share of it (220B-A10B at pp 32: 2 blocks + a head worth ~1.5 blocks)
     share = {c: (1.0 if c == "head" else layers / shape.n_layers) for c in by_class}
-    flop_s = {c: tokens_mb * (by_class[c] + recomputed.get(c, 0.0)) * share[c] / dims.tp / (peak * rate[c])
-              for c in by_class}
+
+    def class_seconds(flops: dict[str, float]) -> dict[str, float]:
+        """A micro-batch's seconds on this stage's ranks for FLOPs per token by class, at each class's rate."""
+        return {c: tokens_mb * flops[c] * share[c] / dims.tp / (peak * rate[c]) for c in flops}
+
+    flop_s = class_seconds({c: by_class[c] + recomputed.get(c, 0.0) for c in by_class})
     # roofline: a GEMM cannot run faster than its weights stream from HBM, read in the forward, read for the
     # input gradient and written as the weight gradient (3 passes), once more when recomputed; this is what
     # makes experts that see few tokens each (small ep, small micro-batches) memory bound
@@ -364,7 +368,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
             # one micro-batch's forward on the last stage, split where tp's collectives fall: the GEMMs at their
             # classes' rates (the forward a third of the training FLOPs), the rest (memory-bound work, operator
             # launches, DTensor dispatch) a forward pass's share of the micro-batch's
-            forward = {c: tokens_mb * by_class[c] / 3 * share[c] / dims.tp / (peak * rate[c]) for c in by_class}
+            forward = class_seconds({c: flops / 3 for c, flops in by_class.items()})
             kv = config.model.kv_heads * config.model.head_dim
             qkv_share = (h + 2 * kv) / (2 * h + 2 * kv)  # of the attention projections' FLOPs
             passes = 3 + (1 if recompute else 0)
