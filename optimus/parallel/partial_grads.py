@@ -4,6 +4,8 @@ Under sequence parallelism (parallel/tensor_parallel.py) the norms' replicated w
 tokens, so their gradients come out of the backward as Partial DTensors over tp. Whoever reads one first (the
 gradient clipping's norm, the optimizer, the sharded optimizer's packing) would all-reduce it on its own, a
 collective's latency each, per reader: the clipping and the optimizer step read each one (twice a step).
+Under FSDP its post-backward reads each one first, in every micro-batch (one all-reduce a norm weight: what
+plan/block_collectives.norm_gradient_reduces prices).
 """
 
 from __future__ import annotations

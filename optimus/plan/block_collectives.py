@@ -70,6 +70,20 @@ class TensorParallelGaps:
     head: float
 
 
+def norm_gradient_reduces(config: Config, dims: ParallelDims, layers: int) -> int:
+    """tp all-reduces of the sequence-parallel norms' gradients one micro-batch runs on the last stage.
+
+    The norms' replicated weights see only their rank's tokens, so their gradients leave the backward as Partial
+    sums over tp (parallel/partial_grads.py). Under FSDP each unit's post-backward redistributes every such gradient
+    to its parameter's placement before it reduces over dp: one all-reduce per weight in every micro-batch (each
+    block's attention and MLP norms and the final norm: 2 x 4 + 1 a micro-batch on the tiny models at dp 2 x tp 2,
+    profiled and counted by tests/distributed/test_checkpointing_collectives.py). The other shard modes keep them
+    Partial through the micro-batches and sum them all in one all-reduce a step (train/step.py)."""
+    if dims.tp == 1 or config.parallel.shard_mode != "fsdp" or not dims.has_data_parallel:
+        return 0
+    return 2 * layers + 1
+
+
 def _loss_chunks(config: Config) -> int:
     """The chunks of rows the vocab-parallel loss works through in one micro-batch (ops/cross_entropy.py)."""
     tokens = config.train.micro_batch_size * config.train.seq_len
@@ -99,7 +113,10 @@ def tensor_parallel_call_gaps(config: Config, dims: ParallelDims, layers: int, a
     chunks = _loss_chunks(config)
     head = [b] + [gaps.head / chunks] * chunks + [2 * gaps.head]  # gather, each chunk's statistics, scatter back
     embedding = [b, b] if dims.pp == 1 else []
-    return block * layers + head + embedding
+    # under FSDP the norms' gradient all-reduces follow each block's backward and each other after a few operators
+    # (profiled: 0.4-0.6 ms after the block's last reduce-scatter, 0.1-0.4 ms apart), the final norm's the head's
+    norms = [b] * norm_gradient_reduces(config, dims, layers)
+    return block * layers + head + embedding + norms
 
 
 def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int, act_bytes: float,
@@ -111,7 +128,8 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     runs again (replayed_collectives); QK-norm's full-width RMS all-reduces each token's sum of squares for q and
     k, forward and backward. The root: the embedding's output reduce-scattered to sequence shards (an all-gather
     back), the LM head's input all-gathered (a reduce-scatter back), and one all-gather of the loss's [2, rows]
-    statistics per chunk.
+    statistics per chunk. Under FSDP, the norms' gradients summed over tp one weight at a time
+    (norm_gradient_reduces).
 
     gaps: where the cluster timed what a call reached after compute costs (Cluster.collective_sync), each call pays
     that at the compute before it (tensor_parallel_call_gaps) instead of the link's one sync for every call.
@@ -132,7 +150,9 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     head = gather_scatter + _loss_chunks(config) * ring_time(link, dims.tp * 2 * 4 * rows)
     # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
     embedding = gather_scatter if dims.pp == 1 else 0.0
-    return blocks + qk_norm + head + embedding + per_gap
+    width = 4 if train.dtype == "fp32" else 2  # the norm weights' gradients, in the compute dtype
+    norms = norm_gradient_reduces(config, dims, layers) * all_reduce_time(link, width * m.d_model)
+    return blocks + qk_norm + head + embedding + norms + per_gap
 
 
 def allgather_exchange_bytes(ep: int, act_bytes: float, tokens: int, top_k: int) -> dict[str, float]:

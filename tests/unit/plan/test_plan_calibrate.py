@@ -392,6 +392,8 @@ TP_CASES = [  # (overrides, ranks): each activation-checkpointing mode's replays
     (["--model.preset=mula-tiny-moe", "--parallel.tp=2", "--train.activation_checkpointing=selective",
       "--train.recompute=[attention]"], 2),
     (["--model.preset=mula-tiny-moe", "--parallel.tp=2", "--parallel.ep=2", "--parallel.dp_shard=2"], 4),
+    (["--model.preset=mula-tiny-dense", "--parallel.tp=2", "--parallel.dp_replicate=2",  # FSDP's norm reduces
+      "--train.activation_checkpointing=selective", "--train.recompute=[attention,mlp,norms]"], 4),
     (["--model.preset=mula-tiny-dense", "--parallel.tp=2", "--parallel.pp=2", "--model.qk_norm=false"], 4),
 ]
 
