@@ -76,8 +76,8 @@ def norm_gradient_reduces(config: Config, dims: ParallelDims, layers: int) -> in
     The norms' replicated weights see only their rank's tokens, so their gradients leave the backward as Partial
     sums over tp (parallel/partial_grads.py). Under FSDP each unit's post-backward redistributes every such gradient
     to its parameter's placement before it reduces over dp: one all-reduce per weight in every micro-batch (each
-    block's attention and MLP norms and the final norm: 2 x 4 + 1 a micro-batch on the tiny models at dp 2 x tp 2,
-    profiled and counted by tests/distributed/test_checkpointing_collectives.py). The other shard modes keep them
+    block's attention and MLP norms and the final norm: 9 a micro-batch in the 4-layer tiny models' profiles at
+    dp 2 x tp 2, counted by tests/distributed/test_norm_gradient_reduces.py). The other shard modes keep them
     Partial through the micro-batches and sum them all in one all-reduce a step (train/step.py)."""
     if dims.tp == 1 or config.parallel.shard_mode != "fsdp" or not dims.has_data_parallel:
         return 0
