@@ -150,8 +150,8 @@ def tensor_parallel_time(config: Config, dims: ParallelDims, cluster: Cluster, l
     head = gather_scatter + _loss_chunks(config) * ring_time(link, dims.tp * 2 * 4 * rows)
     # the stage priced is the last (it holds the head); without a pipeline it holds the embedding too
     embedding = gather_scatter if dims.pp == 1 else 0.0
-    width = 4 if train.dtype == "fp32" else 2  # the norm weights' gradients, in the compute dtype
-    norms = norm_gradient_reduces(config, dims, layers) * all_reduce_time(link, width * m.d_model)
+    # a norm weight's gradient is d_model elements in the compute dtype: one token's row of the activations
+    norms = norm_gradient_reduces(config, dims, layers) * all_reduce_time(link, act_bytes / tokens)
     return blocks + qk_norm + head + embedding + norms + per_gap
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.dispatch import OpCounter
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
+from tests.helpers.parity import parallel_model_and_first_batch, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -25,23 +25,10 @@ TP_SCATTERS = ("_c10d_functional.reduce_scatter_tensor.default", "optimus.reduce
 ALL_REDUCES = ("optimus.all_reduce_sum.default", "c10d.allreduce_.default")  # QK-norm's (the op's own runs inside it)
 
 
-def _model_and_batch(config, world: int):
-    """This rank's parallelized model of `config` and its first micro-batch (ids, labels)."""
-    from optimus.parallel.mesh import ParallelDims
-    from optimus.parallel.parallelize import build_parallel_model
-
-    dims = ParallelDims.from_config(config.parallel, world)
-    mesh = dims.build_mesh("cpu")
-    model = build_parallel_model(config, dims, mesh, "cpu")
-    batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
-                               dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))[0]
-    return model, batch
-
-
 def _backward_ops(rank: int, world: int, moe: bool, parallel: dict, modes: list[str]) -> dict[str, dict[str, int]]:
     counts = {}
     for name in modes:
-        model, (ids, labels) = _model_and_batch(_config(moe, parallel, name), world)
+        model, (ids, labels) = parallel_model_and_first_batch(_config(moe, parallel, name), world)
         loss = model(ids, labels=labels).loss
         with OpCounter() as backward:
             loss.backward()
@@ -102,7 +89,7 @@ def _kept_bytes(rank: int, world: int, moe: bool, parallel: dict) -> tuple[float
     from optimus.parallel.validate import validate_layout
 
     config = _config(moe, parallel, "selective_ops")
-    model, (ids, labels) = _model_and_batch(config, world)
+    model, (ids, labels) = parallel_model_and_first_batch(config, world)
     inside, kept = [False], [0]
 
     class KeptOutputs(TorchDispatchMode):  # the bytes of every output the policy keeps, inside the blocks

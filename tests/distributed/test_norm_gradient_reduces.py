@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.dispatch import OpCounter
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import global_batches, rank_micro_batches, tiny_config
+from tests.helpers.parity import parallel_model_and_first_batch, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -20,17 +20,10 @@ FUNCTIONAL_ALL_REDUCE = "_c10d_functional.all_reduce.default"  # DTensor's redis
 
 
 def _backward_all_reduces(rank: int, world: int, moe: bool, shard_modes: list[str]) -> dict[str, int]:
-    from optimus.parallel.mesh import ParallelDims
-    from optimus.parallel.parallelize import build_parallel_model
-
     counts = {}
     for mode in shard_modes:
         config = tiny_config(moe=moe, parallel=dict(dp_shard=2, tp=2, shard_mode=mode))
-        dims = ParallelDims.from_config(config.parallel, world)
-        mesh = dims.build_mesh("cpu")
-        model = build_parallel_model(config, dims, mesh, "cpu")
-        ids, labels = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
-                                         dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))[0]
+        model, (ids, labels) = parallel_model_and_first_batch(config, world)
         loss = model(ids, labels=labels).loss
         with OpCounter() as backward:
             loss.backward()

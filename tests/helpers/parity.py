@@ -120,6 +120,20 @@ class RunRecord:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensors, single-process names
 
 
+def parallel_model_and_first_batch(config: Config, world: int):
+    """(on a rank of `world`) this rank's parallelized CPU model of `config` and its first micro-batch (ids,
+    labels)."""
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+
+    dims = ParallelDims.from_config(config.parallel, world)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, "cpu")
+    batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
+                               dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))[0]
+    return model, batch
+
+
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full (unsharded) tensor, keyed by its single-process name.
 
