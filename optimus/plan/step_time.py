@@ -49,7 +49,8 @@
                  FSDP's and HSDP's under pp, the zero modes' reductions and parameter gathers, ddp's all-reduce
                  beyond the backward that hides it), and the gradient clipping with the AdamW update (42 bytes of
                  HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
-                 CPU streams at about twice a copy's bandwidth)
+                 CPU streams at about twice a copy's bandwidth), and the step's own small collectives (the loss,
+                 the clipping's norm, the callbacks' figures: step_collectives.py)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
 preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
@@ -71,6 +72,7 @@ from optimus.plan.data_parallel_time import data_parallel_time
 from optimus.plan.dtensor_cost import dtensor_operators
 from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
 from optimus.plan.memory import ModelShape
+from optimus.plan.step_collectives import step_collectives_time
 
 ADAMW_BYTES_PER_ELEMENT = 30  # read master, grad, 2 moments (16 B); write master, 2 moments (12 B), bf16 param (2 B)
 # gradient clipping (train/step.py, optim/sharded.py): the norm reads each fp32 gradient, the scale by the clip
@@ -247,7 +249,7 @@ def busiest_expert_pace(imbalance: float, group: int, core_share: float) -> floa
     return max(1.0, lighter + (imbalance - lighter) * core_share / alone)
 
 
-COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync")  # a step's waits on collectives
+COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync", "step_collectives")  # a step's waits on collectives
 
 
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
@@ -419,7 +421,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill
     bubble = fill_drain / (busy + fill_drain) if busy + fill_drain > 0 else 0.0
-    step = pipeline + exposed_once + dp.step_sync + dp.copies_step + optimizer
+    small = step_collectives_time(config, dims, cluster, layers)  # the loss, the norm, the callbacks' figures
+    step = pipeline + exposed_once + dp.step_sync + dp.copies_step + optimizer + small
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k
                                                // config.model.n_experts) if config.model.is_moe else 0)
@@ -432,5 +435,5 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
              "pp_p2p": pp_mb * micro_batches, "fsdp_exposed": exposed_fsdp * micro_batches + exposed_once,
              "zero2_exposed": dp.exposed_mb * micro_batches,
              "buffer_copies": dp.copies_mb * micro_batches + dp.copies_step,
-             "bubble": pipeline - busy, "dp_sync": dp.step_sync, "optimizer": optimizer}
+             "bubble": pipeline - busy, "dp_sync": dp.step_sync, "optimizer": optimizer, "step_collectives": small}
     return StepTime(step, parts, tokens / step, mfu, bubble)

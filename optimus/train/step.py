@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -73,36 +74,54 @@ def _norm_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of gradients that share one mesh and placements (or are all plain tensors), in fp32.
+def _local_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's sum of squares of gradients that share one mesh and placements (or are all plain tensors), in
+    fp32: the local shards' (DTensor's own norm of a list would reduce each gradient's partial norm on its own,
+    about 100 all-reduces a step on the tiny model, each over every mesh dim in turn)."""
+    local = [grad.to_local() for grad in grads] if isinstance(grads[0], DTensor) else grads
+    return torch.nn.utils.get_total_norm(local, norm_type=2.0).float().pow(2)
 
-    DTensor's own norm of a list would reduce every gradient's partial norm separately (about 100 all-reduces a
-    step on the tiny model, each over every mesh dim in turn); the local shards' sum of squares needs one
-    all-reduce per sharded mesh dim for the whole group.
-    """
-    first = grads[0]
-    if not isinstance(first, DTensor):
-        return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float().pow(2)
-    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0).float().pow(2)
-    for dim, placement in enumerate(first.placements):
-        if not placement.is_replicate():  # Shard, or FSDP-over-TP's _StridedShard (which is_shard() denies)
-            local = funcol.all_reduce(local, "sum", (first.device_mesh, dim))
-    return local
+
+def _sharding_dims(grad: torch.Tensor) -> list[tuple[tuple[int, ...], tuple]]:
+    """(its ranks, (mesh, dim)) of each mesh dim of more than one rank that shards a DTensor gradient (Shard, or
+    FSDP-over-TP's _StridedShard, which is_shard() denies; replicated dims hold copies, counted once)."""
+    if not isinstance(grad, DTensor):
+        return []
+    mesh = grad.device_mesh
+    return [(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), (mesh, dim))
+            for dim, placement in enumerate(grad.placements) if not placement.is_replicate() and mesh.size(dim) > 1]
+
+
+def _global_squares(groups: list[list[nn.Parameter]]) -> list[torch.Tensor]:
+    """Each group's squared norm summed over the ranks that shard it. One all-reduce per distinct set of ranks,
+    carrying every group it shards: the groups of a layout share their ranks (FSDP's, tp's, ep's), so FSDP x tp
+    reduces twice where a call per group and dim made five, an MoE under FSDP x tp x ep three instead of nine.
+    Every rank meets the sets in the same order (the groups are in parameter order), so the calls line up."""
+    squares = [_local_squares([p.grad for p in group]) for group in groups]
+    by_ranks: dict[tuple[int, ...], tuple[tuple, list[int]]] = {}
+    for index, group in enumerate(groups):
+        for ranks, mesh_dim in _sharding_dims(group[0].grad):
+            by_ranks.setdefault(ranks, (mesh_dim, []))[1].append(index)
+    for mesh_dim, members in by_ranks.values():  # a group sharded over two sets is summed over one, then the other
+        reduced = funcol.all_reduce(torch.stack([squares[i] for i in members]), "sum", mesh_dim)
+        for position, index in enumerate(members):
+            squares[index] = reduced[position]
+    return squares
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_mesh=None) -> float:
     """Global gradient L2 norm (returned), clipped to max_norm when max_norm > 0.
 
     Works for plain, FSDP-sharded and tensor-parallel (DTensor) gradients: a DTensor group's squared
-    norm is summed over its local shards, then over the mesh dims that shard it (one all-reduce per
-    dim and group; replicated dims counted once). Under pipeline parallelism pass the pp mesh: each
-    stage holds different parameters, so the squared norms are summed over the stages too. The
+    norm is summed over its local shards, then over the ranks of the mesh dims that shard it (_global_squares: one
+    all-reduce per distinct set of ranks; replicated dims counted once). Under pipeline parallelism pass the pp
+    mesh: each stage holds different parameters, so the squared norms are summed over the stages too. The
     result is the same on every rank. Gradients DTensor left as Partial sums (the sequence-parallel norms') are
     summed first, together and in place, so the optimizer step reads them reduced too.
     """
     reduce_partial_gradients(params)
     groups = _norm_groups(params)
-    squares = [_squared_norm([p.grad for p in group]) for group in groups]
+    squares = _global_squares(groups)
     # on the parameters' device: the pp group's backend (NCCL on GPUs) reduces device tensors only
     device = params[0].device if params else torch.device("cpu")
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)

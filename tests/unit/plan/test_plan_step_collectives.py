@@ -1,0 +1,52 @@
+"""The step's small collectives priced: a tree's latency across nodes, nothing for one rank, a part of the step.
+(Their count against a real step: tests/distributed/test_step_collectives.py.)"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from optimus.config import load_config
+from optimus.parallel.validate import validate_layout
+from optimus.plan.cluster import load_cluster
+from optimus.plan.comms import all_reduce_time, group_link
+from optimus.plan.memory import ModelShape
+from optimus.plan.step_collectives import step_collectives, step_collectives_time
+from optimus.plan.step_time import COLLECTIVE_PARTS, step_time
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def _layout(name: str, world: int, *overrides: str):
+    return validate_layout(load_config(str(CONFIGS / name), list(overrides)), world)
+
+
+def test_a_few_bytes_across_thousands_of_ranks_pay_a_trees_latency_not_a_rings():
+    aurora = load_cluster("aurora")
+    layout = _layout("mula-220b-a10b.yaml", 3072, "--parallel.ep=12", "--parallel.pp=8", "--parallel.dp_shard=384",
+                     "--train.global_batch_size=3072")
+    dims = layout.dims
+    whole_job = group_link(dims, ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), aurora)
+    assert whole_job.spans_nodes and whole_job.size == 3072
+    ring = all_reduce_time(whole_job, 4)
+    tree = 2 * (math.ceil(math.log2(whole_job.per_node)) * whole_job.intra_alpha +
+                math.ceil(math.log2(whole_job.nodes)) * whole_job.inter_alpha)
+    seconds = step_collectives_time(layout.config, dims, aurora, layout.config.model.n_layers // dims.pp)
+    calls = step_collectives(layout.config, dims, layout.config.model.n_layers // dims.pp)
+    assert ring > 10 * tree  # 2 x 255 node hops each way against 2 x 8
+    assert 0 < seconds < len(calls) * 2 * tree  # none priced as the ring
+
+
+def test_one_rank_has_none_and_a_job_pays_them_as_part_of_its_step():
+    h100 = load_cluster("h100")
+    alone = _layout("mula-tiny-moe.yaml", 1)
+    assert step_collectives_time(alone.config, alone.dims, h100, alone.config.model.n_layers) == 0
+    layout = _layout("mula-tiny-moe.yaml", 8, "--parallel.dp_shard=4", "--parallel.tp=2", "--parallel.ep=2")
+    predicted = step_time(layout.config, layout.dims, ModelShape.of(layout.config), h100,
+                          micro_batches=layout.batch.micro_batches)
+    assert "step_collectives" in COLLECTIVE_PARTS
+    assert predicted.parts["step_collectives"] == pytest.approx(
+        step_collectives_time(layout.config, layout.dims, h100, layout.config.model.n_layers))
+    assert predicted.parts["step_collectives"] > 0
