@@ -95,7 +95,8 @@ def _sharding_dims(grad: torch.Tensor) -> list[tuple[tuple[int, ...], tuple]]:
 def _global_squares(groups: list[list[nn.Parameter]]) -> list[torch.Tensor]:
     """Each group's squared norm summed over the ranks that shard it. One all-reduce per distinct set of ranks,
     carrying every group it shards: the groups of a layout share their ranks (FSDP's, tp's, ep's), so FSDP x tp
-    reduces twice where a call per group and dim made five, an MoE under FSDP x tp x ep three instead of nine.
+    reduces twice where a call per group and dim made five, an MoE under FSDP x tp x ep at most three instead of
+    nine (two where ep spans FSDP's ranks).
     Every rank meets the sets in the same order (the groups are in parameter order), so the calls line up."""
     squares = [_local_squares([p.grad for p in group]) for group in groups]
     by_ranks: dict[tuple[int, ...], tuple[tuple, list[int]]] = {}
