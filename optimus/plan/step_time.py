@@ -289,7 +289,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
                  efficiency: Efficiency | None, micro_batches: int, routing_imbalance: float,
                  tp_gaps: bool = False) -> StepTime:
     """step_time with the cluster's collective_sync_s as given; with tp_gaps, tensor parallelism's calls pay the
-    cluster's collective_sync at the compute before each (TensorParallelGaps) instead."""
+    cluster's collective_sync at the compute before each (TensorParallelGaps) instead, and the step's small
+    collectives once, after the optimizer's update (step_collectives_time)."""
     efficiency = efficiency or cluster.efficiency
     config = cluster.resolved(config)  # "auto" priced as the dtype the trainer runs on these devices
     train, p = config.train, config.parallel
@@ -421,7 +422,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     average_busy = (busy + (dims.pp - 1) * other_stage) / dims.pp
     pipeline = max(average_busy, (busy + fill_drain) * cluster.core_share) + pp_fill
     bubble = fill_drain / (busy + fill_drain) if busy + fill_drain > 0 else 0.0
-    small = step_collectives_time(config, dims, cluster, layers)  # the loss, the norm, the callbacks' figures
+    # the loss, the norm, the callbacks' figures; the first after the update pays the sync where tp's calls do
+    small = step_collectives_time(config, dims, cluster, layers, optimizer if tp_gaps else None)
     step = pipeline + exposed_once + dp.step_sync + dp.copies_step + optimizer + small
     tokens = train.global_batch_size * train.seq_len
     active = shape.total - (shape.n_layers * (shape.block_experts - shape.block_experts * config.model.top_k

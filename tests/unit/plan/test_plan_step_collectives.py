@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from optimus.config import load_config
 from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import load_cluster
-from optimus.plan.comms import all_reduce_time, group_link
+from optimus.plan.comms import all_reduce_time, group_link, sync_after_compute
 from optimus.plan.memory import ModelShape
 from optimus.plan.step_collectives import step_collectives, step_collectives_time
 from optimus.plan.step_time import COLLECTIVE_PARTS, step_time
@@ -50,3 +51,17 @@ def test_one_rank_has_none_and_a_job_pays_them_as_part_of_its_step():
     assert predicted.parts["step_collectives"] == pytest.approx(
         step_collectives_time(layout.config, layout.dims, h100, layout.config.model.n_layers))
     assert predicted.parts["step_collectives"] > 0
+
+
+def test_where_the_sync_was_timed_only_the_first_call_after_the_update_pays_it_once_a_step():
+    # a host's timed cost of a collective reached after compute (here.py): 2 ms after 10 ms, 1.5 ms after 40
+    timed = replace(load_cluster("h100"), collective_sync=((0.01, 0.002), (0.04, 0.0015)))
+    each_step = _layout("mula-tiny-dense.yaml", 8, "--parallel.dp_shard=8")
+    logged_every_10 = _layout("mula-tiny-dense.yaml", 8, "--parallel.dp_shard=8", "--train.log_every=10",
+                              "--resilience.checkpoint_on_signal=false")
+    for layout, steps_with_one in ((each_step, 1.0), (logged_every_10, 0.1)):
+        layers = layout.config.model.n_layers
+        back_to_back = step_collectives_time(layout.config, layout.dims, timed, layers)
+        after_update = step_collectives_time(layout.config, layout.dims, timed, layers, update_s=0.02)
+        expected = sync_after_compute(timed.collective_sync, 0.02) * steps_with_one
+        assert after_update - back_to_back == pytest.approx(expected)
