@@ -249,7 +249,8 @@ def busiest_expert_pace(imbalance: float, group: int, core_share: float) -> floa
     return max(1.0, lighter + (imbalance - lighter) * core_share / alone)
 
 
-COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync", "step_collectives")  # a step's waits on collectives
+# a step's waits on collectives
+COLLECTIVE_PARTS = ("tp", "ep", "pp_p2p", "fsdp_exposed", "zero2_exposed", "dp_sync", "step_collectives")
 
 
 def step_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster,
