@@ -31,7 +31,7 @@ from optimus.config import Config
 from optimus.parallel.mesh import MESH_DIMS, ParallelDims
 from optimus.plan.block_collectives import norm_gradient_reduces
 from optimus.plan.cluster import Cluster
-from optimus.plan.comms import Link, all_reduce_time, group_link, ring_time, sync_after_compute
+from optimus.plan.comms import Link, all_reduce_time, group_link, mesh_sizes, ring_time, sync_after_compute
 
 LOSS_TERMS = 4  # loss, ce_loss, aux_loss, z_loss (a dense model's two are as few bytes)
 DP = ("dp_replicate", "dp_shard_mod_ep", "ep")
@@ -53,7 +53,7 @@ class StepCollective:
 
 def gradient_norm_groups(config: Config, dims: ParallelDims) -> list[tuple[str, ...]]:
     """The mesh dims of each all-reduce the gradient clipping's norm runs (see the module)."""
-    sizes = dict(zip(MESH_DIMS, (dims.pp, dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.tp)))
+    sizes = mesh_sizes(dims)
     if config.parallel.shard_mode in ("zero1", "zero2"):
         return [MESH_DIMS] if dims.world_size > 1 else []
     sets: list[tuple[str, ...]] = []
@@ -101,7 +101,7 @@ def _tree_all_reduce(link: Link, nbytes: float) -> float:
     hops_on_node = math.ceil(math.log2(link.per_node)) if link.per_node > 1 else 0
     hops_across = math.ceil(math.log2(link.nodes)) if link.spans_nodes else 0
     return 2 * (hops_on_node * (link.intra_alpha + nbytes / link.intra_beta) +
-                hops_across * (link.inter_alpha + nbytes / link.inter_beta)) + link.sync
+                hops_across * (link.inter_alpha + nbytes / link.inter_beta))
 
 
 def step_collectives_time(config: Config, dims: ParallelDims, cluster: Cluster, layers: int,
@@ -113,14 +113,15 @@ def step_collectives_time(config: Config, dims: ParallelDims, cluster: Cluster, 
     collective_sync), once a step. (Profiled on the 2-core EPYC, 4 steps: dense FSDP x tp on 4 ranks spent 11-21
     ms a step in its 5, dense FSDP on 2 ranks 3.2-4.5 ms in its 4, where every call paying the sync at the step's
     mean compute gap priced 20.5 and 10.6 ms.)"""
-    calls = [call for call in step_collectives(config, dims, layers)
-             if group_link(dims, call.group, cluster).size > 1]
+    # back to back: no call pays the step's mean-gap sync (collective_sync_s)
+    calls = [(call, replace(group_link(dims, call.group, cluster), sync=0.0))
+             for call in step_collectives(config, dims, layers)]
+    calls = [(call, link) for call, link in calls if link.size > 1]
     total = 0.0
-    after = [call.per_step for call in calls if call.after_update]
+    after = [call.per_step for call, _ in calls if call.after_update]
     if update_s is not None and cluster.collective_sync and after:  # in the steps that run any (all, or logged)
         total += sync_after_compute(cluster.collective_sync, update_s) * min(1.0, max(after))
-    for call in calls:
-        link = replace(group_link(dims, call.group, cluster), sync=0.0)
+    for call, link in calls:
         if call.op == "all_gather":
             seconds = ring_time(link, call.nbytes, "all_gather")
         else:

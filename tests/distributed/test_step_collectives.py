@@ -5,6 +5,7 @@ outside the forward and backward and the data-parallel buckets, by operation and
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -116,8 +117,7 @@ def _counted_steps(rank: int, world: int, run_root: str, token_dir: str) -> dict
 def _priced(name: str, world: int) -> dict[str, int]:
     from optimus.config import build_config
     from optimus.parallel.mesh import ParallelDims
-    from optimus.plan.comms import group_link
-    from optimus.plan.cluster import load_cluster
+    from optimus.plan.comms import mesh_sizes
     from optimus.plan.step_collectives import step_collectives
     from tests.helpers.runs import tiny_run_config
 
@@ -126,10 +126,9 @@ def _priced(name: str, world: int) -> dict[str, int]:
                                           model=dict(n_layers=2, **(MOE if moe else {})), parallel=parallel,
                                           resilience={}))
     dims = ParallelDims.from_config(config.parallel, world)
-    cluster = load_cluster("h100")
-    priced: Counter = Counter()
+    sizes, priced = mesh_sizes(dims), Counter()
     for call in step_collectives(config, dims, config.model.n_layers // dims.pp):
-        size = group_link(dims, call.group, cluster).size
+        size = math.prod(sizes[d] for d in call.group)
         if size > 1:
             priced[f"{'allgather' if call.op == 'all_gather' else 'allreduce'} over {size}"] += int(call.per_step)
     return dict(priced)
