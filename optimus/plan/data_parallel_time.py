@@ -99,7 +99,8 @@ def fsdp_fresh_bytes(shape: ModelShape, dims: ParallelDims, width: int, threshol
 
     units: dict[str, list] = {"block": [], "experts": [], "root": []}
     for tensor in shape.tensors:
-        unit = "experts" if tensor.expert else "block" if tensor.where == "block" else "root"
+        # the experts are a unit of their own only under ep (parallelize.py); without it, in their block's buffers
+        unit = "experts" if tensor.expert and dims.ep > 1 else "block" if tensor.where == "block" else "root"
         if unit != "root" or tensor.on_stage(first=dims.pp == 1, last=True):
             units[unit].append(tensor)
     gathers = {"block": layers * gathers[0], "experts": layers * gathers[0], "root": gathers[1]}
@@ -181,12 +182,16 @@ def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
     # backward
     block_gathers, root_gathers = fsdp_gathers_per_micro_batch(layers, micro_batches, dims.pp, p.pp_virtual_stages)
 
+    def unit_calls(dense: float, experts: float) -> list[tuple[Link, float]]:
+        """A unit's collectives as (group, elements): its experts are a unit of their own only under ep, where
+        parallelize.py gives them their mesh; without ep they travel in their block's call (one call's latency)."""
+        return [(shard_link, dense), (expert_link, experts)] if dims.ep > 1 else [(shard_link, dense + experts)]
+
     def unit_gathers(dense: float, experts: float, gathers: float) -> float:
-        return gathers * (ring_time(shard_link, width * dense) + ring_time(expert_link, width * experts))
+        return gathers * sum(ring_time(link, width * n) for link, n in unit_calls(dense, experts))
 
     def unit_reduce(dense: float, experts: float) -> float:
-        return (ring_time(shard_link, grad_width * dense, "reduce_scatter") +
-                ring_time(expert_link, grad_width * experts, "reduce_scatter"))
+        return sum(ring_time(link, grad_width * n, "reduce_scatter") for link, n in unit_calls(dense, experts))
     block_dense, block_experts = fsdp_gathered_block(shape, dims)  # FSDP2's padded shards included
     per_mb = layers * unit_gathers(block_dense, block_experts, block_gathers) + unit_gathers(root, 0.0, root_gathers)
     reduce = layers * unit_reduce(block_dense, block_experts) + unit_reduce(root, 0.0)
@@ -219,10 +224,9 @@ def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
         # micro-batch's backward, every micro-batch's under defer_grad_sync=none, after the last backward under pp
         rep_link = group_link(dims, ("dp_replicate",), cluster)
 
-        def unit_all_reduce(*shards: float) -> float:
-            return sum(all_reduce_time(rep_link, grad_width * shard) for shard in shards if shard)
-        replicate = (layers * unit_all_reduce(block_dense / dims.dp_shard, block_experts / dims.dp_shard_mod_ep) +
-                     unit_all_reduce(root / dims.dp_shard))
+        def unit_all_reduce(dense: float, experts: float) -> float:
+            return sum(all_reduce_time(rep_link, grad_width * n / link.size) for link, n in unit_calls(dense, experts))
+        replicate = layers * unit_all_reduce(block_dense, block_experts) + unit_all_reduce(root, 0.0)
         if dims.pp > 1:
             step_sync += replicate
         elif p.defer_grad_sync == "none":

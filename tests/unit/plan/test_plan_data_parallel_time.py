@@ -150,3 +150,35 @@ def test_fsdp_under_pp_gathers_as_often_as_a_profiled_step_did(layers, micro_bat
     # without pp: forward and backward each micro-batch, the last block and the root once
     block, root = fsdp_gathers_per_micro_batch(layers, micro_batches, pp=1, virtual=1)
     assert (block * layers, root) == (2 * layers - 1, 1.0)
+
+
+
+def test_fsdp_moves_the_experts_in_their_blocks_call_without_ep_and_in_their_own_under_ep():
+    """parallelize.py gives the experts an FSDP unit of their own only under ep: on links with latency only, a
+    MoE block at FSDP 4 pays one gather's or reduce-scatter's latency a call, under ep 2 also its experts' call
+    over their pair."""
+    import math
+    from dataclasses import replace
+
+    from optimus.plan.comms import group_link, ring_time
+
+    latency_only = replace(_toy(), intra_node_gb_s=math.inf)
+
+    def priced(overrides: list[str]) -> tuple[float, float, float]:
+        """(FSDP's collectives per micro-batch, one call's latency over dp_shard, over the experts' group)"""
+        config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=2",
+                                                              "--train.global_batch_size=8", *overrides])
+        layout = validate_layout(config, config.parallel.layout_ranks)
+        shape, dims = ModelShape.of(layout.config), layout.dims
+        seconds = data_parallel_time(layout.config, dims, shape, latency_only, shape.n_layers, 1, 0.0, HBM)
+        whole, experts = (ring_time(group_link(dims, group, latency_only), 1.0)
+                          for group in (("dp_shard_mod_ep", "ep"), ("dp_shard_mod_ep",)))
+        return seconds.overlappable_mb, whole, experts
+
+    layers = ModelShape.of(load_config(CONFIGS / "mula-tiny-moe.yaml", [])).n_layers
+    block_calls = (2 * layers - 1) + layers  # gathers (the last block stays gathered for its backward), reduces
+    seconds, whole, _ = priced(["--parallel.dp_shard=4"])
+    assert seconds == pytest.approx((block_calls + 2) * whole)  # and the root's gather and reduce
+    seconds, whole, experts = priced(["--parallel.dp_shard=4", "--parallel.ep=2"])
+    assert 0.0 < experts < whole
+    assert seconds == pytest.approx((block_calls + 2) * whole + block_calls * experts)
