@@ -2,6 +2,7 @@
 
     python benchmarks/plan_gpu.py [--cluster h100|h200] [--steps 5] [--warmup 3] [--only NAME,...]
         [--json bench-results/gpu/plan_gpu.json]
+    python benchmarks/plan_gpu.py --stored [benchmarks/gpu_measured.json] [--json F]   # no GPU needed
 
 Each case trains in this process as `optimus train` does on one GPU (the Trainer on cuda:0, `dtype: auto`, i.e.
 bf16 autocast over fp32 weights and AdamW state), for warm-up + measured steps, and reads
@@ -13,6 +14,10 @@ the cluster preset (default: the preset whose device name the GPU's name holds) 
 preset's datasheet peaks and efficiencies, as `optimus plan --cluster NAME` uses them. The cases are Mula
 shapes that fit one GPU: Mula-1B whole (with and without full activation checkpointing) and Mula-7B-A1B's
 block with fewer layers (its 64 experts, top-8), with and without selective checkpointing.
+
+`--stored` runs nothing: it prices the steps measured on the GPUs this project was lent (gpu_measured.json, one
+entry per run: device, preset, date, torch, each case's measured step and peak) with the planner as it is now, so
+a change made where no GPU is lent still shows what it does to the GPU predictions.
 
 Checkpointing and the end-of-run evaluation are left out of these runs (their callbacks are removed): they
 are not in the step the planner prices, and a 1B model's checkpoint would cost more than the steps.
@@ -38,6 +43,7 @@ from optimus.cli.plan import RESET_DEGREES  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+STORED = ROOT / "benchmarks" / "gpu_measured.json"
 # one device: every parallel degree 1 (the configs carry their published layouts)
 ONE_DEVICE = [*RESET_DEGREES, "--parallel.shard_mode=fsdp"]
 BASE = ["--train.seq_len=2048", "--train.global_batch_size=16", "--train.log_every=1", "--train.eval_every=0",
@@ -160,10 +166,52 @@ def run_case(name: str, cluster: str, steps: int, warmup: int, more: list[str] =
             "losses": measured["losses"], "build_s": measured["build_s"], "wall_s": measured["wall_s"]}
 
 
+def stored_rows(path: Path = STORED) -> list[dict]:
+    """Every step measured on a GPU (gpu_measured.json) beside what the planner predicts for it now."""
+    gib = 1024**3
+    rows = []
+    for run in json.loads(Path(path).read_text())["runs"]:
+        for measured in run["rows"]:
+            config_path, overrides = case_overrides(measured["case"], 5, 3, measured["overrides"])
+            predicted = predict(config_path, overrides, run["cluster"])
+            rows.append({**measured, "device": run["device"], "cluster": run["cluster"], "date": run["date"],
+                         "predicted_step_s": predicted["step_s"],
+                         "step_error": predicted["step_s"] / measured["measured_step_s"] - 1,
+                         "predicted_memory_gib": predicted["memory_bytes"] / gib,
+                         "memory_error": predicted["memory_bytes"] / gib / measured["measured_memory_gib"] - 1})
+    return rows
+
+
+def print_stored(path: Path, json_path: str) -> int:
+    """The table of stored_rows, its accuracy, and the JSON."""
+    try:
+        rows = stored_rows(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:  # no file, not JSON, or not runs of measured rows
+        raise SystemExit(f"plan_gpu: --stored {path}: not a file of GPU measurements like benchmarks/"
+                         f"gpu_measured.json ({type(error).__name__}: {error})") from None
+    print(f"steps measured on GPUs ({path}), priced by the planner as it is now (presets alone)")
+    print(f"{'device':<22} {'case':<26} {'':<8} {'measured s':>10} {'predicted s':>11} {'error':>7} "
+          f"{'meas GiB':>9} {'pred GiB':>9} {'error':>7}")
+    for row in rows:
+        kind = "compiled" if "--train.compile=true" in row["overrides"] else "eager"
+        print(f"{row['device'][:22]:<22} {row['case']:<26} {kind:<8} {row['measured_step_s']:>10.3f} "
+              f"{row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%} {row['measured_memory_gib']:>9.2f} "
+              f"{row['predicted_memory_gib']:>9.2f} {row['memory_error']:>+7.1%}")
+    print(prediction_accuracy([r["step_error"] for r in rows]))
+    write_json(json_path, {"machine": machine_info(), "stored": str(path), "rows": rows})
+    print(f"wrote {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_case_arguments(parser, 5, "measured steps after the warm-up", "bench-results/gpu/plan_gpu.json")
+    parser.add_argument("--stored", nargs="?", const=str(STORED), default=None, metavar="FILE",
+                        help="price the steps measured on GPUs before (default file: benchmarks/gpu_measured.json); "
+                             "runs nothing, needs no GPU")
     args = parser.parse_args(argv)
+    if args.stored is not None:
+        return print_stored(Path(args.stored), args.json)
     device_name, cluster, names = selected_cases(args, "plan_gpu")
     print(f"{device_name}: predicted from the '{cluster}' preset alone (no calibration)")
     print(f"{'case':<26} {'measured s':>10} {'predicted s':>11} {'error':>7} {'meas GiB':>9} {'pred GiB':>9} "

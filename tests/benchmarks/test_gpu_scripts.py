@@ -1,6 +1,7 @@
 """What of the GPU-only scripts (benchmarks/plan_gpu.py, benchmarks/step_profile.py, tests/gpu/resume_check.py) runs
 without a GPU: the kernel classes, the idle split by step phase, the host summary, the preset chosen per GPU name,
-every case's prediction, and the resume check's rewinding of a run directory."""
+every case's prediction, the steps measured on GPUs before priced within the issue's bands, and the resume check's
+rewinding of a run directory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, predict
+from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, main, predict, stored_rows
 from benchmarks.step_profile import _union, host_summary, idle_by_phase, kernel_class
 from tests.gpu.resume_check import resumed_at, rewind
 
@@ -66,6 +67,25 @@ def test_every_case_is_a_valid_one_device_layout_the_planner_prices(case):
     predicted = predict(*case_overrides(case, steps=5, warmup=3), "h200")
     assert 0 < predicted["step_s"] < 10
     assert 0 < predicted["memory_bytes"] < 141 * 1024**3
+
+
+def test_every_step_measured_on_a_gpu_stays_within_the_issues_bands():
+    """The planner changes where no GPU is lent: the 14 steps measured on an H200 and an H100 (gpu_measured.json),
+    priced from the presets alone as they are now, stay within issue 11's bands (15% step time, 10% memory)."""
+    rows = stored_rows()
+    assert len(rows) == 14 and {r["cluster"] for r in rows} == {"h100", "h200"}
+    for row in rows:
+        where = f"{row['device']} {row['case']} {row['overrides']}"
+        assert abs(row["step_error"]) <= 0.15, where
+        assert abs(row["memory_error"]) <= 0.10, where
+
+
+def test_a_file_that_is_not_gpu_measurements_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": [{"rows": [{}]}]}')
+    with pytest.raises(SystemExit, match="not a file of GPU measurements"):
+        main(["--stored", str(bad), "--json", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
 
 
 def _run_dir(path, steps: int, checkpoints: list[int]):
