@@ -487,7 +487,11 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     return {"step_s": statistics.mean(t.step_s for t in times), "parts": parts, **at_routing, "memory_bytes": memory,
             "host_extras": extras, "calibrated": "efficiency" in entries[0],
             "efficiency": clusters[0].efficiency.to_dict(), "share": entries[0]["machine"].get("share"),
-            "calibrations_step_s": [t.step_s for t in times]}
+            "calibrations_step_s": [t.step_s for t in times],
+            # what each prediction was priced from, less the collectives' table (the JSON holds it once): enough to
+            # price the row again exactly (benchmarks/plan_here_stored.py)
+            "priced_from": [{"machine": {k: v for k, v in entry["machine"].items() if k != "collectives"},
+                             "efficiency": entry.get("efficiency")} for entry in entries]}
 
 
 def _train_once(config_path: str, ranks: int, overrides: list[str], warmup: int, profile_memory: bool = False,
@@ -537,7 +541,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
         timed = {"measured_step_s": step, "measured_steps_s": measured, "predicted_step_s": predicted["step_s"],
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
                  "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs],
-                 "calibrations_step_s": predicted["calibrations_step_s"]}
+                 "calibrations_step_s": predicted["calibrations_step_s"], "priced_from": predicted["priced_from"],
+                 "config": str(Path(config_path).relative_to(ROOT)), "config_overrides": overrides}
         if paced is not None:
             at_routing = predicted["step_at_routing_s"]
             timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": at_routing,
@@ -658,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "steps": args.steps, "warmup": args.warmup,
                                            "repeats": args.repeats, "memory_runs": args.memory_runs,
-                                           "rows": rows}, indent=1, default=str))
+                                           "collectives": measured["collectives"], "rows": rows},
+                                          indent=1, default=str))
     return 0
 
 

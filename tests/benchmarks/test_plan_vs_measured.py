@@ -150,6 +150,16 @@ def test_two_calibrations_price_the_step_at_their_mean(load_benchmark, machine_c
     assert later == alone["step_s"] and earlier < later  # the quiet one alone would predict a faster step
     assert both["step_s"] == pytest.approx((later + earlier) / 2)
     assert sum(both["parts"].values()) == pytest.approx(both["step_s"], rel=1e-9)
+    # what each was priced from, with the collectives' table, prices it again exactly (plan_here_stored.py)
+    from optimus.plan.here import here_cluster
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import step_time
+
+    again = [step_time(layout.config, layout.dims, ModelShape.of(layout.config),
+                       here_cluster({"machine": {**p["machine"], "collectives": base["machine"]["collectives"]},
+                                     **({"efficiency": p["efficiency"]} if p["efficiency"] else {})}, 1),
+                       None, layout.batch.micro_batches).step_s for p in both["priced_from"]]
+    assert again == [later, earlier]
 
 
 def test_the_memory_reading_takes_the_runs_routing_as_plan_moe_routing_does(load_benchmark):
