@@ -2,11 +2,11 @@
 modes move between the ranks each micro-batch and each step, what of it compute can hide, the copies in and out of
 their buffers, which nothing hides, and the parameters each rank then updates.
 
-    FSDP     each unit (a block, its experts, the root: embedding, final norm, head) all-gathers its parameters in
-             the compute dtype (fsdp_gathers_per_micro_batch: twice a block and micro-batch without pp, fewer
-             under pp) and reduce-scatters its gradients in parallel.grad_reduce_dtype (fp32, or bf16 at half the
-             bytes) every micro-batch, of every rank's padded shard (memory.fsdp_elements): beside the micro-batch's
-             compute, which hides them where links run beside it. Under pp torch's schedules defer the
+    FSDP     each unit (a block, under ep its experts, the root: embedding, final norm, head) all-gathers its
+             parameters in the compute dtype (fsdp_gathers_per_micro_batch: twice a block and micro-batch without
+             pp, fewer under pp) and reduce-scatters its gradients in parallel.grad_reduce_dtype (fp32, or bf16 at
+             half the bytes) every micro-batch, of every rank's padded shard (memory.fsdp_elements): beside the
+             micro-batch's compute, which hides them where links run beside it. Under pp torch's schedules defer the
              reduce-scatter to once a step after the last backward, where nothing hides it; under
              defer_grad_sync=all (no pp, several micro-batches) it runs once a step in the last micro-batch's
              backward
