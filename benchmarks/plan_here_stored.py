@@ -34,10 +34,9 @@ ABOUT = ("Readings of benchmarks/plan_vs_measured.py on this project's 2-core CP
 
 
 def _layout(row: dict):
-    from optimus.config import load_config
-    from optimus.parallel.validate import validate_layout
+    from benchmarks.plan_vs_measured import _layout
 
-    return validate_layout(load_config(str(ROOT / row["config"]), row["overrides"]), row["ranks"])
+    return _layout(str(ROOT / row["config"]), row["ranks"], row["overrides"])
 
 
 def memory_rows(stored: dict) -> list[dict]:
@@ -57,22 +56,17 @@ def memory_rows(stored: dict) -> list[dict]:
 def time_rows(stored: dict) -> list[dict]:
     """Each stored step time beside the planner's prediction now: the mean over the calibrations it was priced from
     (plan_vs_measured.predict), each on its run's collectives table."""
+    from benchmarks.plan_vs_measured import priced_steps
     from optimus.plan.here import here_cluster
-    from optimus.plan.memory import ModelShape
-    from optimus.plan.step_time import step_time
 
     tables = stored["time"]["tables"]
     rows = []
     for row in stored["time"]["rows"]:
-        layout = _layout(row)
-        shape = ModelShape.of(layout.config)
-        steps = []
-        for priced in row["priced_from"]:
-            entry = {"machine": {**priced["machine"], "collectives": tables[row["table"]]}}
-            if priced["efficiency"]:
-                entry["efficiency"] = priced["efficiency"]
-            cluster = here_cluster(entry, row["ranks"], row["threads"])
-            steps.append(step_time(layout.config, layout.dims, shape, cluster, None, layout.batch.micro_batches).step_s)
+        entries = [{"machine": {**priced["machine"], "collectives": tables[row["table"]]},
+                    **({"efficiency": priced["efficiency"]} if priced["efficiency"] else {})}
+                   for priced in row["priced_from"]]
+        clusters = [here_cluster(entry, row["ranks"], row["threads"]) for entry in entries]
+        steps = [t.step_s for t in priced_steps(_layout(row), clusters)]
         predicted = statistics.mean(steps)
         rows.append({**{k: v for k, v in row.items() if k != "priced_from"}, "predicted_step_s": predicted,
                      "step_error": predicted / row["measured_step_s"] - 1})

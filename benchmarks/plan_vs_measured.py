@@ -458,6 +458,15 @@ def calibrated_entry(layout, cache_file: Path, cpu_cache, threads: int = 1) -> d
     return entry
 
 
+def priced_steps(layout, clusters: list) -> list:
+    """The planner's StepTime of `layout` on each `here` cluster (one per calibration)."""
+    from optimus.plan.memory import ModelShape
+    from optimus.plan.step_time import step_time
+
+    shape = ModelShape.of(layout.config)
+    return [step_time(layout.config, layout.dims, shape, c, None, layout.batch.micro_batches) for c in clusters]
+
+
 def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
             routing_imbalance: float | None = None, earlier: dict | None = None) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
@@ -475,7 +484,7 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     entries = [calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate
                else machine(cache_file, cpu_cache)] + ([earlier] if earlier is not None else [])
     clusters = [here_cluster(entry, ranks, threads) for entry in entries]
-    times = [step_time(layout.config, layout.dims, shape, c, None, layout.batch.micro_batches) for c in clusters]
+    times = priced_steps(layout, clusters)
     parts = {key: statistics.mean(t.parts[key] for t in times) for key in times[0].parts}
     at_routing = {}
     if routing_imbalance is not None:
