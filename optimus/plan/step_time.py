@@ -37,7 +37,8 @@
     weight passes per micro-batch: autocast's bf16 copies of fp32 weights and of their gradients back, and the
                  accumulation of each micro-batch's gradients after the first, whole where a rank keeps them so
                  (one process, tp or pp alone, ddp, zero1, FSDP deferring its reduce-scatter), into fp32 shards
-                 where FSDP or zero2 reduce every micro-batch (weight_pass_bytes), at the optimizer class's rate
+                 where FSDP reduces every micro-batch (weight_pass_bytes; zero2's sums are among its buffer
+                 copies), at the optimizer class's rate
     op overhead  a fixed cost per operator launched (op_overhead_us x operators per micro-batch; calibrated on a
                  CPU; on the h100/h200 presets what an H200 left exposed of its host's launches, on the other GPU
                  presets, which model fused published stacks, zero; a compiled block counts a tenth of its
@@ -177,9 +178,11 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     whole gradients over the micro-batches (one process, tp or pp alone, ddp, zero1; FSDP where it defers its
     reduce-scatter: under pp, as torch's schedules do, or defer_grad_sync=all, accumulating in the reduce dtype),
     every micro-batch after the first adds its gradients to those held (ACCUMULATE_PASSES of the parameters' width).
-    Where FSDP (not deferring) or zero2 reduce to a shard every micro-batch, each later micro-batch instead sums its
-    reduced shard into the fp32 shard gradients (FSDP2's sharded .grad, optim/sharded.py's grad_shard): the same
-    passes over the elements the rank owns.
+    Where FSDP (not deferring) reduces to a shard every micro-batch, each later micro-batch instead sums its reduced
+    shard into the fp32 shard gradients (FSDP2's sharded .grad): the same passes over the elements the rank owns.
+    zero2 (any parallel layout: optim/sharded.py packs and frees each gradient in every backward, on one rank too)
+    sums into its grad_shard among its buffer copies (data_parallel_time._zero_copy_bytes), so nothing here: pricing
+    it twice put moe-tp2-zero2-selective-mb2 0.04 s (2%) high.
 
     Where the weights stay fp32 under bf16 compute (as activation_memory.autocast_weight_copy_bytes: no data
     parallelism, or ddp; FSDP gathers bf16 weights and the zero modes keep bf16 parameters), autocast casts every
@@ -191,6 +194,7 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     """
     p, bf16 = config.parallel, config.train.dtype != "fp32"
     fp32_weights = weights_stay_fp32(config, dims)  # under bf16 compute: autocast casts them
+    zero2_sums_shards = p.shard_mode == "zero2" and dims.is_parallel
     owned_over = (1, 1)  # what the (dense, expert) gradients summed are split over: whole, unless reduced to shards
     if fp32_weights:
         gradient_width = 4
@@ -198,11 +202,9 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
         gradient_width = 2 if bf16 else 4
     elif p.shard_mode == "fsdp" and (dims.pp > 1 or p.defer_grad_sync == "all"):
         gradient_width = p.grad_reduce_bytes  # FSDP2 accumulates unsharded gradients in its reduce dtype
-    elif p.shard_mode in ("fsdp", "zero2") and dims.has_data_parallel:
-        gradient_width = 4  # fp32 shards (FSDP2 casts a bf16-reduced shard up before summing it), owned: FSDP's over
-        # dp_shard (its experts' over dp_shard / ep), zero2's over its optimizer groups
-        owned_over = ((dims.dp_shard, dims.dp_shard_mod_ep) if p.shard_mode == "fsdp" else
-                      (dims.dp if p.ep_aware else dims.expert_dp, dims.expert_dp))
+    elif p.shard_mode == "fsdp" and dims.has_data_parallel:
+        gradient_width = 4  # fp32 shards (FSDP2 casts a bf16-reduced shard up before summing it), owned over
+        owned_over = (dims.dp_shard, dims.dp_shard_mod_ep)  # dp_shard (its experts' over dp_shard / ep)
     else:
         return 0.0
     t = dims.tp
@@ -211,7 +213,8 @@ def weight_pass_bytes(config: Config, dims: ParallelDims, shape: ModelShape, lay
     experts = layers * shape.block_experts / (dims.ep * t)
     root = (shape.head + (shape.embedding if dims.pp == 1 else 0)) / t if head else shape.embedding / t
     parameters = (attention + mlp + layers * shape.block_replicated + root) / owned_over[0] + experts / owned_over[1]
-    accumulate = ACCUMULATE_PASSES * gradient_width * parameters * (micro_batches - 1) / micro_batches
+    accumulate = 0.0 if zero2_sums_shards else \
+        ACCUMULATE_PASSES * gradient_width * parameters * (micro_batches - 1) / micro_batches
     if not (bf16 and fp32_weights):
         return accumulate
     matrices = attention + mlp + experts + (shape.head / t if head else 0.0)

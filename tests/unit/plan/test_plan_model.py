@@ -300,15 +300,17 @@ def test_moe_expert_kernels_move_the_fused_count_even_eager():
      (1, 1)),
     ("fsdp deferred, bf16 reduction", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.defer_grad_sync=all",
                                        "--parallel.grad_reduce_dtype=bf16"], 2, False, 2, (1, 1)),
-    # otherwise FSDP and zero2 reduce to a shard every micro-batch and sum it into fp32 shards of what a rank owns
+    # otherwise FSDP reduces to a shard every micro-batch and sums it into fp32 shards of what a rank owns
     ("fsdp", ["--train.dtype=bf16", "--parallel.dp_shard=2"], 2, False, 4, (2, 2)),
     ("fsdp, bf16 reduction", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.grad_reduce_dtype=bf16"], 2,
      False, 4, (2, 2)),
-    ("zero2", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero2"], 2, False, 4, (2, 2)),
-    # with ep: FSDP's experts are sharded over dp_shard / ep, zero2's expert state over the expert dp group
+    # with ep: FSDP's experts are sharded over dp_shard / ep
     ("fsdp ep", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.ep=2"], 2, False, 4, (2, 1)),
+    # zero2 sums into its shards among its buffer copies (data_parallel_time), on one rank's group too: nothing here
+    ("zero2", ["--train.dtype=bf16", "--parallel.dp_shard=2", "--parallel.shard_mode=zero2"], 2, False, 0, (2, 2)),
     ("zero2 ep", ["--train.dtype=bf16", "--parallel.dp_shard=4", "--parallel.ep=2", "--parallel.shard_mode=zero2"], 4,
-     False, 4, (4, 2)),
+     False, 0, (4, 2)),
+    ("zero2 tp alone", ["--train.dtype=fp32", "--parallel.tp=2", "--parallel.shard_mode=zero2"], 2, False, 0, (1, 1)),
 ])
 def test_weight_passes_cast_and_accumulate_gradients(case, overrides, ranks, casts, width, owned_over):
     from optimus.parallel.validate import validate_layout
@@ -319,7 +321,7 @@ def test_weight_passes_cast_and_accumulate_gradients(case, overrides, ranks, cas
                                                             "--train.global_batch_size=16"])
     layout = validate_layout(config, ranks)
     shape, micro_batches = ModelShape.of(layout.config), layout.batch.micro_batches
-    assert micro_batches == 8 // ranks and shape.n_layers == 4
+    assert micro_batches == 8 // (ranks // layout.dims.tp) and shape.n_layers == 4
     passes = weight_pass_bytes(layout.config, layout.dims, shape, 4, True, {}, micro_batches)
     experts = 4 * shape.block_experts / layout.dims.ep
     parameters = (4 * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head) / owned_over[0] + \
