@@ -25,7 +25,8 @@ their buffers, which nothing hides, and the parameters each rank then updates.
              defer_grad_sync=all the gradients' once a step), on a host CPU also the page faults of those buffers
              and of unsharded weights of 32 MiB or more, which glibc maps afresh each time (fsdp_fresh_bytes); the
              zero modes' packing of gradients into their buffers (per reduction) and unpacking of the gathered
-             parameters (per step): memory-bound work on the rank
+             parameters (per step): memory-bound work on the rank; zero2's sums of its later reductions into the
+             fp32 shards at the rate of an in-place sum (the optimizer class's, as autograd's accumulation)
 """
 
 from __future__ import annotations
@@ -152,17 +153,21 @@ class _Stage:
 
 
 def data_parallel_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, layers: int,
-                       micro_batches: int, hidden_by_backward: float, copy_rate: float) -> DataParallelTime:
+                       micro_batches: int, hidden_by_backward: float, copy_rate: float,
+                       sum_rate: float | None = None) -> DataParallelTime:
     """Data parallelism's share of one step of `config` (resolved: its dtype as the trainer runs it) laid out as
     `dims`, for a stage of `layers` blocks (the last: with the LM head). hidden_by_backward: what a micro-batch's
     backward hides of a collective (zero where the ranks' own cores move the bytes); copy_rate: the bytes a second
-    its buffer copies move on a rank (Efficiency.buffer_copy)."""
+    its buffer copies move on a rank (Efficiency.buffer_copy); sum_rate: the bytes a second of an in-place sum into
+    fp32 gradients (zero2's reduced shards added up; the optimizer class's rate, as step_time prices autograd's and
+    FSDP's gradient sums; default copy_rate)."""
     stage = _Stage.of(shape, dims, layers)
     if config.parallel.shard_mode == "fsdp":
         return _fsdp_time(config, dims, shape, cluster, stage, micro_batches, copy_rate)
     if config.parallel.shard_mode == "ddp":
         return _ddp_time(config, dims, cluster, stage, micro_batches, hidden_by_backward, copy_rate)
-    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, copy_rate)
+    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, copy_rate,
+                      copy_rate if sum_rate is None else sum_rate)
 
 
 def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
@@ -255,7 +260,7 @@ def _ddp_time(config: Config, dims: ParallelDims, cluster: Cluster, stage: _Stag
 
 
 def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
-               micro_batches: int, hidden_by_backward: float, copy_rate: float) -> DataParallelTime:
+               micro_batches: int, hidden_by_backward: float, copy_rate: float, sum_rate: float) -> DataParallelTime:
     """zero1/zero2 (optim/sharded.py): reduce-scatter the gradients (packed in the reduce dtype), all-gather the
     updated parameters (compute dtype) after the update, one collective per bucket each way, each paying its ring's
     latency; zero2 reduce-scatters each bucket in every micro-batch's backward as it is produced, so that backward
@@ -273,38 +278,47 @@ def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
     # and their buffers, which no link hides (optim/sharded.py, optim/buffers.py): _zero_copy_bytes
     group = dims.dp if p.ep_aware else dims.expert_dp
     zero2 = p.shard_mode == "zero2"
-    first = later = unpack = 0.0
+    first = later = unpack = sums = 0.0
     if dims.is_parallel:  # one process: a plain optimizer
         for elements, ranks in ((stage.dense, group), (stage.experts, dims.expert_dp)):
             copies = _zero_copy_bytes(elements, ranks, width, grad_width)
             first, later, unpack = first + copies[0], later + copies[1], unpack + copies[2]
+            sums += _zero_sum_bytes(elements, ranks, grad_width)
     step_sync = (0.0 if zero2 else reduce) + gather
     if not p.ep_aware and dims.ep > 1:  # the EP-unaware baseline sums its reduced non-expert shard over ep too
         step_sync += all_reduce_time(group_link(dims, ("ep",), cluster), 4 * stage.dense / dims.expert_dp)
     owned = stage.dense / group + stage.experts / dims.expert_dp
     if zero2:  # it reduces in every micro-batch's backward: the step's first into nothing, the later ones summed
-        per_mb = (first + (micro_batches - 1) * later) / micro_batches
-        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb / copy_rate,
+        per_mb = (first + (micro_batches - 1) * later) / micro_batches / copy_rate + \
+            (micro_batches - 1) * sums / micro_batches / sum_rate
+        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb,
                                 copies_step=unpack / copy_rate, step_sync=step_sync, owned=owned)
     return DataParallelTime(copies_step=(first + unpack) / copy_rate, step_sync=step_sync, owned=owned)
 
 
 def _zero_copy_bytes(elements: float, ranks: int, width: int, grad_width: int) -> tuple[float, float, float]:
-    """Bytes zero1/zero2's buffers move for `elements` parameters sharded over `ranks` (optim/sharded.py): (the
+    """Bytes zero1/zero2's buffers copy for `elements` parameters sharded over `ranks` (optim/sharded.py): (the
     step's first reduction, a later one (zero2's later micro-batches), the step's parameter gather).
     Over several ranks a reduction packs the whole gradients into the bucket buffer (read `width`, write the reduce
-    dtype's) and lands the reduced shard: written there by the collective itself (the first, in fp32), copied into
-    the fp32 shard (the first, in bf16) or added to it (a later one); after the update each rank writes its masters
-    into the send area (4 + width B per owned element) and the gathered blocks are copied into the parameters (read
-    and write `width`). On one rank nothing travels: the first reduction packs straight into the fp32 shard, a later
-    one into the buffer and then adds it to the shard (12 B more), and the update writes the masters into the
-    parameters, unless fp32 parameters are their own masters."""
+    dtype's) and lands the reduced shard: written there by the collective itself (the first, in fp32) or copied into
+    the fp32 shard (the first, in bf16); a later one's is added to it (_zero_sum_bytes); after the update each rank
+    writes its masters into the send area (4 + width B per owned element) and the gathered blocks are copied into
+    the parameters (read and write `width`). On one rank nothing travels: the first reduction packs straight into
+    the fp32 shard, a later one into the buffer (in fp32) before it is added, and the update writes the masters into
+    the parameters, unless fp32 parameters are their own masters."""
     if ranks == 1:
-        return (width + 4) * elements, (width + 4 + 12) * elements, (0 if width == 4 else 4 + width) * elements
+        return (width + 4) * elements, (width + 4) * elements, (0 if width == 4 else 4 + width) * elements
     pack = width + grad_width
     first = pack + (0 if grad_width == 4 else grad_width + 4) / ranks
-    later = pack + (4 + grad_width + 4) / ranks
-    return first * elements, later * elements, (2 * width + (4 + width) / ranks) * elements
+    return first * elements, pack * elements, (2 * width + (4 + width) / ranks) * elements
+
+
+def _zero_sum_bytes(elements: float, ranks: int, grad_width: int) -> float:
+    """Bytes a later zero2 reduction's sum into the fp32 shard moves for `elements` parameters sharded over `ranks`
+    (optim/sharded.py's grad_shard.add_: read the shard and the landed output, write the shard): an in-place
+    elementwise sum like autograd's gradient accumulation, priced at its rate, not a copy's (on the 2-core EPYC an
+    fp32 add_ moved 1.7x a packing copy's bytes a second). One rank's sum is of fp32 buffers."""
+    return 12 * elements if ranks == 1 else (4 + grad_width + 4) * elements / ranks
 
 
 def _widths(config: Config) -> tuple[int, int]:

@@ -402,7 +402,7 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     # where the links move bytes beside it, nothing where the ranks' own cores must move them (`here`)
     overlap = compute_mb if cluster.comm_overlaps_compute else 0.0
     dp = data_parallel_time(config, dims, shape, cluster, layers, micro_batches, 2 / 3 * overlap,
-                            hbm * efficiency.buffer_copy)
+                            hbm * efficiency.buffer_copy, hbm * efficiency.optimizer)
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
     # in-place kernel, not the unfused elementwise ops memory_bound times)
     optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +

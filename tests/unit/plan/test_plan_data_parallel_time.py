@@ -86,19 +86,29 @@ def test_zero2_reduces_in_each_backward_what_zero1_reduces_after_the_last():
 
 def test_zero_buffers_move_what_optim_sharded_moves():
     """On one data-parallel rank (tp 2) nothing travels: zero2's later micro-batches pack into the buffer and add it
-    to the fp32 shard (12 B an element more than the first, packed straight into it), and fp32 parameters, their
-    own masters, need no copy after the update; bf16 ones are written from the masters. Over two ranks a later
-    reduction adds its landed output into the shard."""
-    from optimus.plan.data_parallel_time import _zero_copy_bytes
+    to the fp32 shard (12 B an element, an in-place sum), and fp32 parameters, their own masters, need no copy after
+    the update; bf16 ones are written from the masters. Over two ranks a later reduction adds its landed output
+    into the shard."""
+    from optimus.plan.data_parallel_time import _zero_copy_bytes, _zero_sum_bytes
 
-    assert _zero_copy_bytes(10.0, 1, 4, 4) == (80.0, 200.0, 0.0)
-    assert _zero_copy_bytes(10.0, 1, 2, 4) == (60.0, 180.0, 60.0)
+    assert _zero_copy_bytes(10.0, 1, 4, 4) == (80.0, 80.0, 0.0) and _zero_sum_bytes(10.0, 1, 4) == 120.0
+    assert _zero_copy_bytes(10.0, 1, 2, 4) == (60.0, 60.0, 60.0)
     first, later, gather = _zero_copy_bytes(10.0, 2, 4, 4)
-    assert (first, later) == (80.0, 80.0 + 60.0) and gather == 80.0 + 40.0
+    assert (first, later) == (80.0, 80.0) and gather == 80.0 + 40.0 and _zero_sum_bytes(10.0, 2, 4) == 60.0
     assert _zero_copy_bytes(10.0, 2, 4, 2)[0] == 60.0 + 30.0  # bf16 reduced: the landed shard copied into fp32
+    assert _zero_sum_bytes(10.0, 2, 2) == 50.0  # and a later one added to it
     fp32 = ["--train.dtype=fp32", "--parallel.tp=2", "--parallel.shard_mode=zero2"]
     one, four = (_time([*fp32, f"--train.global_batch_size={n}"]) for n in (2, 8))  # 1 and 4 micro-batches of 2
     assert one.copies_step == 0.0 and four.copies_mb > one.copies_mb
+    # the later micro-batches' sums at the sum rate, their packing at the copy rate
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.micro_batch_size=2", *fp32])
+    layout = validate_layout(config, config.parallel.layout_ranks)
+    shape, dims = ModelShape.of(layout.config), layout.dims
+    slow, fast = (data_parallel_time(layout.config, dims, shape, _toy(), shape.n_layers, 4, 0.0, HBM, rate)
+                  for rate in (HBM, 2 * HBM))
+    elements = shape.n_layers * (shape.block_tp_split / 2 + shape.block_replicated) + \
+        (shape.embedding + shape.head) / 2
+    assert slow.copies_mb - fast.copies_mb == pytest.approx(3 / 4 * 12 * elements / (2 * HBM), rel=1e-6)
 
 
 def test_each_mode_updates_its_share_of_the_parameters():
