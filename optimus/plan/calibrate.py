@@ -1,6 +1,6 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
-Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 256 MiB over 2, 3 and 4 forked
+Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2, 3 and 4 forked
 ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them), and over
 the pairs of a 4-rank job, both pairs at once and one pair while the other computes (what tensor, expert and
 data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a pipeline); per world
@@ -55,12 +55,9 @@ from optimus.plan.dtensor_cost import measure_dtensor_overhead
 from optimus.plan.efficiency import OPTIMIZER_MAX, Efficiency
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
-# up to 256 MiB: the planned messages (a model's embedding, FSDP's root unit, the zero modes' 40M-element buckets)
-# run to hundreds of MiB, past the last-level cache, where loopback copies run slower than the in-cache sizes
-# would suggest; and a gloo reduce-scatter's rate still rises past 64 MiB (2 ranks on the 2-core EPYC,
-# 2026-11-29: 0.92 GB/s at 64 MiB, 1.05 at 128, 1.11 at 256), so a table ending at 64 MiB, extrapolated in
-# proportion, priced zero1's 114 MiB reduce-scatter at 140 ms where it took 104 (109-116 ms in the trainer)
-COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024, 256 * 1024 * 1024)
+# up to 64 MiB: the planned messages (a model's embedding, FSDP's root unit) are tens of MiB, past the last-level
+# cache, where loopback copies run slower than the in-cache sizes would suggest
+COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024)
 LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 # calls timed back to back in bursts, and the mean call over the bursts: a training step issues its collectives
 # one after another, dozens a step, so it pays their mean, not the fastest single call after a barrier. On the
@@ -82,8 +79,8 @@ COLLECTIVE_WORLDS = (2, 3, 4)
 # 2-core EPYC, 2026-11-25)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-COLLECTIVE_TIMING = ("mean call, freed memory reused; 4 KiB-256 MiB; jobs of 2, 3, 4; pairs in 4, beside collectives "
-                     "or compute; sync after 10, 40 ms")  # else re-timed
+COLLECTIVE_TIMING = ("mean call, freed memory reused; jobs of 2, 3, 4; pairs in 4, beside collectives or compute; "
+                     "sync after 10, 40 ms")  # else re-timed
 # A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
 # all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
 # table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms
@@ -272,13 +269,13 @@ def measure_collectives(worlds: tuple[int, ...] = COLLECTIVE_WORLDS, sizes: tupl
     rows: list[dict[str, Any]] = []
     fits = {}
     for world in worlds:
-        measured = run_on_local_ranks(_time_collectives, world, sizes, repeats, timeout=300.0)[0]
+        measured = run_on_local_ranks(_time_collectives, world, sizes, repeats, timeout=180.0)[0]
         rows += measured
         fits[str(world)] = fit_alpha_beta(measured)
     for members, job, others in subgroups:
         with tempfile.TemporaryDirectory(prefix="optimus-calibrate-") as tmp:
             rows += run_on_local_ranks(_time_collectives, job, sizes, repeats, members, others,
-                                       os.path.join(tmp, "done"), timeout=300.0)[0]
+                                       os.path.join(tmp, "done"), timeout=180.0)[0]
     sync = {str(world): run_on_local_ranks(_time_sync_after_compute, world, sync_samples, timeout=300.0)[0]
             for world in worlds}
     return {"rows": rows, "fits": fits, "sync_after_compute": sync, "timing": COLLECTIVE_TIMING}

@@ -201,8 +201,8 @@ def write_cache(path: Path, entry: dict[str, Any]) -> None:
 
 
 def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, Any]:
-    """Peaks (one thread), bandwidth, memory, the cores' share and the gloo collectives of this machine (two to three
-    minutes on 2 cores, most of it the collectives of each job size)."""
+    """Peaks (one thread), bandwidth, memory, the cores' share and the gloo collectives of this machine (a minute or
+    two on 2 cores, most of it the collectives of each job size)."""
     from optimus.plan.calibrate import measure_collectives, measure_share
     from optimus.train.precision import choose_precision
 
@@ -252,7 +252,7 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
             updated = True
         if measured["collectives"].get("timing") != COLLECTIVE_TIMING:  # timed otherwise, or fewer groups: re-time
             print("here: timing the gloo collectives again as a step pays them (the cached table predates it; "
-                  "two minutes or so, once)", file=sys.stderr, flush=True)
+                  "a minute or two, once)", file=sys.stderr, flush=True)
             measured["collectives"], updated = measure_collectives(), True
         shares = measured.get("share")
         if shares and any(str(world) not in shares for world in COLLECTIVE_WORLDS):  # fewer job sizes timed

@@ -98,7 +98,7 @@ def test_calibrate_needs_the_here_cluster(config_file):
     assert result.stderr.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
 
 
-@pytest.mark.slow  # measures this machine for real: two to three minutes on an idle 2-core CPU
+@pytest.mark.slow  # measures this machine for real: about a minute on an idle 2-core CPU
 def test_calibrate_times_the_configured_layouts_micro_batch_and_dtensor_dispatch(here_cache, config_file):
     """A config that sets tp 2 is calibrated at its own layout (it once failed: validated as one rank), and the
     calibration prints what a DTensor operator costs."""
