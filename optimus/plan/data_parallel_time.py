@@ -154,20 +154,19 @@ class _Stage:
 
 def data_parallel_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, layers: int,
                        micro_batches: int, hidden_by_backward: float, copy_rate: float,
-                       sum_rate: float | None = None) -> DataParallelTime:
+                       sum_rate: float) -> DataParallelTime:
     """Data parallelism's share of one step of `config` (resolved: its dtype as the trainer runs it) laid out as
     `dims`, for a stage of `layers` blocks (the last: with the LM head). hidden_by_backward: what a micro-batch's
     backward hides of a collective (zero where the ranks' own cores move the bytes); copy_rate: the bytes a second
     its buffer copies move on a rank (Efficiency.buffer_copy); sum_rate: the bytes a second of an in-place sum into
     fp32 gradients (zero2's reduced shards added up; the optimizer class's rate, as step_time prices autograd's and
-    FSDP's gradient sums; default copy_rate)."""
+    FSDP's gradient sums)."""
     stage = _Stage.of(shape, dims, layers)
     if config.parallel.shard_mode == "fsdp":
         return _fsdp_time(config, dims, shape, cluster, stage, micro_batches, copy_rate)
     if config.parallel.shard_mode == "ddp":
         return _ddp_time(config, dims, cluster, stage, micro_batches, hidden_by_backward, copy_rate)
-    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, copy_rate,
-                      copy_rate if sum_rate is None else sum_rate)
+    return _zero_time(config, dims, shape, cluster, stage, micro_batches, hidden_by_backward, copy_rate, sum_rate)
 
 
 def _fsdp_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: Cluster, stage: _Stage,
@@ -289,9 +288,9 @@ def _zero_time(config: Config, dims: ParallelDims, shape: ModelShape, cluster: C
         step_sync += all_reduce_time(group_link(dims, ("ep",), cluster), 4 * stage.dense / dims.expert_dp)
     owned = stage.dense / group + stage.experts / dims.expert_dp
     if zero2:  # it reduces in every micro-batch's backward: the step's first into nothing, the later ones summed
-        per_mb = (first + (micro_batches - 1) * later) / micro_batches / copy_rate + \
+        copies_mb = (first + (micro_batches - 1) * later) / micro_batches / copy_rate + \
             (micro_batches - 1) * sums / micro_batches / sum_rate
-        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=per_mb,
+        return DataParallelTime(exposed_mb=max(0.0, reduce - hidden_by_backward), copies_mb=copies_mb,
                                 copies_step=unpack / copy_rate, step_sync=step_sync, owned=owned)
     return DataParallelTime(copies_step=(first + unpack) / copy_rate, step_sync=step_sync, owned=owned)
 

@@ -31,7 +31,7 @@ def _time(overrides: list[str], hidden_by_backward: float = 0.0, preset: str = "
     shape, dims = ModelShape.of(layout.config), layout.dims
     layers = -(-shape.n_layers // dims.pp)
     return data_parallel_time(layout.config, dims, shape, _toy(), layers, layout.batch.micro_batches,
-                              hidden_by_backward, HBM)
+                              hidden_by_backward, HBM, HBM)
 
 
 def test_fsdp_under_defer_all_reduce_scatters_once_in_the_last_backward():
@@ -180,7 +180,7 @@ def test_fsdp_moves_the_experts_in_their_blocks_call_without_ep_and_in_their_own
                                                               "--train.global_batch_size=8", *overrides])
         layout = validate_layout(config, config.parallel.layout_ranks)
         shape, dims = ModelShape.of(layout.config), layout.dims
-        seconds = data_parallel_time(layout.config, dims, shape, latency_only, shape.n_layers, 1, 0.0, HBM)
+        seconds = data_parallel_time(layout.config, dims, shape, latency_only, shape.n_layers, 1, 0.0, HBM, HBM)
         whole, experts = (ring_time(group_link(dims, group, latency_only), 1.0)
                           for group in (("dp_shard_mod_ep", "ep"), ("dp_shard_mod_ep",)))
         return seconds.overlappable_mb, whole, experts
