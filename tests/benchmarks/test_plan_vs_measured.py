@@ -162,6 +162,46 @@ def test_two_calibrations_price_the_step_at_their_mean(load_benchmark, machine_c
     assert again == [later, earlier]
 
 
+def test_two_calibrations_far_apart_take_a_third_and_drop_the_odd_one(load_benchmark, machine_cache, monkeypatch):
+    """A calibration disturbed by another tenant (its efficiencies low) disagrees with the other by more than
+    CALIBRATION_SPREAD: a third is taken, and the prediction is the mean of the two that agree."""
+    from optimus.plan.here import machine
+
+    script = load_benchmark("plan_vs_measured")
+    config_path, ranks, extra = script.LAYOUTS["dense-1"]
+    layout = script._layout(str(script.ROOT / config_path), ranks, [*script.BASE, *SMALL_MODEL.split(",")])
+    base = machine(machine_cache, (None, ""))
+
+    def entry(rate: float) -> dict:
+        names = ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer")
+        return {**base, "efficiency": dict.fromkeys(names, rate)}
+
+    def priced(rate: float) -> float:
+        return script.predict(layout, 1, machine_cache, (None, ""), calibrate=False, earlier=entry(rate))[
+            "calibrations_step_s"][1]
+
+    taken = []
+
+    def calibrations(*readings):
+        def calibrated_entry(*args, **kwargs):
+            taken.append(readings[len(taken)])
+            return entry(readings[len(taken) - 1])
+        monkeypatch.setattr(script, "calibrated_entry", calibrated_entry)
+
+    calibrations(0.3, 0.85)  # after the runs: disturbed; the third: quiet again
+    out = script.predict(layout, 1, machine_cache, (None, ""), calibrate=True, earlier=entry(0.9))
+    assert taken == [0.3, 0.85]
+    assert out["dropped_calibrations_step_s"] == [pytest.approx(priced(0.3))]
+    assert out["calibrations_step_s"] == [pytest.approx(priced(0.9)), pytest.approx(priced(0.85))]
+    assert out["step_s"] == pytest.approx((priced(0.9) + priced(0.85)) / 2)
+    assert [p["efficiency"]["dense_gemm"] for p in out["priced_from"]] == [0.9, 0.85]  # stored as priced
+    taken.clear()
+    calibrations(0.88)  # close to the earlier one: no third
+    out = script.predict(layout, 1, machine_cache, (None, ""), calibrate=True, earlier=entry(0.9))
+    assert taken == [0.88] and out["dropped_calibrations_step_s"] == []
+    assert script.odd_one_out([1.0, 1.3, 1.05]) == 1 and script.odd_one_out([2.0, 1.0, 1.1]) == 0
+
+
 def test_the_memory_reading_takes_the_runs_routing_as_plan_moe_routing_does(load_benchmark):
     script = load_benchmark("plan_vs_measured")
     # two layers of 4 experts; 2 blocks of 2 experts: layer 0 gives block 0 30 of 40 rows, layer 1 10 of 40
