@@ -65,6 +65,11 @@ class Cluster:
     # step's pages are faulted in again); accelerators' caching allocators reuse their blocks: 0
     fresh_page_s_per_byte: float = 0.0
     fresh_block_bytes: int = 0
+    # `here`: the bandwidth the gradient clipping and AdamW update's efficiency multiplies (bytes/s per rank, 0: as
+    # hbm_gb_s). On a CPU one core's fused update is bound by that core, not by the socket the ranks share: on the
+    # 2-core EPYC the tiny MoE's update (clip 16-18 ms, step 31-33 ms over 52 M parameters) took as long on each of
+    # two ranks at once as on one rank alone, where a copy's rate per rank fell to half the socket's (2026-11-29)
+    optimizer_bandwidth_gb_s: float = 0.0
 
     def resolved(self, config):
         """`config` with train.dtype "auto" resolved as the trainer resolves it on this cluster's devices

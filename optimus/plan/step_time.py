@@ -50,7 +50,8 @@
                  FSDP's and HSDP's under pp, the zero modes' reductions and parameter gathers, ddp's all-reduce
                  beyond the backward that hides it), and the gradient clipping with the AdamW update (42 bytes of
                  HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
-                 CPU streams at about twice a copy's bandwidth), and the step's own small collectives (the loss,
+                 CPU streams at about twice a copy's bandwidth and is bound by the rank's cores, not the socket:
+                 Cluster.optimizer_bandwidth_gb_s), and the step's own small collectives (the loss,
                  the clipping's norm, the callbacks' figures: step_collectives.py)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
@@ -404,8 +405,10 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     dp = data_parallel_time(config, dims, shape, cluster, layers, micro_batches, 2 / 3 * overlap,
                             hbm * efficiency.buffer_copy, hbm * efficiency.optimizer)
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
-    # in-place kernel, not the unfused elementwise ops memory_bound times)
-    optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (hbm * efficiency.optimizer) +
+    # in-place kernel, not the unfused elementwise ops memory_bound times), on the bandwidth it has (`here`: its
+    # cores', Cluster.optimizer_bandwidth_gb_s)
+    update_bandwidth = cluster.optimizer_bandwidth_gb_s * 1e9 or hbm
+    optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (update_bandwidth * efficiency.optimizer) +
                  efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
     exposed_fsdp = max(0.0, dp.overlappable_mb - overlap)

@@ -363,6 +363,14 @@ def test_the_optimizer_step_follows_its_own_class_over_the_parameters_a_rank_own
     # the unfused elementwise work's rate does not move it
     other = step_time(layout.config, layout.dims, shape, cluster, replace(base, memory_bound=0.1), 1)
     assert other.parts["optimizer"] == pytest.approx(fused)
+    # where the cluster gives the update a bandwidth of its own (`here`: the rank's cores'), it runs on that alone:
+    # the gradient sums and weight passes keep the shared hbm_gb_s
+    cores = replace(cluster, optimizer_bandwidth_gb_s=4 * cluster.hbm_gb_s)
+    own = step_time(layout.config, layout.dims, shape, cores, base, 1)
+    assert own.parts["optimizer"] == pytest.approx(update / 4 + 10e-6 * OPTIMIZER_OPS)
+    assert {k: v for k, v in own.parts.items() if k != "optimizer"} == pytest.approx(
+        {k: v for k, v in step_time(layout.config, layout.dims, shape, cluster, base, 1).parts.items()
+         if k != "optimizer"})
 
 
 def test_energy_is_nodes_times_power_times_time_and_carbon_adds_pue_and_grid():
