@@ -65,11 +65,13 @@ class Cluster:
     # step's pages are faulted in again); accelerators' caching allocators reuse their blocks: 0
     fresh_page_s_per_byte: float = 0.0
     fresh_block_bytes: int = 0
-    # `here`: the bandwidth the gradient clipping and AdamW update's efficiency multiplies (bytes/s per rank, 0: as
-    # hbm_gb_s). On a CPU one core's fused update is bound by that core, not by the socket the ranks share: on the
-    # 2-core EPYC the tiny MoE's update (clip 16-18 ms, step 31-33 ms over 52 M parameters) took as long on each of
-    # two ranks at once as on one rank alone, where a copy's rate per rank fell to half the socket's (2026-11-29)
-    optimizer_bandwidth_gb_s: float = 0.0
+    # `here`: the bandwidth (bytes/s per rank; 0: as hbm_gb_s) of the memory-bound work bound by the rank's own
+    # cores, not by the socket the ranks share: the eager elementwise operators (memory_bound) and the fused
+    # clipping and AdamW update (optimizer). On the 2-core EPYC (2026-11-29) the tiny MoE's update over 52 M
+    # parameters took 31-33 ms on one rank alone and on each of two at once in three runs of five (49 ms in the
+    # other two), its softmax, SiLU and division as long on each of two ranks as on one and twice as long on each
+    # of four (their cores' share), where a large copy's rate per rank fell to the socket's over the ranks
+    core_bandwidth_gb_s: float = 0.0
 
     def resolved(self, config):
         """`config` with train.dtype "auto" resolved as the trainer resolves it on this cluster's devices

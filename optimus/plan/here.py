@@ -328,7 +328,8 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,
-                   # the optimizer update runs on the rank's share of its cores, not on its part of the socket
-                   optimizer_bandwidth_gb_s=thread_bandwidth(m, threads) / 1e9 * share,
+                   # elementwise work and the optimizer update run on the rank's share of its cores, not on its
+                   # part of the socket
+                   core_bandwidth_gb_s=thread_bandwidth(m, threads) / 1e9 * share,
                    measured_peak_flops={"fp32": thread_rate(m, "fp32", threads) * share,
                                         "bf16": thread_rate(m, "bf16", threads) * share})

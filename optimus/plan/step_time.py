@@ -31,7 +31,8 @@
     memory bound per micro-batch: norms, SwiGLU, residual adds, RoPE and routing permutes (bytes counted in
                  memory_bound_bytes as fused kernels move them, times eager_memory_traffic unless train.compile
                  fuses them; the expert path's own kernels move the fused count either way), over hbm_gb_s x
-                 memory_bound; the loss's softmax over the vocabulary is
+                 memory_bound (`here`: the rank's cores' bandwidth, Cluster.core_bandwidth_gb_s, not its part of
+                 the socket's); the loss's softmax over the vocabulary is
                  part of the loss_head class (the LM head's FLOPs at its own efficiency); under tp the
                  vocab-parallel loss's further passes over its logits are memory bound (VOCAB_PARALLEL_EXTRA_BYTES)
     weight passes per micro-batch: autocast's bf16 copies of fp32 weights and of their gradients back, and the
@@ -51,7 +52,7 @@
                  beyond the backward that hides it), and the gradient clipping with the AdamW update (42 bytes of
                  HBM traffic per owned element, at the optimizer class's rate: one fused in-place pass, which on a
                  CPU streams at about twice a copy's bandwidth and is bound by the rank's cores, not the socket:
-                 Cluster.optimizer_bandwidth_gb_s), and the step's own small collectives (the loss,
+                 Cluster.core_bandwidth_gb_s), and the step's own small collectives (the loss,
                  the clipping's norm, the callbacks' figures: step_collectives.py)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
@@ -332,7 +333,9 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     busiest = busiest_expert_pace(routing_imbalance, dims.ep * dims.tp, cluster.core_share)
     expert_s = max(busiest * flop_s["experts"], expert_passes * width * expert_weights / hbm) if expert_weights else 0.0
     recompute = config.train.activation_checkpointing != "none"
-    hbm_eff = hbm * efficiency.memory_bound
+    # the rank's cores bound its elementwise work and its optimizer update, not the socket (`here`)
+    core_bandwidth = cluster.core_bandwidth_gb_s * 1e9 or hbm
+    hbm_eff = core_bandwidth * efficiency.memory_bound
     # eager operators move more than the fused count (each its own kernel, fp32 upcasts written out); compiled
     # blocks fuse them; the expert path's own kernels are fused either way
     traffic = 1.0 if config.train.compile else efficiency.eager_memory_traffic
@@ -405,10 +408,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     dp = data_parallel_time(config, dims, shape, cluster, layers, micro_batches, 2 / 3 * overlap,
                             hbm * efficiency.buffer_copy, hbm * efficiency.optimizer)
     # the clipping and the update over the parameters this rank owns, at the optimizer class's own rate (a fused
-    # in-place kernel, not the unfused elementwise ops memory_bound times), on the bandwidth it has (`here`: its
-    # cores', Cluster.optimizer_bandwidth_gb_s)
-    update_bandwidth = cluster.optimizer_bandwidth_gb_s * 1e9 or hbm
-    optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (update_bandwidth * efficiency.optimizer) +
+    # in-place kernel, not the unfused elementwise ops memory_bound times), on the bandwidth its cores have
+    optimizer = (dp.owned * OPTIMIZER_BYTES_PER_ELEMENT / (core_bandwidth * efficiency.optimizer) +
                  efficiency.op_overhead_us * 1e-6 * OPTIMIZER_OPS)
 
     exposed_fsdp = max(0.0, dp.overlappable_mb - overlap)

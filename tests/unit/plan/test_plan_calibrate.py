@@ -111,9 +111,9 @@ def test_here_cluster_shares_the_host_between_ranks():
     assert two.memory_gb == 4 and four.memory_gb == 2
     # a rank streams with one thread, and no faster than its part of the socket
     assert here_cluster(entry, 1).hbm_gb_s == 8.0 and two.hbm_gb_s == 5.0 and four.hbm_gb_s == 2.5
-    # ...but its optimizer update is bound by its share of the cores, not its part of the socket
-    assert two.optimizer_bandwidth_gb_s == 8.0 and four.optimizer_bandwidth_gb_s == 4.0
-    assert here_cluster(entry, 1).optimizer_bandwidth_gb_s == 8.0
+    # ...but its elementwise work and optimizer update are bound by its share of the cores, not its part of the socket
+    assert two.core_bandwidth_gb_s == 8.0 and four.core_bandwidth_gb_s == 4.0
+    assert here_cluster(entry, 1).core_bandwidth_gb_s == 8.0
     assert two.efficiency.op_overhead_us == 10.0 and four.efficiency.op_overhead_us == 20.0
     assert two.efficiency.loss_head == 0.6 and two.intra_node_latency_us == 100.0 and two.auto_dtype == "fp32"
     assert two.fresh_page_s_per_byte == 0.0  # a cache from before the fresh pages were measured

@@ -363,14 +363,14 @@ def test_the_optimizer_step_follows_its_own_class_over_the_parameters_a_rank_own
     # the unfused elementwise work's rate does not move it
     other = step_time(layout.config, layout.dims, shape, cluster, replace(base, memory_bound=0.1), 1)
     assert other.parts["optimizer"] == pytest.approx(fused)
-    # where the cluster gives the update a bandwidth of its own (`here`: the rank's cores'), it runs on that alone:
-    # the gradient sums and weight passes keep the shared hbm_gb_s
-    cores = replace(cluster, optimizer_bandwidth_gb_s=4 * cluster.hbm_gb_s)
-    own = step_time(layout.config, layout.dims, shape, cores, base, 1)
+    # where the cluster gives the rank's cores a bandwidth of their own (`here`), the update and the elementwise work
+    # run on it: the gradient sums, weight passes and buffer copies keep the shared hbm_gb_s
+    cores = replace(cluster, core_bandwidth_gb_s=4 * cluster.hbm_gb_s)
+    own, shared = (step_time(layout.config, layout.dims, shape, c, base, 1) for c in (cores, cluster))
     assert own.parts["optimizer"] == pytest.approx(update / 4 + 10e-6 * OPTIMIZER_OPS)
-    assert {k: v for k, v in own.parts.items() if k != "optimizer"} == pytest.approx(
-        {k: v for k, v in step_time(layout.config, layout.dims, shape, cluster, base, 1).parts.items()
-         if k != "optimizer"})
+    assert own.parts["memory_bound"] == pytest.approx(shared.parts["memory_bound"] / 4)
+    assert {k: v for k, v in own.parts.items() if k not in ("optimizer", "memory_bound")} == pytest.approx(
+        {k: v for k, v in shared.parts.items() if k not in ("optimizer", "memory_bound")})
 
 
 def test_energy_is_nodes_times_power_times_time_and_carbon_adds_pue_and_grid():
