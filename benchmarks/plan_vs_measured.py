@@ -493,7 +493,7 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     `threads` threads; with `calibrate`, from the op classes timed now (calibrated_entry), and with `earlier` (a
     calibration before the timed runs) the mean of the two predictions: the host's other work moves a calibration
     by up to 18% minutes apart, and two readings halve that noise (the faster of the two, tried first, read the
-    table 5.6% fast on average: BENCHMARKS.md, stop 32); where the two disagree (calibrations_disagree), a third
+    table 5.6% fast on average: BENCHMARKS.md, stop 32); where the two disagree (calibrations_disagree), a third is
     taken and the odd one out dropped. Each is priced whole: a calibration's efficiencies are
     fractions of its own peak reading. With `routing_imbalance` (the busiest rank's share each layer waits for),
     the step time at it too."""

@@ -21,9 +21,9 @@ Ranks share the host: R ranks each get a share of a core's FLOP/s, measured by r
 once (min(1, C / R) on an idle C-core machine; less when others use the cores), the smaller of a core's copy
 bandwidth x that share (a rank runs one thread) and the socket's bandwidth / R (for the elementwise work and
 the optimizer update, which the rank's cores bound, the first alone: Cluster.core_bandwidth_gb_s), 1 / share
-times the fixed operator cost and the fresh pages' cost, and 1 / R of the memory. A rank runs `rank_threads` intra-op threads:
-one for each of several (torchrun's OMP_NUM_THREADS=1), every core for a lone process (torch's default; `make
-train`'s job), OMP_NUM_THREADS where it is set. A rank of T > 1 threads gets the all-cores matmul rate's
+times the fixed operator cost and the fresh pages' cost, and 1 / R of the memory. A rank runs `rank_threads`
+intra-op threads: one for each of several (torchrun's OMP_NUM_THREADS=1), every core for a lone process (torch's
+default; `make train`'s job), OMP_NUM_THREADS where it is set. A rank of T > 1 threads gets the all-cores matmul rate's
 per-thread share times T and T threads' copy bandwidth (a lone 2-thread rank priced as one thread read the
 default job's step 1.76 s; it ran 1.13 s).
 All of a job's ranks are on this one node, so every collective runs on the measured loopback link. When the
