@@ -193,7 +193,7 @@ def _here_cluster(config, devices: int, calibrate: bool, config_path: str, envir
     threads = rank_threads(devices, environ)
     if calibrate:
         print(f"calibrating here (matmul peaks, copy bandwidth, gloo collectives on 2, 3 and 4 ranks, op classes "
-              f"at {config_path}'s shapes on {threads_phrase(threads)} a rank): about a minute", flush=True)
+              f"at {config_path}'s shapes on {threads_phrase(threads)} a rank): a few minutes", flush=True)
     entry = machine(cache_file, cpu_cache, remeasure=calibrate)
     measured = entry["machine"]
     busy = busy_note(measured.get("load_at_measure"), measured["cores"],

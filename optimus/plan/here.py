@@ -305,8 +305,10 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
         # one's idle share (3 ranks on 2 cores, before 3 were timed: 4 ranks' share alone priced them 30% slow)
         share = min(idle_share, measured[str(nearest)] * nearest / ranks)  # (a measured share is capped so already)
     # a rank's threads stream no faster than they do alone (a lone one-thread rank read the all-core bandwidth
-    # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket
-    bandwidth = min(thread_bandwidth(m, threads) / 1e9 * share, m["copy_gb_s_all_cores"] / ranks)
+    # before: its fused optimizer step was priced at 73 GB/s and ran at 38), nor faster than its part of the socket;
+    # its elementwise work and optimizer update run on its share of its cores alone, not its part of the socket
+    core_bandwidth = thread_bandwidth(m, threads) / 1e9 * share
+    bandwidth = min(core_bandwidth, m["copy_gb_s_all_cores"] / ranks)
     fit = _nearest_fit(m["collectives"], ranks)
     calibrated = entry.get("efficiency")
     # a calibration from before DTensor dispatch, the optimizer step or the buffer copies were measured keeps the
@@ -329,8 +331,6 @@ def here_cluster(entry: dict[str, Any], ranks: int, threads: int = 1) -> Cluster
                    # the kernel faults the pages in on the rank's own share of a core
                    fresh_page_s_per_byte=m.get("fresh_page_s_per_byte", 0.0) / share,
                    fresh_block_bytes=FRESH_BLOCK_BYTES,
-                   # elementwise work and the optimizer update run on the rank's share of its cores, not on its
-                   # part of the socket
-                   core_bandwidth_gb_s=thread_bandwidth(m, threads) / 1e9 * share,
+                   core_bandwidth_gb_s=core_bandwidth,
                    measured_peak_flops={"fp32": thread_rate(m, "fp32", threads) * share,
                                         "bf16": thread_rate(m, "bf16", threads) * share})
