@@ -5,8 +5,8 @@
 
 Runs nothing and times nothing: each stored row holds its layout (config and overrides), what was measured (the
 allocator's peak; the fastest run's median step) and, for a step time, what its prediction was priced from when it
-was measured (each calibration's op-class efficiencies and the cores' share, and the run's gloo collectives table,
-kept once per run), so the planner as it is now prices it as plan_vs_measured.py would have at that moment. A
+was measured (each calibration's op-class efficiencies and the cores' share, and the gloo collectives table it was
+priced on: the run's, kept once per run, or the row's own under plan_vs_measured.py --row-tables), so the planner as it is now prices it as plan_vs_measured.py would have at that moment. A
 change to the planner made without re-timing every layout (a full re-time takes over an hour and a half on 2
 cores) shows at once what it does to each; tests/benchmarks/test_plan_here_stored.py holds every row to issue
 11's bands. `--add` takes a plan_vs_measured.py JSON: its allocator-peak readings replace the same layouts' memory
@@ -107,11 +107,13 @@ def add_run(stored: dict, results: dict) -> tuple[int, int]:
         if row.get("memory_measure") == "allocator peak":
             memory[row["layout"]] = {**layout, "measured_memory_bytes": row["measured_memory_bytes"]}
             took[0] += 1
-        if "priced_from" in row and "collectives" in results:
-            if results["collectives"] not in tables:
-                tables.append(results["collectives"])
+        # the table the row was priced on: its own where it timed one (--row-tables), else the run's
+        table = row.get("collectives", results.get("collectives"))
+        if "priced_from" in row and table is not None:
+            if table not in tables:
+                tables.append(table)
             timed[row["layout"]] = {**layout, "threads": row["threads"], "measured_step_s": row["measured_step_s"],
-                                    "priced_from": row["priced_from"], "table": tables.index(results["collectives"])}
+                                    "priced_from": row["priced_from"], "table": tables.index(table)}
             took[1] += 1
     stored["memory"]["rows"], stored["time"]["rows"] = list(memory.values()), list(timed.values())
     # tables no row uses any more go

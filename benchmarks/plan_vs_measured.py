@@ -2,7 +2,7 @@
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/plan_vs_measured.py [--json benchmarks/results/plan_vs_measured.json]
         [--steps 4] [--warmup 2] [--repeats 2] [--memory-runs N] [--only NAME,...|smoke] [--no-calibrate]
-        [--model=--model.n_layers=2,...]
+        [--row-tables] [--model=--model.n_layers=2,...]
 
 For each layout (1-4 gloo ranks; dense and MoE tiny models; FSDP, HSDP, DDP, zero1/2, TP, PP (1F1B, interleaved), EP,
 expert-tensor parallelism, activation checkpointing, one or several micro-batches a step: the kinds of layout
@@ -21,6 +21,12 @@ memory with the planner's stage_memory of the first and last stage. The planner 
 share of the run's token copies (routing_imbalance, from its logged expert counts) and the memory model at it, and
 the share each layer's busiest rank had in the timed run (paced_routing_imbalance: what its expert GEMMs waited
 for) and the step time at it.
+
+`--row-tables` times the gloo collectives of each multi-rank row's job size (the whole job, its pairs where it has
+four ranks, the sync after compute: 15-55 s) just before its runs and prices the row on them instead of the cached
+table: two tables timed minutes apart on a shared host differ by 18% a row (BENCHMARKS.md, stop 48), so a row priced
+on a table from another hour reads that table's draw as well as the model's error. The row keeps its table
+(`collectives`), which plan_here_stored.py `--add` stores with it.
 
 `--repeats 0` measures memory alone (no step time compared), e.g. at a longer sequence: `--repeats 0
 --no-calibrate --model=--train.seq_len=2048`.
@@ -487,8 +493,26 @@ def odd_one_out(steps: list[float]) -> int:
     return max(range(len(steps)), key=distance)
 
 
+def with_collectives(entry: dict, collectives: dict | None) -> dict:
+    """The machine entry priced on `collectives` (a table timed for this row) instead of its cached one."""
+    return entry if collectives is None else {**entry, "machine": {**entry["machine"], "collectives": collectives}}
+
+
+def job_collectives(ranks: int, cached: dict) -> dict:
+    """The cached gloo table with the rows of a job of `ranks` timed again now: the whole job, the pairs timed
+    inside it (COLLECTIVE_SUBGROUPS), its alpha-beta fit and its sync after compute; other job sizes as cached."""
+    from optimus.plan.calibrate import COLLECTIVE_SUBGROUPS, measure_collectives
+
+    fresh = measure_collectives(worlds=(ranks,), subgroups=tuple(s for s in COLLECTIVE_SUBGROUPS if s[1] == ranks))
+    kept = [row for row in cached.get("rows", []) if row.get("job", row["ranks"]) != ranks]
+    return {**cached, "rows": kept + fresh["rows"], "fits": {**cached.get("fits", {}), **fresh["fits"]},
+            "sync_after_compute": {**cached.get("sync_after_compute", {}), **fresh["sync_after_compute"]},
+            "timed_for_row": ranks}
+
+
 def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
-            routing_imbalance: float | None = None, earlier: dict | None = None) -> dict:
+            routing_imbalance: float | None = None, earlier: dict | None = None,
+            collectives: dict | None = None) -> dict:
     """The planner's step time (and its parts) and per-rank memory for this layout (validated) on `here`, each rank on
     `threads` threads; with `calibrate`, from the op classes timed now (calibrated_entry), and with `earlier` (a
     calibration before the timed runs) the mean of the two predictions: the host's other work moves a calibration
@@ -496,19 +520,20 @@ def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, th
     table 5.6% fast on average: BENCHMARKS.md, stop 32); where the two disagree (calibrations_disagree), a third is
     taken and the odd one out dropped. Each is priced whole: a calibration's efficiencies are
     fractions of its own peak reading. With `routing_imbalance` (the busiest rank's share each layer waits for),
-    the step time at it too."""
+    the step time at it too; with `collectives` (job_collectives), every calibration on that table."""
     from optimus.plan.here import here_cluster, machine
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
     shape = ModelShape.of(layout.config)
-    entries = [calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate
-               else machine(cache_file, cpu_cache)] + ([earlier] if earlier is not None else [])
+    entries = [with_collectives(entry, collectives) for entry in
+               [calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate
+                else machine(cache_file, cpu_cache)] + ([earlier] if earlier is not None else [])]
     clusters = [here_cluster(entry, ranks, threads) for entry in entries]
     times = priced_steps(layout, clusters)
     dropped = []
     if calibrate and len(times) == 2 and calibrations_disagree(times[0].step_s, times[1].step_s):
-        entries.append(calibrated_entry(layout, cache_file, cpu_cache, threads))
+        entries.append(with_collectives(calibrated_entry(layout, cache_file, cpu_cache, threads), collectives))
         clusters.append(here_cluster(entries[-1], ranks, threads))
         times += priced_steps(layout, clusters[-1:])
         odd = odd_one_out([t.step_s for t in times])
@@ -554,9 +579,13 @@ def default_memory_runs(ranks: int) -> int:
 
 
 def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, calibrate: bool = True,
-               model: list[str] = (), repeats: int = 1, memory_runs: int | None = None) -> dict:
+               model: list[str] = (), repeats: int = 1, memory_runs: int | None = None,
+               row_table: bool = False) -> dict:
     """Train one layout briefly (`repeats` times; none: memory only) and predict it; the row of the table.
-    memory_runs: the profiled runs (None: default_memory_runs)."""
+    memory_runs: the profiled runs (None: default_memory_runs); row_table: price a timed multi-rank row on its job
+    size's collectives timed just before its runs (job_collectives)."""
+    from optimus.plan.here import machine
+
     config_path, ranks, extra = LAYOUTS[name]
     memory_runs = default_memory_runs(ranks) if memory_runs is None else memory_runs
     config_path = str(ROOT / config_path)
@@ -565,13 +594,16 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
     layout = _layout(config_path, ranks, overrides)
     # the op classes timed before the runs too: predict takes the mean of this and its own calibration after them
     earlier = calibrated_entry(layout, cache_file, cpu_cache, threads) if calibrate and repeats else None
+    collectives = (job_collectives(ranks, machine(cache_file, cpu_cache)["machine"]["collectives"])
+                   if row_table and repeats and ranks > 1 else None)
     runs = [_train_once(config_path, ranks, overrides, warmup, threads=threads) for _ in range(repeats)]
     fastest = min(range(len(runs)), key=lambda i: statistics.median(runs[i][0])) if runs else None
     # the routing the fastest run's layers waited for (the pipeline's pace is its last stage's)
     last_stage = stage_layers(layout, layout.dims.pp - 1) if layout.dims.pp > 1 else None
     paced = (paced_share(runs[fastest][3], layout.dims.ep * layout.dims.tp, warmup, last_stage)
              if runs and layout.config.model.is_moe else None)
-    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced, earlier)
+    predicted = predict(layout, ranks, cache_file, cpu_cache, calibrate and bool(runs), threads, paced, earlier,
+                        collectives)
     timed = {}
     if runs:
         measured, _, wall, _ = runs[fastest]
@@ -580,7 +612,8 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
                  "step_error": predicted["step_s"] / step - 1, "predicted_parts_s": predicted["parts"],
                  "wall_s": wall, "run_medians_s": [statistics.median(r[0]) for r in runs],
                  "calibrations_step_s": predicted["calibrations_step_s"], "priced_from": predicted["priced_from"],
-                 "config": str(Path(config_path).relative_to(ROOT)), "config_overrides": overrides}
+                 "config": str(Path(config_path).relative_to(ROOT)), "config_overrides": overrides,
+                 **({"collectives": collectives} if collectives is not None else {})}
         if paced is not None:
             at_routing = predicted["step_at_routing_s"]
             timed.update({"paced_routing_imbalance": paced, "predicted_step_at_routing_s": at_routing,
@@ -631,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=None, help="the `here` calibration cache (default: the CLI's)")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the cached efficiencies instead of timing the op classes at each layout's shapes")
+    parser.add_argument("--row-tables", action="store_true",
+                        help="time the gloo collectives of each multi-rank row's job size just before its runs and "
+                             "price the row on them (15-55 s a row) instead of the cached table")
     parser.add_argument("--model", default="", help="extra --model.* overrides for every layout, comma-separated "
                                                     "(a smaller model for a quick check)")
     args = parser.parse_args(argv)
@@ -666,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pred MiB':>9} {'err':>7}", flush=True)
     for name in names:
         row = run_layout(name, args.steps, args.warmup, cache_file, cpu_cache, not args.no_calibrate,
-                         [m for m in args.model.split(",") if m], args.repeats, args.memory_runs)
+                         [m for m in args.model.split(",") if m], args.repeats, args.memory_runs, args.row_tables)
         rows.append(row)
         timed = (f"{row['measured_step_s']:>10.3f} {row['predicted_step_s']:>11.3f} {row['step_error']:>+7.1%}"
                  if "step_error" in row else f"{'-':>10} {'-':>11} {'-':>7}")

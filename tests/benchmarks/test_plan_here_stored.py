@@ -51,6 +51,25 @@ def test_a_runs_rows_are_stored_and_priced_again_as_they_were(stored_script, tmp
     assert len(fresh["time"]["rows"]) == len(fresh["memory"]["rows"]) == len(fresh["time"]["tables"]) == 1
 
 
+def test_a_row_with_its_own_table_is_stored_and_priced_on_it(stored_script):
+    """A row plan_vs_measured.py --row-tables priced on its own collectives keeps that table, not the run's."""
+    stored = stored_script.read_stored()
+    row = next(r for r in stored["time"]["rows"] if r["ranks"] > 1)
+    table = stored["time"]["tables"][row["table"]]
+    slower = {**table, "rows": [{**r, "seconds": 3 * r["seconds"]} for r in table["rows"]]}
+    results = {"machine": {"date": "2026-11-29 12:00 UTC", "machine": "test CPU", "torch": "t"},
+               "collectives": table,
+               "rows": [{"layout": row["layout"], "threads": row["threads"], "measured_step_s": 2.0,
+                         "priced_from": row["priced_from"], "config": row["config"], "collectives": slower,
+                         "config_overrides": row["overrides"]}]}
+    fresh = {"memory": {"rows": []}, "time": {"tables": [], "rows": []}}
+    assert stored_script.add_run(fresh, results) == (0, 1)
+    assert fresh["time"]["tables"] == [slower]
+    on_run_table = {**fresh, "time": {"tables": [table], "rows": fresh["time"]["rows"]}}
+    assert stored_script.time_rows(fresh)[0]["predicted_step_s"] > \
+        stored_script.time_rows(on_run_table)[0]["predicted_step_s"]
+
+
 def test_a_file_that_is_not_stored_readings_is_one_line(stored_script, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"memory": {"rows": []}}))

@@ -110,6 +110,46 @@ def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmar
     assert row["measured_memory_bytes"] == 250 and row["memory_measure"] == "resident set"
 
 
+def test_a_row_timed_with_its_own_table_is_priced_on_it(load_benchmark, machine_cache, monkeypatch):
+    """--row-tables: the job size's collectives are timed again for the row (the other job sizes' rows kept as
+    cached), the row is priced on that table, and keeps it; slower collectives price the same layout slower."""
+    from optimus.plan import calibrate
+
+    script = load_benchmark("plan_vs_measured")
+    lone = [{"rank": r, "growth": 1, "allocator_peak": 100} for r in range(2)]
+    fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
+    cached_rows = [{"op": op, "ranks": 2, "bytes": b, "seconds": b / 1e9} for op in calibrate.COLLECTIVES
+                   for b in (4096, 64 * 2**20)]
+    pair_in_four = {"op": "all_gather", "ranks": 2, "job": 4, "others": "compute", "bytes": 4096, "seconds": 1e-3}
+    cache = json.loads(machine_cache.read_text())
+    for entry in cache.values():
+        entry["machine"]["collectives"].update(rows=[*cached_rows, pair_in_four],
+                                               sync_after_compute={"2": [[0.01, 1e-3]], "4": [[0.01, 2e-3]]})
+    machine_cache.write_text(json.dumps(cache))
+    timed_worlds = []
+
+    def measure_collectives(worlds, subgroups, slow=10.0):
+        timed_worlds.append((worlds, subgroups))
+        rows = [{**row, "seconds": row["seconds"] * slow} for row in cached_rows]
+        return {"rows": rows, "fits": {"2": {**fit, "beta_gb_s": 0.1}}, "sync_after_compute": {"2": [[0.01, 5e-3]]}}
+
+    monkeypatch.setattr(calibrate, "measure_collectives", measure_collectives)
+    rows = {}
+    for own in (False, True):
+        _fake_runs(script, monkeypatch, timed=[([1.0], lone, 1.0, [])], memory=[([4.0], lone, 9.0, [])])
+        rows[own] = script.run_layout("dense-fsdp2", 1, 1, machine_cache, (None, ""), calibrate=False,
+                                      model=SMALL_MODEL.split(","), repeats=1, memory_runs=1, row_table=own)
+    assert timed_worlds == [((2,), ())]  # a 2-rank job: no pairs timed inside it
+    table = rows[True]["collectives"]
+    assert "collectives" not in rows[False]
+    assert pair_in_four in table["rows"] and len(table["rows"]) == len(cached_rows) + 1
+    assert [row["seconds"] for row in table["rows"] if row != pair_in_four] == \
+        pytest.approx([10 * row["bytes"] / 1e9 for row in cached_rows])
+    assert table["sync_after_compute"] == {"2": [[0.01, 5e-3]], "4": [[0.01, 2e-3]]}
+    assert table["fits"]["2"]["beta_gb_s"] == 0.1 and table["fits"]["4"] == fit
+    assert rows[True]["predicted_step_s"] > rows[False]["predicted_step_s"]
+
+
 def test_a_lone_rank_on_every_core_trains_and_is_priced_on_every_core(load_benchmark, machine_cache, monkeypatch):
     """The all-cores rows (a lone `optimus train`, as make train runs it) train their rank on every core's thread
     and tell the planner so: the same model and batch, priced at the all-cores rate, predicts a shorter step."""
