@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         _report_user_error(f"optimus {args.verb}: error: permission denied on {where}: give this user read and write "
                            "access to it, or choose another path")
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader went away (`optimus plan ... | head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return 141  # 128 + SIGPIPE
     except OSError as err:
         if err.filename is None:  # not about a path the user gave (a socket, a library's own file): a real fault
             raise

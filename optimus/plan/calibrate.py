@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus.config import Config
+from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
 from optimus.parallel.collectives import all_gather_single, reduce_scatter_single
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.dtensor_cost import measure_dtensor_overhead
@@ -56,8 +57,12 @@ from optimus.plan.efficiency import OPTIMIZER_MAX, Efficiency
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 # up to 64 MiB: the planned messages (a model's embedding, FSDP's root unit) are tens of MiB, past the last-level
-# cache, where loopback copies run slower than the in-cache sizes would suggest
-COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024)
+# cache, where loopback copies run slower than the in-cache sizes would suggest; and the sharded optimizer's full
+# bucket (optim/sharded.py DEFAULT_BUCKET_NUMEL fp32 gradients, 153 MiB), which the zero modes reduce-scatter once a
+# step: past 64 MiB gloo's reduce-scatter gains pace (2-core EPYC, 2026-11-29: 0.45 -> 0.60 GB/s on 4 ranks, 0.63 ->
+# 0.83 on 3, 0.93 -> 1.10 on 2; all-gather and all-reduce flat), so a table that ended at 64 MiB priced a bucket's
+# reduce-scatter 18-36% slow in proportion
+COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 64 * 1024 * 1024, 4 * DEFAULT_BUCKET_NUMEL)
 LARGE_MESSAGE_REPEATS = 3  # each one takes a tenth of a second or more
 # calls timed back to back in bursts, and the mean call over the bursts: a training step issues its collectives
 # one after another, dozens a step, so it pays their mean, not the fastest single call after a barrier. On the
@@ -80,7 +85,7 @@ COLLECTIVE_WORLDS = (2, 3, 4)
 COLLECTIVE_SUBGROUPS = ((2, 4, "collectives"), (2, 4, "compute"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 COLLECTIVE_TIMING = ("mean call, freed memory reused; jobs of 2, 3, 4; pairs in 4, beside collectives or compute; "
-                     "sync after 10, 40 ms")  # else re-timed
+                     "sync after 10, 40 ms; up to a 153 MiB bucket")  # else re-timed
 # A step reaches each collective after compute, and its ranks arrive apart: a loop of {a matmul chunk; a 64 KiB
 # all-reduce} took longer than the chunks alone plus the all-reduces back to back (which run in lockstep, as the
 # table times them). On the 2-core EPYC (2026-11-28), median over 8 samples: 0.6 ms a call for 2 ranks and 2.8-3.0 ms

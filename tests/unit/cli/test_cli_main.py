@@ -80,6 +80,17 @@ def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
         main(["info"])
 
 
+def test_a_reader_that_goes_away_stops_the_command_quietly():
+    """`optimus plan ... | head`: the pipe closes after a few lines; no traceback, SIGPIPE's exit status."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # 1,000 rows (~150 KB) outgrow the pipe's buffer, so the command is still writing when head has gone
+    command = (f"{sys.executable} -m optimus plan {CONFIG} --cluster h100 --devices 8 --top 1000 | head -1; "
+               "exit ${PIPESTATUS[0]}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert result.returncode == 141 and result.stdout.count("\n") == 1
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("verb", ["plan", "tune", "report"])
 def test_launch_names_a_verb_that_runs_on_its_own(verb, capsys):
     assert main(["launch", "--nproc-per-node=2", verb, CONFIG]) == 2
