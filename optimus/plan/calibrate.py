@@ -1,14 +1,14 @@
 """`optimus plan --calibrate`: fit the step-time model's efficiencies and alpha-beta terms on this machine.
 
-Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 64 MiB over 2, 3 and 4 forked
-ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a step issues them), and over
-the pairs of a 4-rank job, both pairs at once and one pair while the other computes (what tensor, expert and
-data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a pipeline); per world
-size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit
-(relative error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x
-S / beta for all-gather, reduce-scatter and all-to-all, twice that for all-reduce. And per world size what a
-collective reached after compute costs beyond the back-to-back call, after 10 and 40 ms of compute (the ranks
-arrive apart: step_time prices it at the layout's compute between its collectives).
+Collectives: gloo all_reduce, all_gather, reduce_scatter and all_to_all of 4 KiB to 153 MiB (the sharded optimizer's
+bucket) over 2, 3 and 4 forked ranks on loopback, each the mean time per call over bursts of back-to-back calls (as a
+step issues them), and over the pairs of a 4-rank job, both pairs at once and one pair while the other computes (what
+tensor, expert and data parallelism of 2 within 4 ranks pay when the 4 share fewer cores, without and with a
+pipeline); per world size, alpha (s per ring hop) and beta (bytes/s per rank) are the least-squares fit (relative
+error, so small and large messages count alike) of comms.py's formulas: (g - 1) alpha + (g - 1) / g x S / beta for
+all-gather, reduce-scatter and all-to-all, twice that for all-reduce. And per world size what a collective reached
+after compute costs beyond the back-to-back call, after 10 and 40 ms of compute (the ranks arrive apart: step_time
+prices it at the layout's compute between its collectives).
 
 Op classes, each timed forward + backward on a rank's threads (here.rank_threads: one for each of several ranks, as
 torchrun gives them; every core for a lone process) at the shapes the
