@@ -24,7 +24,7 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
     if tokens:
         head += f" {'days':>7} {'MWh':>8} {'tCO2e':>7}"
     lines = [f"{len(candidates)} valid layouts of {devices} {cluster.name} devices "
-             f"({sum(c.fits for c in candidates)} fit {cluster.memory_gb:.3g} GiB at 90%); "
+             f"({sum(c.fits for c in candidates)} fit {round(cluster.memory_gb, 2):g} GiB at 90%); "
              f"best {min(top, len(candidates))}:",
              head]
     for rank, c in enumerate(candidates[:top], 1):
