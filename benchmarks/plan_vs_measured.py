@@ -506,8 +506,7 @@ def job_collectives(ranks: int, cached: dict) -> dict:
     fresh = measure_collectives(worlds=(ranks,), subgroups=tuple(s for s in COLLECTIVE_SUBGROUPS if s[1] == ranks))
     kept = [row for row in cached.get("rows", []) if row.get("job", row["ranks"]) != ranks]
     return {**cached, "rows": kept + fresh["rows"], "fits": {**cached.get("fits", {}), **fresh["fits"]},
-            "sync_after_compute": {**cached.get("sync_after_compute", {}), **fresh["sync_after_compute"]},
-            "timed_for_row": ranks}
+            "sync_after_compute": {**cached.get("sync_after_compute", {}), **fresh["sync_after_compute"]}}
 
 
 def predict(layout, ranks: int, cache_file: Path, cpu_cache, calibrate: bool, threads: int = 1,
