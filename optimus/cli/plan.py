@@ -97,7 +97,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
                      min_speedup=1.05,
                      why="its gradients cross the data-parallel ranks in half the bytes, each sum rounded to bf16")
     if not best.fits:
-        print(f"no layout fits {round(cluster.memory_gb, 2):g} GiB devices: more devices, or a smaller model or batch")
+        print(f"no layout fits {cluster.memory_label} devices: more devices, or a smaller model or batch")
     elif args.write_config:
         Path(args.write_config).parent.mkdir(parents=True, exist_ok=True)
         write_best_config(args.write_config, best, config)

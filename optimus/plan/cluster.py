@@ -96,6 +96,11 @@ class Cluster:
         compares against GiB too."""
         return self.memory_gb * 1024**3
 
+    @property
+    def memory_label(self) -> str:
+        """The device memory as the CLI prints it: two decimals at most (a measured host reads 23.54 GiB)."""
+        return f"{round(self.memory_gb, 2):g} GiB"
+
 
 def cluster_names() -> list[str]:
     """The presets shipped with the package (plus `here`, this machine, measured: optimus/plan/calibrate.py)."""

@@ -10,7 +10,7 @@ from optimus.plan.cluster import Cluster
 from optimus.plan.energy import energy_table
 from optimus.plan.routing import LoggedRouting
 from optimus.plan.scaling import SmallerRun
-from optimus.plan.search import Candidate
+from optimus.plan.search import PLANNED_KEYS, Candidate
 
 DISPATCH_LABEL = {"all_to_all": "a2a", "allgather": "ag", "none": "-"}  # parallel.ep_dispatch, short
 
@@ -24,7 +24,7 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
     if tokens:
         head += f" {'days':>7} {'MWh':>8} {'tCO2e':>7}"
     lines = [f"{len(candidates)} valid layouts of {devices} {cluster.name} devices "
-             f"({sum(c.fits for c in candidates)} fit {round(cluster.memory_gb, 2):g} GiB at 90%); "
+             f"({sum(c.fits for c in candidates)} fit {cluster.memory_label} at 90%); "
              f"best {min(top, len(candidates))}:",
              head]
     for rank, c in enumerate(candidates[:top], 1):
@@ -42,8 +42,8 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
             line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
         lines.append(line)
     if tokens:
-        lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time (IT energy); carbon = MWh x PUE {cluster.pue:g} "
-                     f"x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
+        lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time (IT energy); carbon = MWh x PUE "
+                     f"{cluster.pue:g} x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
         best = next((c for c in candidates if c.fits), None)
         if best is not None:
             cost = best.entry(cluster, tokens)
@@ -92,14 +92,10 @@ def describe_scaling(baseline: SmallerRun, best: Candidate, devices: int) -> str
 
 def write_best_config(path: str | Path, best: Candidate, original: Config) -> None:
     """The best layout as a config file: the user's config with the planned parallel and train keys."""
-    p, t = best.config.parallel, best.config.train
     config = original.model_copy(update={
-        "parallel": original.parallel.model_copy(update={
-            k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode", "pp_schedule",
-                                       "pp_virtual_stages", "ep_dispatch")}),
-        "train": original.train.model_copy(update={
-            "micro_batch_size": t.micro_batch_size, "activation_checkpointing": t.activation_checkpointing}),
-    })
+        section: getattr(original, section).model_copy(update={k: getattr(getattr(best.config, section), k)
+                                                               for k in keys})
+        for section, keys in PLANNED_KEYS.items()})
     save_config(config, path)
 
 

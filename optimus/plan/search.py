@@ -35,6 +35,11 @@ from optimus.plan.step_time import step_time
 GIB = 1024**3
 # the largest --devices planned: over a hundred times today's largest machines (Frontier: 75,264 GCDs)
 MAX_DEVICES = 10_000_000
+# what a candidate sets, and nothing else: the config keys a planned layout is written as (report.write_best_config)
+# and run with (tune.layout_overrides)
+PLANNED_KEYS = {"parallel": ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode", "pp_schedule",
+                             "pp_virtual_stages", "ep_dispatch"),
+                "train": ("micro_batch_size", "activation_checkpointing")}
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 from optimus.config import Config, ConfigError
 from optimus.plan.cluster import Cluster
-from optimus.plan.search import Candidate, plan
+from optimus.plan.search import PLANNED_KEYS, Candidate, plan
 
 GIB = 1024**3
 
@@ -44,16 +44,14 @@ def layout_key(candidate: Candidate) -> str:
     lay = candidate.layout()
     key = (f"dp_r{lay['dp_replicate']}-dp_s{lay['dp_shard']}-tp{lay['tp']}-pp{lay['pp']}-ep{lay['ep']}-"
            f"mbs{lay['micro_batch_size']}-{lay['activation_checkpointing'].split(' ')[0]}-{lay['shard_mode']}")
-    return key + (f"-{lay['pp_schedule']}" if lay["pp"] > 1 else "")
+    key += f"-{lay['pp_schedule']}" if lay["pp"] > 1 else ""
+    return key + (f"-{lay['ep_dispatch']}" if lay["ep"] > 1 else "")  # the layouts differ in nothing else
 
 
 def layout_overrides(candidate: Candidate) -> list[str]:
     """The command-line overrides that select this layout."""
-    p, t = candidate.config.parallel, candidate.config.train
-    out = [f"--parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode",
-                                                        "pp_schedule", "pp_virtual_stages")]
-    return out + [f"--train.micro_batch_size={t.micro_batch_size}",
-                  f"--train.activation_checkpointing={t.activation_checkpointing}"]
+    return [f"--{section}.{k}={getattr(getattr(candidate.config, section), k)}"
+            for section, keys in PLANNED_KEYS.items() for k in keys]
 
 
 def run_trial(config_path: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, warmup: int,
@@ -172,10 +170,10 @@ def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluste
 
 def format_trials(records: list[dict[str, Any]]) -> str:
     """The launched trials as a table (pruned layouts are in trials.jsonl only)."""
-    lines = [f"{'trial':>5} {'layout':<48} {'pred tok/s':>11} {'meas tok/s':>11} {'GiB':>6}  status"]
-    for r in records:
-        if r["trial"] is None:
-            continue
-        lines.append(f"{r['trial']:>5} {r['key']:<48.48} {r['predicted_tokens_per_s']:>11,.0f} "
+    launched = [r for r in records if r["trial"] is not None]
+    width = max([len("layout"), *(len(r["key"]) for r in launched)])  # whole: keys differ at their ends
+    lines = [f"{'trial':>5} {'layout':<{width}} {'pred tok/s':>11} {'meas tok/s':>11} {'GiB':>6}  status"]
+    for r in launched:
+        lines.append(f"{r['trial']:>5} {r['key']:<{width}} {r['predicted_tokens_per_s']:>11,.0f} "
                      f"{r['measured_tokens_per_s']:>11,.0f} {r['predicted_memory_gib']:>6.2f}  {r['status']}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import pytest
 
 from optimus.config import ConfigError, load_config
 from optimus.plan.here import here_cluster
-from optimus.plan.tune import TrialRun, layout_key, layout_overrides, tune
+from optimus.plan.tune import TrialRun, format_trials, layout_key, layout_overrides, tune
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -47,6 +47,33 @@ def test_tune_launches_only_feasible_layouts_records_every_trial_and_keeps_the_f
     planner_best = min((r for r in trials), key=lambda r: r["predicted_step_s"])
     assert trials[0]["predicted_step_s"] == pytest.approx(planner_best["predicted_step_s"])  # starts from the plan
     assert "--parallel.ep=" + str(best.config.parallel.ep) in layout_overrides(best)
+
+
+def test_each_layout_has_its_own_key_and_its_overrides_select_exactly_it():
+    """The search's categorical is the key and a trial runs the overrides: two layouts that differ only in how
+    tokens reach their experts must neither share a key nor run the config's dispatch instead of their own."""
+    from optimus.plan.search import plan
+
+    path = CONFIGS / "mula-tiny-moe.yaml"
+    base = ["--train.seq_len=64", "--model.n_layers=2"]
+    candidates = plan(load_config(path, base), _cluster(64, ranks=4), 4)
+    assert {c.layout()["ep_dispatch"] for c in candidates} >= {"all_to_all", "allgather"}
+    assert len({layout_key(c) for c in candidates}) == len(candidates)
+    for c in candidates[::7]:
+        again = load_config(path, [*base, *layout_overrides(c)])
+        assert again.parallel == c.config.parallel
+        assert (again.train.micro_batch_size, again.train.activation_checkpointing) == \
+            (c.config.train.micro_batch_size, c.config.train.activation_checkpointing)
+
+
+def test_the_trials_table_prints_each_layout_whole():
+    row = {"predicted_tokens_per_s": 1000.0, "measured_tokens_per_s": 900.0, "predicted_memory_gib": 0.5,
+           "status": "ok"}
+    keys = [f"dp_r1-dp_s4-tp1-pp2-ep2-mbs1-selective_ops-zero1-interleaved_1f1b-{d}"
+            for d in ("all_to_all", "allgather")]
+    table = format_trials([{**row, "trial": None, "key": "pruned"},
+                           *({**row, "trial": i, "key": k} for i, k in enumerate(keys))])
+    assert len(table.splitlines()) == 3 and all(k in table for k in keys) and "pruned" not in table
 
 
 def test_tune_with_nothing_that_fits_is_one_clear_error(tmp_path):
