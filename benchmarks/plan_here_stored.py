@@ -85,6 +85,19 @@ def _read(path: Path, what: str, keys: tuple[str, ...]) -> dict:
     return data
 
 
+def compact_json(value, depth: int = 0) -> str:
+    """JSON one level a line, but a list or mapping of plain values on one line: each collective timing, override list
+    and efficiency set reads as one line: the file diffs row by row in a quarter fewer bytes than indent=1's."""
+    if not isinstance(value, (dict, list)) or not any(isinstance(v, (dict, list))
+                                                       for v in (value.values() if isinstance(value, dict) else value)):
+        return json.dumps(value)
+    pad, inner = " " * depth, " " * (depth + 1)
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(k)}: {compact_json(v, depth + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    return "[\n" + ",\n".join(f"{inner}{compact_json(v, depth + 1)}" for v in value) + f"\n{pad}]"
+
+
 def read_stored(path: Path = STORED) -> dict:
     """The stored readings; SystemExit with one line when the file is not one."""
     return _read(path, "a file of stored readings like benchmarks/here_measured.json", ("machine", "memory", "time"))
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             results = _read(Path(path), "a plan_vs_measured.py JSON", ("machine", "rows"))
             stored["machine"] = {"cpu": results["machine"]["machine"], "torch": results["machine"]["torch"]}
             print(f"{path}: {'%d memory and %d time rows' % add_run(stored, results)} stored")
-        stored_path.write_text(json.dumps(stored, indent=1) + "\n")
+        stored_path.write_text(compact_json(stored) + "\n")
         print(f"wrote {stored_path}")
     stored = read_stored(stored_path)
     try:

@@ -70,6 +70,18 @@ def test_a_row_with_its_own_table_is_stored_and_priced_on_it(stored_script):
         stored_script.time_rows(on_run_table)[0]["predicted_step_s"]
 
 
+def test_stored_readings_are_written_a_plain_row_a_line_and_read_back_unchanged(stored_script):
+    """compact_json: a collective timing or an override list is one line, and the file reads back as written."""
+    stored = stored_script.read_stored()
+    text = stored_script.compact_json(stored)
+    assert json.loads(text) == stored
+    timing = stored["time"]["tables"][0]["rows"][0]
+    assert any(line.strip().rstrip(",") == json.dumps(timing) for line in text.splitlines())
+    assert len(text) < 0.85 * len(json.dumps(stored, indent=1))
+    assert stored_script.compact_json({"a": [], "b": {}, "c": [1, {"d": 2}]}) == \
+        '{\n "a": [],\n "b": {},\n "c": [\n  1,\n  {"d": 2}\n ]\n}'
+
+
 def test_a_file_that_is_not_stored_readings_is_one_line(stored_script, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"memory": {"rows": []}}))
