@@ -59,7 +59,7 @@ def test_each_layout_has_its_own_key_and_its_overrides_select_exactly_it():
     candidates = plan(load_config(path, base), _cluster(64, ranks=4), 4)
     assert {c.layout()["ep_dispatch"] for c in candidates} >= {"all_to_all", "allgather"}
     assert len({layout_key(c) for c in candidates}) == len(candidates)
-    for c in candidates[::7]:
+    for c in candidates:
         again = load_config(path, [*base, *layout_overrides(c)])
         assert again.parallel == c.config.parallel
         assert (again.train.micro_batch_size, again.train.activation_checkpointing) == \
