@@ -6,8 +6,8 @@
 Runs nothing and times nothing: each stored row holds its layout (config and overrides), what was measured (the
 allocator's peak; the fastest run's median step) and, for a step time, what its prediction was priced from when it was
 measured (each calibration's op-class efficiencies and the cores' share, and the gloo collectives table it was priced
-on: the run's, kept once per run, or the row's own under plan_vs_measured.py --row-tables), so the planner as it is
-now prices it as plan_vs_measured.py would have at that moment. A change to the planner made without re-timing every
+on: the run's, or the row's own under plan_vs_measured.py --row-tables; each distinct timing is written once), so
+the planner as it is now prices it as plan_vs_measured.py would have at that moment. A change to the planner made without re-timing every
 layout (a full re-time takes over an hour and a half on 2 cores) shows at once what it does to each;
 tests/benchmarks/test_plan_here_stored.py holds every row to issue 11's bands. `--add` takes a plan_vs_measured.py
 JSON: its allocator-peak readings replace the same layouts' memory rows, its timed rows that say what they were priced
@@ -98,9 +98,35 @@ def compact_json(value, depth: int = 0) -> str:
     return "[\n" + ",\n".join(f"{inner}{compact_json(v, depth + 1)}" for v in value) + f"\n{pad}]"
 
 
+def pack_timings(stored: dict) -> dict:
+    """The readings as written: each distinct collective timing once (time.timings), a table's rows its indices
+    there. A row's own table (--row-tables) re-times only its job size and carries the rest from the cached table, so
+    most of a table's timings are another table's too: the file keeps 4,440 of 10,800 (2026-11-30)."""
+    timings: dict[str, int] = {}
+    tables = []
+    for table in stored["time"]["tables"]:
+        ids = [timings.setdefault(json.dumps(row, sort_keys=True), len(timings)) for row in table["rows"]]
+        tables.append({**table, "rows": ids})
+    return {**stored, "time": {**stored["time"], "timings": [json.loads(t) for t in timings], "tables": tables}}
+
+
+def unpack_timings(stored: dict) -> dict:
+    """pack_timings undone (a file written before it packed reads as it is)."""
+    if "timings" not in stored["time"]:
+        return stored
+    timing = stored["time"]["timings"]
+    tables = [{**table, "rows": [timing[i] for i in table["rows"]]} for table in stored["time"]["tables"]]
+    return {**stored, "time": {k: v for k, v in stored["time"].items() if k != "timings"} | {"tables": tables}}
+
+
 def read_stored(path: Path = STORED) -> dict:
-    """The stored readings; SystemExit with one line when the file is not one."""
-    return _read(path, "a file of stored readings like benchmarks/here_measured.json", ("machine", "memory", "time"))
+    """The stored readings, each table with its timings; SystemExit with one line when the file is not one."""
+    stored = _read(path, "a file of stored readings like benchmarks/here_measured.json", ("machine", "memory", "time"))
+    try:
+        return unpack_timings(stored)
+    except (KeyError, TypeError, IndexError) as error:
+        raise SystemExit(f"plan_here_stored: {path}: a table's timings are not in the file "
+                         f"({type(error).__name__}: {error})") from None
 
 
 def add_run(stored: dict, results: dict) -> tuple[int, int]:
@@ -154,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             results = _read(Path(path), "a plan_vs_measured.py JSON", ("machine", "rows"))
             stored["machine"] = {"cpu": results["machine"]["machine"], "torch": results["machine"]["torch"]}
             print(f"{path}: {'%d memory and %d time rows' % add_run(stored, results)} stored")
-        stored_path.write_text(compact_json(stored) + "\n")
+        stored_path.write_text(compact_json(pack_timings(stored)) + "\n")
         print(f"wrote {stored_path}")
     stored = read_stored(stored_path)
     try:

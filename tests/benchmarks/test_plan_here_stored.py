@@ -70,14 +70,21 @@ def test_a_row_with_its_own_table_is_stored_and_priced_on_it(stored_script):
         stored_script.time_rows(on_run_table)[0]["predicted_step_s"]
 
 
-def test_stored_readings_are_written_a_plain_row_a_line_and_read_back_unchanged(stored_script):
-    """compact_json: a collective timing or an override list is one line, and the file reads back as written."""
+def test_stored_readings_are_written_a_plain_row_a_line_and_read_back_unchanged(stored_script, tmp_path):
+    """pack_timings + compact_json: each distinct timing once and on one line; the file reads back as written."""
     stored = stored_script.read_stored()
-    text = stored_script.compact_json(stored)
-    assert json.loads(text) == stored
+    text = stored_script.compact_json(stored_script.pack_timings(stored))
+    assert stored_script.unpack_timings(json.loads(text)) == stored
     timing = stored["time"]["tables"][0]["rows"][0]
-    assert any(line.strip().rstrip(",") == json.dumps(timing) for line in text.splitlines())
-    assert len(text) < 0.85 * len(json.dumps(stored, indent=1))
+    assert sum(line.strip().rstrip(",") == json.dumps(timing, sort_keys=True) for line in text.splitlines()) == 1
+    assert len(text) < 0.5 * len(json.dumps(stored, indent=1))
+    (tmp_path / "packed.json").write_text(text)
+    assert stored_script.read_stored(tmp_path / "packed.json") == stored
+    broken = json.loads(text)
+    broken["time"]["timings"] = broken["time"]["timings"][:1]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(SystemExit, match="a table's timings are not in the file"):
+        stored_script.read_stored(tmp_path / "broken.json")
     assert stored_script.compact_json({"a": [], "b": {}, "c": [1, {"d": 2}]}) == \
         '{\n "a": [],\n "b": {},\n "c": [\n  1,\n  {"d": 2}\n ]\n}'
 
