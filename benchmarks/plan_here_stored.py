@@ -9,10 +9,9 @@ measured (each calibration's op-class efficiencies and the cores' share, and the
 on: the run's, or the row's own under plan_vs_measured.py --row-tables; each distinct timing is written once), so
 the planner as it is now prices it as plan_vs_measured.py would have at that moment. A change to the planner made
 without re-timing every layout (a full re-time takes over an hour and a half on 2 cores) shows at once what it does
-to each;
-tests/benchmarks/test_plan_here_stored.py holds every row to issue 11's bands. `--add` takes a plan_vs_measured.py
-JSON: its allocator-peak readings replace the same layouts' memory rows, its timed rows that say what they were priced
-from replace their time rows.
+to each; tests/benchmarks/test_plan_here_stored.py holds every row to issue 11's bands. `--add` takes a
+plan_vs_measured.py JSON: its allocator-peak readings replace the same layouts' memory rows, its timed rows that say
+what they were priced from replace their time rows.
 """
 
 from __future__ import annotations
