@@ -19,6 +19,8 @@
 # 7. on a machine with several GPUs, tests/gpu/layout_parity.py under torchrun on 2, 4 and 8 of them (as many
 #    as there are): every layout kind (FSDP, HSDP, zero1/2, DDP, TP, PP, EP and their mixes) on NCCL against one
 #    process, within the CPU parity tests' tolerances (steps layouts-2, layouts-4, layouts-8).
+# 8. where optuna is installed, `optimus tune` on this GPU: two real trials of mula-tiny-moe, priced and pruned as
+#    the preset of the GPU's kind with its own memory (optimus/plan/tune.py trial_cluster).
 # Each step's log and JSON go to OUT_DIR; a failing step is reported and the others still run.
 #
 # The Python used is $PYTHON (default python3); it needs torch with CUDA, triton, transformers,
@@ -66,6 +68,11 @@ step moe-layer "$PYTHON" benchmarks/moe_layer.py --device cuda --json "$OUT/moe_
 step moe-step "$PYTHON" benchmarks/moe_step.py --device cuda --json "$OUT/moe_step.json"
 step moe-step-4l "$PYTHON" benchmarks/moe_step.py --device cuda --layers 4 --no-hf --json "$OUT/moe_step_4layers.json"
 step step-profile "$PYTHON" benchmarks/step_profile.py --json "$OUT/step_profile.json"
+if "$PYTHON" -c "import optuna" 2>/dev/null; then
+    step tune "$PYTHON" -m optimus tune configs/mula-tiny-moe.yaml --trials 2 --out "$OUT/tune" --overwrite
+else
+    echo "=== tune: optuna is not installed here (pip install optuna): skipped"
+fi
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 for n in 2 4 8; do
     if [ "$gpus" -ge "$n" ]; then

@@ -145,11 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)
     plan.set_defaults(func=cmd_plan, takes_overrides=True)
 
-    tune_ = verbs.add_parser("tune", help="measured layout search here: short real runs of the planner's feasible "
-                                          "layouts, chosen by optuna; every trial recorded, the best written as a config")
+    tune_ = verbs.add_parser("tune", help="measured layout search on this machine (its GPUs, else its CPU): short "
+                                          "real runs of the planner's feasible layouts, chosen by optuna; every trial "
+                                          "recorded, the best written as a config")
     tune_.add_argument("config", help="YAML config (overrides as for train)")
     tune_.add_argument("--trials", type=int, required=True, help="layouts to run")
-    tune_.add_argument("--ranks", type=int, default=1, help="processes per trial (gloo on this machine; default 1)")
+    tune_.add_argument("--ranks", type=int, default=1,
+                       help="processes per trial, one per GPU or XPU tile where torch sees them, else gloo ranks on "
+                            "the CPU (default 1)")
+    tune_.add_argument("--cluster", default=None,
+                       help="the preset or cluster file the trials are priced and pruned on (default: the preset of "
+                            "this machine's accelerators, made one node of --ranks of them with their own memory; "
+                            "here, measured, on a CPU)")
     tune_.add_argument("--steps", type=int, default=2, help="measured steps per trial, after the warm-up (default 2)")
     tune_.add_argument("--warmup", type=int, default=1, help="steps not measured (default 1)")
     tune_.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -235,9 +236,11 @@ def _warn_if_oversubscribed(ranks: int) -> None:
 
 def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
+    from optimus.plan.cluster import load_cluster
     from optimus.plan.report import write_best_config
     from optimus.plan.search import parse_only
-    from optimus.plan.tune import check_tune_out, format_trials, tune
+    from optimus.plan.tune import check_tune_out, format_trials, trial_cluster, tune
+    from optimus.train.hardware import probe_local_accelerators
 
     only = parse_only(args.only or [])
     for flag, value in (("--trials", args.trials), ("--ranks", args.ranks), ("--steps", args.steps)):
@@ -251,10 +254,21 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
     out_dir = output_location("--out", args.out, folder=True)
     check_tune_out(out_dir, args.overwrite)  # before the trials: minutes to hours of them
+    if args.cluster not in (None, "here"):
+        load_cluster(args.cluster)  # an unknown name or a bad file fails before the config
     config = load_config(args.config, overrides)
-    _warn_if_oversubscribed(args.ranks)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # the trials' ranks' threads
-    cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
+    try:
+        found = probe_local_accelerators()
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        raise UsageError(f"{err}: check the driver (nvidia-smi, rocm-smi, xpu-smi) before tuning") from None
+    cluster = trial_cluster(args.cluster, args.ranks, found)
+    if cluster is None:
+        _warn_if_oversubscribed(args.ranks)
+        cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
+    else:
+        print(f"the trials train on {args.ranks} of this machine's {found.count} {found.name}, priced and pruned as "
+              f"the {cluster.name} cluster's devices with their {cluster.memory_label}")
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only,
                          overwrite=args.overwrite)

@@ -8,6 +8,11 @@ temporary run directory) for warm-up + measured steps, and scores the median mea
 after the warm-up, read from that run's metrics.jsonl. A layout suggested again is not run again. Every trial
 is a line of trials.jsonl (layout, prediction, measurement, status); the best measured layout is written as a
 config.
+
+The trials train where `optimus train` would here: on this machine's GPUs or XPU tiles where torch sees them, else
+on its CPU (gloo). The prices follow them (trial_cluster): the measured `here` cluster for the CPU; for
+accelerators, the preset of their kind (or the --cluster given) made one node of the trial's ranks, each with the
+memory the device reports, so the memory model prunes by what the trials will have.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from optimus.config import Config, ConfigError
-from optimus.plan.cluster import Cluster
+from optimus.plan.cluster import Cluster, cluster_names, load_cluster
 from optimus.plan.search import PLANNED_KEYS, Candidate, plan
+from optimus.train.hardware import LocalAccelerators
 
 GIB = 1024**3
 
@@ -52,6 +58,39 @@ def layout_overrides(candidate: Candidate) -> list[str]:
     """The command-line overrides that select this layout."""
     return [f"--{section}.{k}={getattr(getattr(candidate.config, section), k)}"
             for section, keys in PLANNED_KEYS.items() for k in keys]
+
+
+def accelerator_preset(name: str) -> str | None:
+    """The shipped preset whose device `name` (torch's name of an accelerator: "NVIDIA H100 80GB HBM3") is."""
+    return next((preset for preset in cluster_names() if load_cluster(preset).device in name), None)
+
+
+def trial_cluster(requested: str | None, ranks: int, found: LocalAccelerators | None) -> Cluster | None:
+    """The cluster a search of `ranks`-rank trials on this machine is priced on: None where the trials train on the
+    CPU (the caller measures `here`), else `requested` (--cluster: a preset or a file; None: the preset of the
+    accelerators `found`) as one node of `ranks` of those devices with the memory each reports.
+
+    ConfigError (one line) where the prices would describe other devices than the ones the trials train on."""
+    if found is None:
+        if requested not in (None, "here"):
+            cluster = load_cluster(requested)  # an unknown name or a bad file says so first
+            raise ConfigError(f"--cluster {requested} prices {cluster.device} devices, but torch sees no GPU or XPU "
+                              "here, so every trial would train on the CPU: leave --cluster out to tune on this CPU, "
+                              "or run the search on a node of those devices")
+        return None
+    devices = f"{found.count} {found.name} ({found.device_type})"
+    if requested == "here":
+        raise ConfigError(f"--cluster here prices this machine's CPU, but every trial would train on its {devices}: "
+                          "leave --cluster out to price those, or hide them from torch (CUDA_VISIBLE_DEVICES= or "
+                          "ZE_AFFINITY_MASK=) to tune on the CPU")
+    if ranks > found.count:
+        raise ConfigError(f"--ranks {ranks}, but this machine has {devices}: a trial runs on this node alone, one "
+                          f"rank a device; ask for at most {found.count}")
+    name = requested or accelerator_preset(found.name)
+    if name is None:
+        raise ConfigError(f"this machine's {found.name} matches no cluster preset ({', '.join(cluster_names())}): "
+                          "pass --cluster with your cluster's YAML file (`base: h100`, its device and peak_tflops)")
+    return replace(load_cluster(name), devices_per_node=ranks, memory_gb=found.memory_gib)
 
 
 def run_trial(config_path: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, warmup: int,

@@ -14,6 +14,8 @@ import json
 import os
 import platform
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -174,6 +176,39 @@ def write_json_cache(path: Path, data: dict) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+@dataclass(frozen=True)
+class LocalAccelerators:
+    """The accelerators torch sees on this machine: what `optimus launch` gives each local rank one of."""
+
+    device_type: str  # "cuda" (NVIDIA, or AMD under ROCm) or "xpu"
+    name: str  # as torch reports the first one: "NVIDIA H100 80GB HBM3", "AMD Instinct MI250X", ...
+    count: int
+    memory_gib: float  # the first one's total memory
+
+
+def local_accelerators() -> LocalAccelerators | None:
+    """This machine's accelerators (launch.device_for's choice: CUDA/ROCm first, then XPU), or None: the CPU."""
+    for device_type in ("cuda", "xpu"):
+        backend = getattr(torch, device_type, None)
+        if backend is not None and backend.is_available() and backend.device_count() > 0:
+            props = backend.get_device_properties(0)
+            return LocalAccelerators(device_type, props.name, backend.device_count(), props.total_memory / 1024**3)
+    return None
+
+
+def probe_local_accelerators(timeout_s: float = 120.0) -> LocalAccelerators | None:
+    """local_accelerators() asked of a child process, so that this one (which goes on to launch jobs on those
+    devices) opens no device context of its own, holding memory on device 0 for as long as it runs."""
+    code = ("import dataclasses, json; from optimus.train.hardware import local_accelerators as f; "
+            "a = f(); print(json.dumps(a and dataclasses.asdict(a)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise RuntimeError(f"asking torch for this machine's accelerators failed: {last}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return LocalAccelerators(**found) if found else None
 
 
 def _accelerator_name(device: torch.device) -> str:

@@ -9,7 +9,8 @@ import pytest
 
 from optimus.config import ConfigError, load_config
 from optimus.plan.here import here_cluster
-from optimus.plan.tune import TrialRun, format_trials, layout_key, layout_overrides, tune
+from optimus.plan.tune import TrialRun, format_trials, layout_key, layout_overrides, trial_cluster, tune
+from optimus.train.hardware import LocalAccelerators, local_accelerators, probe_local_accelerators
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -98,3 +99,68 @@ def test_tune_held_to_some_layouts_runs_only_those(tmp_path):
     with pytest.raises(ConfigError, match="within --only"):
         tune(config, "unused.yaml", [], _cluster(64), 2, 3, tmp_path, {}, runner=fake_run, say=lambda line: None,
              only=parse_only(["tp=4"]))
+
+
+H100_NODE = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 8, 79.1)
+
+
+@pytest.mark.parametrize("name, preset", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100"), ("AMD Instinct MI250X", "frontier"),
+                                          ("Intel(R) Data Center GPU Max 1550", "aurora")])
+def test_trials_on_accelerators_are_priced_as_one_node_of_their_kind_with_the_memory_they_report(name, preset):
+    cluster = trial_cluster(None, 4, LocalAccelerators("cuda", name, 8, 61.5))
+    assert (cluster.name, cluster.devices_per_node, cluster.memory_gb) == (preset, 4, 61.5)
+    # a cluster named on the command line is priced the same way: this node's ranks, their memory
+    named = trial_cluster("lumi", 2, LocalAccelerators("cuda", name, 8, 61.5))
+    assert (named.name, named.devices_per_node, named.memory_gb) == ("lumi", 2, 61.5)
+
+
+def test_on_a_cpu_the_trials_are_priced_here():
+    assert trial_cluster(None, 2, None) is None and trial_cluster("here", 2, None) is None
+
+
+def test_prices_for_other_devices_than_the_trials_train_on_are_refused():
+    with pytest.raises(ConfigError, match="torch sees no GPU or XPU here"):
+        trial_cluster("h100", 2, None)
+    with pytest.raises(ConfigError, match="--cluster here prices this machine's CPU"):
+        trial_cluster("here", 2, H100_NODE)
+    with pytest.raises(ConfigError, match="ask for at most 8"):
+        trial_cluster(None, 16, H100_NODE)
+    with pytest.raises(ConfigError, match="NVIDIA L40S matches no cluster preset"):
+        trial_cluster(None, 1, LocalAccelerators("cuda", "NVIDIA L40S", 4, 44.5))
+
+
+def test_the_probe_in_a_child_process_sees_what_this_process_sees():
+    assert probe_local_accelerators() == local_accelerators()
+
+
+def test_tune_on_accelerators_prunes_by_the_memory_the_devices_report(tmp_path):
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    # 0.6 GiB devices: 0.54 GiB at 90%, about the median layout's need on an H100 node's prices (0.36-0.85 GiB)
+    cluster = trial_cluster(None, 2, LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 2, 0.6))
+    launched = []
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        launched.append(candidate.memory_bytes / 1024**3)
+        return TrialRun("ok", 100.0, 5.12, [5.12])
+
+    _, records = tune(config, "unused.yaml", [], cluster, 2, 4, tmp_path, {}, runner=fake_run, say=lambda line: None)
+    pruned = [r["predicted_memory_gib"] for r in records if r["trial"] is None]
+    assert pruned and min(pruned) > 0.54 and launched and max(launched) <= 0.54
+    assert all("> 0.54 GiB" in r["status"] for r in records if r["trial"] is None)
+
+
+@pytest.mark.parametrize("found, argv, says", [
+    (None, ["--cluster", "h100"], "torch sees no GPU or XPU here"),
+    (H100_NODE, ["--cluster", "here"], "--cluster here prices this machine's CPU"),
+    (H100_NODE, ["--ranks", "16"], "ask for at most 8"),
+])
+def test_tune_refuses_prices_for_other_devices_in_one_line_before_any_trial(found, argv, says, monkeypatch, capsys,
+                                                                             tmp_path):
+    from optimus.cli import main
+
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", lambda: found)
+    code = main(["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--out", str(tmp_path / "t"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "t").exists()
