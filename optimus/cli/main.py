@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the preset or cluster file the trials are priced and pruned on (default: the preset of "
                             "this machine's accelerators, made one node of --ranks of them with their own memory; "
                             "here, measured, on a CPU)")
+    tune_.add_argument("--launcher", default=None, metavar="COMMAND",
+                       help="what starts each trial's --ranks ranks across the allocation's nodes, before `python -m "
+                            "optimus train ...`: 'srun -N 2 --ntasks-per-node 8', 'mpiexec -n 24 --ppn 12' (default: "
+                            "optimus launch on this node)")
     tune_.add_argument("--steps", type=int, default=2, help="measured steps per trial, after the warm-up (default 2)")
     tune_.add_argument("--warmup", type=int, default=1, help="steps not measured (default 1)")
     tune_.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)

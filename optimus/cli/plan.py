@@ -234,6 +234,26 @@ def _warn_if_oversubscribed(ranks: int) -> None:
               "measures that sharing as much as its layout (`optimus plan --cluster here` prices it)", file=sys.stderr)
 
 
+def _launcher(command: str | None) -> list[str] | None:
+    """--launcher as the words that start a trial's ranks; UsageError where it is empty or its program is not here."""
+    if command is None:
+        return None
+    import shlex
+    import shutil
+
+    try:
+        words = shlex.split(command)
+    except ValueError as err:
+        raise UsageError(f"--launcher {command!r} is not a command line ({err}): quote it as the shell would") from None
+    if not words:
+        raise UsageError("--launcher is empty: give the command that starts the ranks ('srun -N 2 "
+                         "--ntasks-per-node 8'), or leave it out to launch on this node")
+    if shutil.which(words[0]) is None:
+        raise UsageError(f"--launcher {command!r}: '{words[0]}' is not a program on PATH: run the search where it is "
+                         "(inside the allocation), or give its full path")
+    return words
+
+
 def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.config import load_config
     from optimus.plan.cluster import load_cluster
@@ -254,6 +274,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UsageError("optimus tune needs optuna: pip install 'optimus[tune]' (or pip install optuna)") from None
     out_dir = output_location("--out", args.out, folder=True)
     check_tune_out(out_dir, args.overwrite)  # before the trials: minutes to hours of them
+    launcher = _launcher(args.launcher)
     if args.cluster not in (None, "here"):
         load_cluster(args.cluster)  # an unknown name or a bad file fails before the config
     config = load_config(args.config, overrides)
@@ -262,16 +283,18 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
         found = probe_local_accelerators()
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         raise UsageError(f"{err}: check the driver (nvidia-smi, rocm-smi, xpu-smi) before tuning") from None
-    cluster = trial_cluster(args.cluster, args.ranks, found)
+    cluster = trial_cluster(args.cluster, args.ranks, found, launcher=launcher is not None)
     if cluster is None:
         _warn_if_oversubscribed(args.ranks)
         cluster = _here_cluster(config, args.ranks, calibrate=False, config_path=args.config, environ=env)
     else:
-        print(f"the trials train on {args.ranks} of this machine's {found.count} {found.name}, priced and pruned as "
-              f"the {cluster.name} cluster's devices with their {cluster.memory_label}")
+        where = (f"{args.ranks} of this machine's {found.count} {found.name}" if found and args.ranks <= found.count
+                 else f"{args.ranks} devices the launcher starts ranks on")
+        print(f"the trials train on {where}, priced and pruned as the {cluster.name} cluster's devices with "
+              f"{cluster.memory_label} each, {cluster.devices_per_node} a node")
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only,
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, launcher=launcher)
     print(format_trials(records))
     print(f"every trial: {out_dir / 'trials.jsonl'}")
     if best is None:

@@ -1,18 +1,17 @@
 """`optimus tune`: a measured search of the layout on the machine at hand, with optuna (as ORNL tuned on Frontier).
 
-Candidates are the planner's layouts for R ranks (optimus/plan/search.py, every one through validate_layout)
-on the `here` cluster. Those the memory model says do not fit are recorded as pruned and never launched. Each
-trial picks one of the remaining layouts (optuna's TPE over a categorical of layout keys), runs it for real
-(`optimus train`, or `optimus launch --nproc-per-node R train` for R > 1, with the layout's overrides, into a
-temporary run directory) for warm-up + measured steps, and scores the median measured tokens/s of the steps
-after the warm-up, read from that run's metrics.jsonl. A layout suggested again is not run again. Every trial
-is a line of trials.jsonl (layout, prediction, measurement, status); the best measured layout is written as a
-config.
+Candidates are the planner's layouts for R ranks (optimus/plan/search.py, every one through validate_layout).
+Those the memory model says do not fit are recorded as pruned and never launched. Each trial picks one of the
+remaining layouts (optuna's TPE over a categorical of layout keys), runs it for real with the layout's overrides
+(`optimus train`, `optimus launch --nproc-per-node R train` for R > 1, or under the user's --launcher across the
+allocation's nodes) for warm-up + measured steps, and scores the median measured tokens/s of the steps after the
+warm-up, read from that run's metrics.jsonl. A layout suggested again is not run again. Every trial is a line of
+trials.jsonl (layout, prediction, measurement, status); the best measured layout is written as a config.
 
-The trials train where `optimus train` would here: on this machine's GPUs or XPU tiles where torch sees them, else
-on its CPU (gloo). The prices follow them (trial_cluster): the measured `here` cluster for the CPU; for
-accelerators, the preset of their kind (or the --cluster given) made one node of the trial's ranks, each with the
-memory the device reports, so the memory model prunes by what the trials will have.
+The trials train where `optimus train` would: on the GPUs or XPU tiles torch sees, else on the CPU (gloo). The
+prices follow them (trial_cluster): the measured `here` cluster for the CPU; for accelerators, the preset of their
+kind (or the --cluster given) made the trials' job (one node of R devices, or whole nodes under a launcher), each
+device with the memory it reports, so the memory model prunes by what the trials will have.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,45 +65,73 @@ def accelerator_preset(name: str) -> str | None:
     return next((preset for preset in cluster_names() if load_cluster(preset).device in name), None)
 
 
-def trial_cluster(requested: str | None, ranks: int, found: LocalAccelerators | None) -> Cluster | None:
-    """The cluster a search of `ranks`-rank trials on this machine is priced on: None where the trials train on the
-    CPU (the caller measures `here`), else `requested` (--cluster: a preset or a file; None: the preset of the
-    accelerators `found`) as one node of `ranks` of those devices with the memory each reports.
+def trial_cluster(requested: str | None, ranks: int, found: LocalAccelerators | None,
+                  launcher: bool = False) -> Cluster | None:
+    """The cluster a search of `ranks`-rank trials is priced on: None where the trials train on this CPU (the caller
+    measures `here`), else `requested` (--cluster: a preset or a file; None: the preset of the accelerators `found`)
+    as the trials' job: one node of `ranks` devices, or whole nodes of them where a `launcher` (srun, mpiexec)
+    starts the trials across the allocation; each device with the memory `found` reports (the preset's where the
+    devices are on other nodes only).
 
     ConfigError (one line) where the prices would describe other devices than the ones the trials train on."""
     if found is None:
-        if requested not in (None, "here"):
-            cluster = load_cluster(requested)  # an unknown name or a bad file says so first
+        if requested in (None, "here"):
+            return None
+        cluster = load_cluster(requested)  # an unknown name or a bad file says so first
+        if not launcher:
             raise ConfigError(f"--cluster {requested} prices {cluster.device} devices, but torch sees no GPU or XPU "
                               "here, so every trial would train on the CPU: leave --cluster out to tune on this CPU, "
-                              "or run the search on a node of those devices")
-        return None
+                              "run the search on a node of those devices, or give --launcher to start the trials "
+                              "on them")
+        return _job_nodes(cluster, ranks, cluster.devices_per_node, cluster.memory_gb)
     devices = f"{found.count} {found.name} ({found.device_type})"
     if requested == "here":
         raise ConfigError(f"--cluster here prices this machine's CPU, but every trial would train on its {devices}: "
                           "leave --cluster out to price those, or hide them from torch (CUDA_VISIBLE_DEVICES= or "
                           "ZE_AFFINITY_MASK=) to tune on the CPU")
-    if ranks > found.count:
+    if ranks > found.count and not launcher:
         raise ConfigError(f"--ranks {ranks}, but this machine has {devices}: a trial runs on this node alone, one "
-                          f"rank a device; ask for at most {found.count}")
+                          f"rank a device; ask for at most {found.count}, or give --launcher (srun, mpiexec) to "
+                          "start the trials across nodes")
     name = requested or accelerator_preset(found.name)
     if name is None:
         raise ConfigError(f"this machine's {found.name} matches no cluster preset ({', '.join(cluster_names())}): "
                           "pass --cluster with your cluster's YAML file (`base: h100`, its device and peak_tflops)")
-    return replace(load_cluster(name), devices_per_node=ranks, memory_gb=found.memory_gib)
+    return _job_nodes(load_cluster(name), ranks, found.count, found.memory_gib)
+
+
+def _job_nodes(cluster: Cluster, ranks: int, per_node: int, memory_gib: float) -> Cluster:
+    """`cluster` as a job of `ranks` devices of `memory_gib` each: one node of them, or whole nodes of `per_node`."""
+    if ranks > per_node and ranks % per_node:
+        raise ConfigError(f"--ranks {ranks} is not whole nodes of {per_node} devices: ask for a multiple of "
+                          f"{per_node}")
+    return replace(cluster, devices_per_node=min(ranks, per_node), memory_gb=memory_gib)
+
+
+def trial_command(ranks: int, launcher: list[str] | None) -> list[str]:
+    """What starts one trial's ranks, before `train` and its arguments: `optimus launch` (torchrun) on this node,
+    or the user's launcher (`srun -N 2 --ntasks-per-node 8`, `mpiexec -n 24 --ppn 12`), which starts every rank
+    itself (the trainer reads its rank from the launcher's environment: optimus/parallel/launch.py)."""
+    if launcher:
+        return [*launcher, sys.executable, "-m", "optimus", "train"]
+    verb = ["train"] if ranks == 1 else ["launch", f"--nproc-per-node={ranks}", "train"]
+    return [sys.executable, "-m", "optimus", *verb]
 
 
 def run_trial(config_path: str, overrides: list[str], candidate: Candidate, ranks: int, steps: int, warmup: int,
-              env: dict[str, str], timeout_s: float) -> TrialRun:
-    """Train `candidate` for warmup + steps steps in a subprocess; its measured throughput."""
-    with tempfile.TemporaryDirectory(prefix="optimus-tune-") as tmp:
+              env: dict[str, str], timeout_s: float, launcher: list[str] | None = None,
+              work_dir: Path | None = None) -> TrialRun:
+    """Train `candidate` for warmup + steps steps in a subprocess; its measured throughput.
+
+    work_dir: where the trial's run folder goes (default: the system's temporary folder); under a launcher, the
+    search's --out, which the ranks on other nodes see too (their /tmp is their own)."""
+    with tempfile.TemporaryDirectory(prefix="optimus-tune-", dir=work_dir) as tmp:
         run_dir = Path(tmp) / "run"
         args = [config_path, *overrides, *layout_overrides(candidate), f"--train.max_steps={warmup + steps}",
                 "--train.log_every=1", f"--train.eval_every={10**6}", f"--train.ckpt_every={10**6}",
                 f"--run.dir={run_dir}", "--no-progress"]
-        verb = ["train"] if ranks == 1 else ["launch", f"--nproc-per-node={ranks}", "train"]
         try:
-            done = subprocess.run([sys.executable, "-m", "optimus", *verb, *args], capture_output=True, text=True,
+            done = subprocess.run([*trial_command(ranks, launcher), *args], capture_output=True, text=True,
                                   env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return TrialRun(f"failed: no result within {timeout_s:.0f} s")
@@ -140,15 +168,17 @@ def check_tune_out(out_dir: Path, overwrite: bool = False) -> None:
 def tune(config: Config, config_path: str, overrides: list[str], cluster: Cluster, ranks: int, trials: int,
          out_dir: Path, env: dict[str, str], steps: int = 2, warmup: int = 1, seed: int = 0,
          timeout_s: float = 600.0, say=print, runner=None,
-         only: dict[str, frozenset[str]] | None = None,
-         overwrite: bool = False) -> tuple[Candidate | None, list[dict[str, Any]]]:
+         only: dict[str, frozenset[str]] | None = None, overwrite: bool = False,
+         launcher: list[str] | None = None) -> tuple[Candidate | None, list[dict[str, Any]]]:
     """Run the measured search; (the best measured candidate or None, every trial's record).
 
     runner: what runs one trial (default run_trial, a real training subprocess), same arguments.
     only: the search held to part of the layouts (search.parse_only), as `optimus plan --only`.
     overwrite: replace an earlier search in `out_dir` (refused without it: check_tune_out).
+    launcher: what starts each trial's ranks instead of `optimus launch` (trial_command); its run folders then go
+    under `out_dir`.
     """
-    runner = runner or run_trial
+    runner = runner or partial(run_trial, launcher=launcher, work_dir=out_dir if launcher else None)
     import optuna
 
     candidates = plan(config, cluster, ranks, only=only)

@@ -137,9 +137,34 @@ def test_tune_prunes_what_does_not_fit_runs_trials_and_writes_the_best(here_cach
     assert best["train"]["micro_batch_size"] == fastest["micro_batch_size"]
 
 
+@pytest.mark.slow  # one real 2-rank trial: ~20 s on an idle 2-core CPU
+def test_tune_starts_every_trial_with_the_launcher_given(here_cache, tmp_path, token_dir):
+    here_cache(memory_gib=24)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(token_dir, model={"n_layers": 2})))
+    # what srun or mpiexec would be on a cluster: torchrun starting the ranks itself, after leaving a mark
+    launcher = tmp_path / "launch.sh"
+    launcher.write_text(f'#!/bin/sh\ntouch "{tmp_path}/launched"\n'
+                        f'exec {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 --no-python '
+                        '"$@"\n')
+    launcher.chmod(0o755)
+    out = tmp_path / "tune"
+    result = run_cli("tune", str(config), "--trials", "1", "--ranks", "2", "--steps", "1", "--warmup", "1",
+                     "--launcher", str(launcher), "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    trials = [r for r in map(json.loads, (out / "trials.jsonl").read_text().splitlines()) if r["trial"] is not None]
+    assert (tmp_path / "launched").exists() and len(trials) == 1
+    assert trials[0]["status"] == "ok" and trials[0]["measured_tokens_per_s"] > 0, trials[0]["status"]
+    assert sorted(p.name for p in out.iterdir()) == ["best.yaml", "trials.jsonl"]  # the trial's run folder is gone
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--trials", "0"], "--trials must be at least 1 (got 0)"),
     (["--trials", "2", "--ranks", "0"], "--ranks must be at least 1 (got 0)"),
+    (["--trials", "1", "--launcher", " "], "or leave it out to launch on this node"),
+    (["--trials", "1", "--launcher", "no-such-srun -N 2"],
+     "'no-such-srun' is not a program on PATH: run the search where it is (inside the allocation), or give its "
+     "full path"),
 ])
 def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle):
     result = run_cli("tune", str(config_file), *args)

@@ -9,7 +9,8 @@ import pytest
 
 from optimus.config import ConfigError, load_config
 from optimus.plan.here import here_cluster
-from optimus.plan.tune import TrialRun, format_trials, layout_key, layout_overrides, trial_cluster, tune
+from optimus.plan.tune import (TrialRun, format_trials, layout_key, layout_overrides, run_trial, trial_cluster,
+                                trial_command, tune)
 from optimus.train.hardware import LocalAccelerators, local_accelerators, probe_local_accelerators
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -164,3 +165,43 @@ def test_tune_refuses_prices_for_other_devices_in_one_line_before_any_trial(foun
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "t").exists()
+
+
+def test_under_a_launcher_the_trials_are_priced_as_whole_nodes_of_the_devices():
+    nodes = trial_cluster(None, 16, H100_NODE, launcher=True)
+    assert (nodes.name, nodes.devices_per_node, nodes.memory_gb) == ("h100", 8, 79.1)
+    assert trial_cluster(None, 4, H100_NODE, launcher=True).devices_per_node == 4  # part of one node
+    # started from a node without the devices (a login node): the named cluster's own node and memory
+    remote = trial_cluster("aurora", 24, None, launcher=True)
+    assert (remote.devices_per_node, remote.memory_gb) == (12, 64)
+    with pytest.raises(ConfigError, match="--ranks 12 is not whole nodes of 8 devices"):
+        trial_cluster(None, 12, H100_NODE, launcher=True)
+
+
+def test_a_trial_runs_under_the_launcher_with_its_run_folder_under_the_search(tmp_path):
+    import stat
+    import sys
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    from optimus.plan.search import plan
+
+    candidate = plan(config, _cluster(64), 2)[0]
+    # a stand-in for srun: records what it was asked to start and logs two steps as the trainer would
+    launcher = tmp_path / "fake-srun"
+    launcher.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/started"\n'
+                        'for a in "$@"; do case $a in --run.dir=*) d=${a#--run.dir=};; esac; done\n'
+                        'mkdir -p "$d" && echo "$d" > "$(dirname "$0")/run_dir"\n'
+                        'printf \'{"step": 1, "tokens_per_s": 50}\\n{"step": 2, "tokens_per_s": 100}\\n\' '
+                        '> "$d/metrics.jsonl"\n')
+    launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "tune"
+    out.mkdir()
+    result = run_trial("c.yaml", [], candidate, 16, 1, 1, {}, 60.0, launcher=[str(launcher), "-N", "2"],
+                       work_dir=out)
+    assert result.status == "ok" and result.tokens_per_s == 100.0  # the step after the warm-up
+    started = (tmp_path / "started").read_text().split()
+    assert started[:6] == ["-N", "2", sys.executable, "-m", "optimus", "train"]
+    assert "--parallel.ep=" + str(candidate.config.parallel.ep) in started
+    assert Path((tmp_path / "run_dir").read_text().strip()).parent.parent == out  # seen by every node
+    assert not list(out.iterdir())  # and removed after the trial
+    assert trial_command(2, None)[-4:] == ["optimus", "launch", "--nproc-per-node=2", "train"]
