@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what starts each trial's --ranks ranks across the allocation's nodes, before `python -m "
                             "optimus train ...`: 'srun -N 2 --ntasks-per-node 8', 'mpiexec -n 24 --ppn 12' (default: "
                             "optimus launch on this node)")
+    tune_.add_argument("--trial-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds a trial may take, start-up included, before it is stopped and recorded as "
+                            "failed (default 600)")
     tune_.add_argument("--steps", type=int, default=2, help="measured steps per trial, after the warm-up (default 2)")
     tune_.add_argument("--warmup", type=int, default=1, help="steps not measured (default 1)")
     tune_.add_argument("--only", action="append", metavar="KEY=V1[,V2...]", help=ONLY_HELP)

@@ -268,6 +268,8 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
             raise UsageError(f"{flag} must be at least 1 (got {value})")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be at least 0 (got {args.warmup})")
+    if not 0 < args.trial_timeout < math.inf:
+        raise UsageError(f"--trial-timeout must be a positive number of seconds (got {args.trial_timeout:g})")
     try:
         import optuna  # noqa: F401
     except ImportError:
@@ -294,7 +296,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
               f"{cluster.memory_label} each, {cluster.devices_per_node} a node")
     best, records = tune(config, args.config, overrides, cluster, args.ranks, args.trials, out_dir, env,
                          steps=args.steps, warmup=args.warmup, seed=args.seed, only=only,
-                         overwrite=args.overwrite, launcher=launcher)
+                         overwrite=args.overwrite, launcher=launcher, timeout_s=args.trial_timeout)
     print(format_trials(records))
     print(f"every trial: {out_dir / 'trials.jsonl'}")
     if best is None:

@@ -161,6 +161,7 @@ def test_tune_starts_every_trial_with_the_launcher_given(here_cache, tmp_path, t
 @pytest.mark.parametrize("args,needle", [
     (["--trials", "0"], "--trials must be at least 1 (got 0)"),
     (["--trials", "2", "--ranks", "0"], "--ranks must be at least 1 (got 0)"),
+    (["--trials", "1", "--trial-timeout", "nan"], "--trial-timeout must be a positive number of seconds (got nan)"),
     (["--trials", "1", "--launcher", " "], "or leave it out to launch on this node"),
     (["--trials", "1", "--launcher", "no-such-srun -N 2"],
      "'no-such-srun' is not a program on PATH: run the search where it is (inside the allocation), or give its "
