@@ -16,6 +16,8 @@ gradient shard itself (fp32 [segment] per bucket) is not here: it lives through 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -31,13 +33,17 @@ def buffer_nbytes(buckets: list[tuple[int, int]], width: int, accumulates: bool,
     2; a one-rank bucket packs in fp32). `accumulates`: a step reduces a bucket more than once (zero2 with
     several micro-batches), the later reductions summed in."""
     nbytes = [0] * min(BUFFERS, len(buckets))
-    for index, (ranks, segment) in enumerate(buckets):
+    index = 0
+    for (ranks, segment), run in itertools.groupby(buckets):
+        count = sum(1 for _ in run)  # equal buckets in a row (the planner's full-size ones) fill the same buffers
         # a bucket over one rank has no collective: it packs straight into its shard, and uses a buffer only
         # to pack the later micro-batches' gradients that are summed in
         if ranks > 1 or accumulates:
             need = max(reduce_width if ranks > 1 else 4, width) * (ranks + 1) * segment
             need = -(-need // ALIGN) * ALIGN  # every bucket sharing the buffer views it whole in its own dtype
-            nbytes[index % BUFFERS] = max(nbytes[index % BUFFERS], need)
+            for used in range(index, index + min(count, BUFFERS)):
+                nbytes[used % BUFFERS] = max(nbytes[used % BUFFERS], need)
+        index += count
     return nbytes
 
 

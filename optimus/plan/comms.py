@@ -104,13 +104,29 @@ def nic_share(cluster: Cluster) -> float:
 
 def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> Link:
     """The placement and links of a collective over the mesh dims `group`."""
-    size = math.prod(mesh_sizes(dims)[d] for d in group)
+    sizes = mesh_sizes(dims)
+    beside_compute = _beside_compute(dims, group)
+    key = (id(cluster), tuple(sizes.values()), group, beside_compute)
+    known = _LINKS.get(key)
+    if known is not None and known[0] is cluster:  # (the entry holds its cluster: no other one can take its id)
+        return known[1]
+    size = math.prod(sizes[d] for d in group)
     per_node = members_per_node(dims, group, cluster.devices_per_node)
-    return Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
+    link = Link(size, per_node, cluster.intra_node_latency_us * 1e-6, cluster.intra_node_gb_s * 1e9,
                 cluster.inter_node_latency_us * 1e-6, nic_share(cluster),
                 _measured_for(cluster.measured_collectives, size, cluster.devices_per_node,
-                              beside_compute=_beside_compute(dims, group))
+                              beside_compute=beside_compute)
                 if size == per_node else None, cluster.collective_sync_s)
+    if len(_LINKS) >= _MOST_LINKS:
+        _LINKS.clear()
+    _LINKS[key] = (cluster, link)
+    return link
+
+
+# group_link's answers by cluster (its id, with the cluster kept alive beside it), mesh and group: a search prices
+# each of a job's few groups for tens of thousands of layouts, a dozen times each
+_LINKS: dict[tuple, tuple[Cluster, Link]] = {}
+_MOST_LINKS = 50_000
 
 
 def _beside_compute(dims: ParallelDims, group: tuple[str, ...]) -> bool:

@@ -39,6 +39,7 @@ saved gradients) are counted; the larger is the rank's peak. tests/unit/plan che
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -175,6 +176,14 @@ def fsdp_stage_elements(shape: ModelShape, dims: ParallelDims, layers: int, firs
     return local, block, root
 
 
+@functools.lru_cache(maxsize=4096)  # a search prices each mesh for every micro-batch, recompute and schedule
+def _fsdp_stage(shape: ModelShape, dims: ParallelDims, layers: int, first: bool, last: bool
+                ) -> tuple[int, int, int, int]:
+    """fsdp_stage_elements, and the stage's largest tensor gathered (elements)."""
+    largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
+    return (*fsdp_stage_elements(shape, dims, layers, first, last), largest)
+
+
 def _ceil_div(a: float, b: int) -> float:
     return -(-int(a) // b)
 
@@ -193,9 +202,8 @@ def stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, stage: i
     experts = layers * shape.block_experts / (dims.ep * dims.tp)
     blocks, gathered_root, largest = [], 0.0, 0  # FSDP's units and largest tensor, gathered (none without FSDP)
     if config.parallel.shard_mode == "fsdp":
-        local, gathered_block, gathered_root = fsdp_stage_elements(shape, dims, layers, first, last)
+        local, gathered_block, gathered_root, largest = _fsdp_stage(shape, dims, layers, first, last)
         blocks = [gathered_block] * layers
-        largest = max((fsdp_elements(t, dims)[1] for t in shape.tensors if t.on_stage(first, last)), default=0)
         transient = fsdp_transient_bytes(blocks, gathered_root, width, dims, config.parallel.grad_reduce_bytes)
         held = {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 8 * local, "FSDP transient": transient}
     elif config.parallel.shard_mode == "ddp":  # whole fp32 replicas and DDP's fp32 gradient buckets
@@ -234,17 +242,24 @@ def _zero_buffer_bytes(config: Config, dims: ParallelDims, shape: ModelShape, de
     """The zero modes' two persistent bucket buffers, sized by the optimizer's own rule (optim/buffers.py
     buffer_nbytes) for this stage's buckets (zero_bucket_sizes): the non-expert parameters over their group, then
     the experts over expert_dp; each bucket cut into equal segments (optim/flat.py)."""
+    p = config.parallel
+    return _zero_buffers(p.shard_mode == "zero2", p.ep_aware, p.grad_reduce_bytes, dims, shape, dense, experts,
+                         first, last, width)
+
+
+@functools.lru_cache(maxsize=4096)  # a search prices each mesh for every micro-batch, recompute and schedule
+def _zero_buffers(zero2: bool, ep_aware: bool, reduce_bytes: int, dims: ParallelDims, shape: ModelShape,
+                  dense: float, experts: float, first: bool, last: bool, width: int) -> float:
     from optimus.optim.buffers import buffer_nbytes
 
     if not dims.is_parallel:
         return 0.0
     expert_dp = dims.dp_replicate * dims.dp_shard_mod_ep
-    dense_ranks = dims.dp if config.parallel.ep_aware or dims.ep == 1 else expert_dp
+    dense_ranks = dims.dp if ep_aware or dims.ep == 1 else expert_dp
     dense_buckets, expert_buckets = zero_bucket_sizes(shape, dims, dense, experts, first, last)
     layout = [(ranks, math.ceil(size / ranks))
               for buckets, ranks in ((dense_buckets, dense_ranks), (expert_buckets, expert_dp)) for size in buckets]
-    zero2 = config.parallel.shard_mode == "zero2"
-    return float(sum(buffer_nbytes(layout, width, zero2, config.parallel.grad_reduce_bytes)))
+    return float(sum(buffer_nbytes(layout, width, zero2, reduce_bytes)))
 
 
 def zero_bucket_sizes(shape: ModelShape, dims: ParallelDims, dense: float, experts: float, first: bool,

@@ -114,9 +114,8 @@ def step_collectives_time(config: Config, dims: ParallelDims, cluster: Cluster, 
     ms a step in its 5, dense FSDP on 2 ranks 3.2-4.5 ms in its 4, where every call paying the sync at the step's
     mean compute gap priced 20.5 and 10.6 ms.)"""
     # back to back: no call pays the step's mean-gap sync (collective_sync_s)
-    calls = [(call, replace(group_link(dims, call.group, cluster), sync=0.0))
-             for call in step_collectives(config, dims, layers)]
-    calls = [(call, link) for call, link in calls if link.size > 1]
+    calls = [(call, group_link(dims, call.group, cluster)) for call in step_collectives(config, dims, layers)]
+    calls = [(call, replace(link, sync=0.0) if link.sync else link) for call, link in calls if link.size > 1]
     total = 0.0
     after = [call.per_step for call, _ in calls if call.after_update]
     if update_s is not None and cluster.collective_sync and after:  # in the steps that run any (all, or logged)
