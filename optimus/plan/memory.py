@@ -291,6 +291,13 @@ def peak_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_c
                 routing_imbalance: float | dict[int, float] = 1.0) -> float:
     """The largest per-rank total over the first and last pipeline stage, in bytes; `routing_imbalance`: one figure
     for every stage, or one per stage (plan/routing.py: a run's logged routing, each stage's layers)."""
-    stages = {0, dims.pp - 1}
+    return sum(peak_stage_memory(config, dims, shape, loss_on_cpu, routing_imbalance).values())
+
+
+def peak_stage_memory(config: Config, dims: ParallelDims, shape: ModelShape, loss_on_cpu: bool = False,
+                      routing_imbalance: float | dict[int, float] = 1.0) -> dict[str, float]:
+    """stage_memory's terms of the stage (first or last) whose total is peak_memory."""
+    stages = sorted({0, dims.pp - 1})
     imbalance = routing_imbalance if isinstance(routing_imbalance, dict) else dict.fromkeys(stages, routing_imbalance)
-    return max(sum(stage_memory(config, dims, shape, s, loss_on_cpu, imbalance[s]).values()) for s in stages)
+    return max((stage_memory(config, dims, shape, s, loss_on_cpu, imbalance[s]) for s in stages),
+               key=lambda terms: sum(terms.values()))

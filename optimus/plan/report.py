@@ -41,10 +41,12 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
             cost = c.entry(cluster, tokens)
             line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
         lines.append(line)
+    best = next((c for c in candidates if c.fits), None)
+    if best is not None:
+        lines += breakdown(best, candidates.index(best) + 1)
     if tokens:
         lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time (IT energy); carbon = MWh x PUE "
                      f"{cluster.pue:g} x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
-        best = next((c for c in candidates if c.fits), None)
         if best is not None:
             cost = best.entry(cluster, tokens)
             label = f"this plan: {tokens:.3g} tokens, {cost['days']:.1f} days"
@@ -53,6 +55,22 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
                       energy_table([(label, hardware, cost["energy_mwh"], cost["pue"], cost["kgco2_per_kwh"],
                                      cost["co2_t"])])]
     return "\n".join(lines)
+
+
+def breakdown(candidate: Candidate, rank: int) -> list[str]:
+    """Where layout #`rank`'s memory and step time go: its terms, largest first (what a plan that does not fit, or
+    runs slower than hoped, asks first)."""
+    def terms(parts: dict[str, float], scale: float, unit: str, places: int) -> str:
+        shown = [(name, value / scale) for name, value in parts.items() if round(value / scale, places)]
+        return ", ".join(f"{name} {value:.{places}f}{unit}" for name, value in sorted(shown, key=lambda t: -t[1]))
+
+    lines = []
+    if candidate.memory_parts:
+        stage = " (its fuller pipeline stage, first or last)" if candidate.config.parallel.pp > 1 else ""
+        lines.append(f"#{rank} memory per device{stage}, {candidate.memory_bytes / 1024**3:.1f} GiB: "
+                     + terms(candidate.memory_parts, 1024**3, " GiB", 1))
+    lines.append(f"#{rank} step, {candidate.step_s:.3f} s: " + terms(candidate.parts, 1.0, " s", 3))
+    return lines
 
 
 def write_json(path: str | Path, candidates: list[Candidate], cluster: Cluster, tokens: float | None,

@@ -27,7 +27,7 @@ from optimus.plan.cluster import Cluster
 from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
 from optimus.plan.energy import run_cost  # noqa: F401 (also importable from here, as before)
-from optimus.plan.memory import ModelShape, peak_memory
+from optimus.plan.memory import ModelShape, peak_stage_memory
 from optimus.plan.routing import Routing, layout_imbalance
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.step_time import step_time
@@ -55,6 +55,8 @@ class Candidate:
     parts: dict[str, float]
     # MoE: the busiest expert shard's share priced (its activations' in the worst pipeline stage, its GEMMs')
     moe_imbalance: tuple[float, float] | None = None
+    # memory_bytes by term (memory.stage_memory's, of the stage that peaks): parameters, gradients, activations, ...
+    memory_parts: dict[str, float] | None = None
 
     def layout(self) -> dict[str, Any]:
         """The layout keys of the JSON entry."""
@@ -73,6 +75,8 @@ class Candidate:
         out: dict[str, Any] = {"layout": self.layout(), "fits": self.fits, "memory_gib": self.memory_bytes / GIB,
                                "step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                                "step_parts_s": self.parts, "placement": placement(self.dims(), cluster)}
+        if self.memory_parts is not None:
+            out["memory_parts_gib"] = {term: value / GIB for term, value in self.memory_parts.items()}
         if self.moe_imbalance is not None:
             out["moe_imbalance"] = dict(zip(("memory", "step_time"), self.moe_imbalance))
         if tokens:
@@ -200,10 +204,11 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
         except LayoutError:
             continue
         kept, paced = layout_imbalance(routing, layout.config, layout.dims)
-        memory = peak_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
+        memory_parts = peak_stage_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
+        memory = sum(memory_parts.values())
         time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches, paced)
         priced = (max(kept.values()) if isinstance(kept, dict) else kept, paced) if is_moe else None
         out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
-                             time.parts, priced))
+                             time.parts, priced, memory_parts))
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out

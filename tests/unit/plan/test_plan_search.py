@@ -54,6 +54,17 @@ def test_plan_cli_writes_ranked_json_and_the_best_config(tmp_path):
         # IT energy is nodes x node power x time; carbon that times the PUE and the grid's intensity (LUMI's table)
         assert e["co2_t"] == pytest.approx(e["energy_mwh"] * 1.1 * 0.385)
         assert abs(e["tokens_per_s"] * e["days"] * 86400 - 1e9) < 1e3
+        # the terms add up to the totals: the peak stage's memory, the step's time
+        assert sum(e["memory_parts_gib"].values()) == pytest.approx(e["memory_gib"])
+        assert e["memory_parts_gib"]["activations"] > 0 and e["memory_parts_gib"]["parameters"] > 0
+    # and the best fitting layout's terms are printed under the table, largest first
+    memory_line = next(line for line in done.stdout.splitlines() if line.startswith("#1 memory per device"))
+    parts = entries[0]["memory_parts_gib"]
+    largest = max(parts, key=parts.get)
+    assert f"{entries[0]['memory_gib']:.1f} GiB: {largest} {parts[largest]:.1f} GiB" in memory_line
+    step_line = next(line for line in done.stdout.splitlines() if line.startswith("#1 step, "))
+    slowest = max(entries[0]["step_parts_s"], key=entries[0]["step_parts_s"].get)
+    assert step_line.startswith(f"#1 step, {entries[0]['step_time_s']:.3f} s: {slowest} ")
     written = load_config(best)
     top = entries[0]["layout"]
     p = written.parallel
