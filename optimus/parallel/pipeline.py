@@ -25,14 +25,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from optimus.models.layers import rotary_cos_sin
 from optimus.models.moe import combine_router_stats, training_objective
 from optimus.models.transformer import Transformer
 from optimus.parallel.validate import check_pipeline_micro_batches
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp_schedule
+
+
+def _pipelining():
+    """torch.distributed.pipelining, imported where a pipeline is built: it imports torch._dynamo, about a second
+    of every process's start-up (each rank's, each CLI command's) that a run without pp does not need."""
+    from torch.distributed import pipelining
+
+    return pipelining
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule class for parallel.pp_schedule `name`."""
+    pipelining = _pipelining()
+    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+            "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}[name]
 
 
 class _InjectAuxLoss(torch.autograd.Function):
@@ -153,10 +167,10 @@ class PipelineRuntime:
             # the device of the weights now (a model built on meta is materialised after apply_pipeline)
             device = self.device or next(self.stages[0].parameters()).device
             pipe_stages = [
-                PipelineStage(module, sid, self.n_stages, device, group=group)
+                _pipelining().PipelineStage(module, sid, self.n_stages, device, group=group)
                 for module, sid in zip(self.stages, self.stage_ids)
             ]
-            cls = SCHEDULES[self.schedule_name]
+            cls = schedule_class(self.schedule_name)
             stage_arg = pipe_stages if self.schedule_name == "interleaved_1f1b" else pipe_stages[0]
             self._schedules[n_microbatches] = cls(stage_arg, n_microbatches, loss_fn=self._loss, scale_grads=False)
         return self._schedules[n_microbatches]
