@@ -60,14 +60,24 @@ def test_plan_here_uses_the_measured_machine_and_says_it_is_not_calibrated(here_
     assert all(0 < e["mfu"] <= 1 for e in entries)
 
 
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`optimus ARGS` in this process (exit code, stdout, stderr): what exits before any work needs no fresh
+    interpreter, whose start (torch's import) is seconds on a 2-core CPU."""
+    from optimus.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.parametrize("load, busy", [(3.5, True), (0.4, False)])
-def test_a_plan_from_timings_taken_on_a_busy_host_says_so(here_cache, config_file, load, busy):
+def test_a_plan_from_timings_taken_on_a_busy_host_says_so(here_cache, config_file, load, busy, capsys):
     here_cache(memory_gib=24, load=load)
-    result = run_cli("plan", str(config_file), "--cluster", "here", "--devices", "2")
-    assert result.returncode == 0, result.stderr
+    code, _, err = in_process(capsys, "plan", str(config_file), "--cluster", "here", "--devices", "2")
+    assert code == 0, err
     note = "the host was busy when it was measured (by the test) (load 3.5 on 2 cores)"
-    assert (note in result.stderr) is busy, result.stderr
-    assert ("--calibrate` again on a quiet host" in result.stderr) is busy
+    assert (note in err) is busy, err
+    assert ("--calibrate` again on a quiet host" in err) is busy
 
 
 def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran_on_fewer(here_cache, config_file,
@@ -92,10 +102,10 @@ def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran
     assert steps["2"] < steps["1"]
 
 
-def test_calibrate_needs_the_here_cluster(config_file):
-    result = run_cli("plan", str(config_file), "--cluster", "h100", "--devices", "8", "--calibrate")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
+def test_calibrate_needs_the_here_cluster(config_file, capsys):
+    code, _, err = in_process(capsys, "plan", str(config_file), "--cluster", "h100", "--devices", "8", "--calibrate")
+    assert code == 2
+    assert err.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
 
 
 @pytest.mark.slow  # measures this machine for real: about a minute on an idle 2-core CPU
@@ -167,19 +177,20 @@ def test_tune_starts_every_trial_with_the_launcher_given(here_cache, tmp_path, t
      "'no-such-srun' is not a program on PATH: run the search where it is (inside the allocation), or give its "
      "full path"),
 ])
-def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle):
-    result = run_cli("tune", str(config_file), *args)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith(needle)
+def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle, capsys):
+    code, _, err = in_process(capsys, "tune", str(config_file), *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.strip().endswith(needle), err
 
 
-def test_tune_with_more_ranks_than_cores_says_the_trials_time_share_them(here_cache, config_file):
+def test_tune_with_more_ranks_than_cores_says_the_trials_time_share_them(here_cache, config_file, capsys, tmp_path):
     from optimus.plan.here import cores as available_cores
 
     here_cache(memory_gib=0.01)  # nothing fits: the search ends at once, after the warning
     cores = available_cores()
-    result = run_cli("tune", str(config_file), "--trials", "1", "--ranks", str(2 * cores))
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    code, _, err = in_process(capsys, "tune", str(config_file), "--trials", "1", "--ranks", str(2 * cores),
+                              "--out", str(tmp_path / "tune"))
+    assert code == 2
+    lines = err.strip().splitlines()
     assert lines[0].startswith(f"warning: --ranks {2 * cores} on {cores} cores: the ranks take turns on the cores")
     assert lines[-1].startswith(f"optimus tune: error: no layout of {2 * cores} ranks")
