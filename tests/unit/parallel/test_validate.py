@@ -74,3 +74,12 @@ def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):
         with pytest.raises(LayoutError) as err:
             validate_layout(build_config(raw), world)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_micro_batch_counts_tried_are_every_divisor_in_order():
+    from optimus.parallel.validate import _divisors
+
+    for n in [*range(1, 400), 2**12, 3 * 5 * 7 * 11 * 13]:
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    assert _divisors(99_999_989) == [1, 99_999_989]  # a prime share of 10^8 samples: 10^4 trial divisions
+    assert _divisors(10**8)[-3:] == [25_000_000, 50_000_000, 100_000_000]
