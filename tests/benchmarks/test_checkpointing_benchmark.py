@@ -3,11 +3,14 @@ BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 SMALL_MODEL = "--model.n_layers=1,--model.d_model=64,--model.expert_ffn_hidden=64"
 
 
+@pytest.mark.slow  # real saves both ways: ~12 s on a 2-core AVX2 CPU (the flags are checked in make test)
 def test_one_layout_both_policies(load_benchmark, tmp_path):
     out = tmp_path / "out.json"
     assert load_benchmark("checkpointing").main(["--only", "moe-ep2-all_to_all", "--rounds", "1",

@@ -20,6 +20,7 @@ def test_both_dispatches_measured_in_the_same_ranks(load_benchmark, tmp_path):
     assert all(r["grad_max_abs_diff"] < 1e-5 for r in rows.values())
 
 
+@pytest.mark.slow  # a second real 4-rank run of the script (make test keeps the first): ~20 s on 2 cores
 def test_under_tp_only_the_ep_groups_exchanges_are_counted(load_benchmark, tmp_path):
     """TP 2 x EP 2 (4 ranks, zero1): the same ops also gather the sequence over tp; counted over the ep group alone,
     the allgather moves what the planner prices (each tp rank the whole micro-batch), and both dispatches agree."""

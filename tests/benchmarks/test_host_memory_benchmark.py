@@ -10,6 +10,7 @@ import pytest
 SMALL_MODEL = "--model.n_layers=1,--model.d_model=64,--model.ffn_hidden=128"
 
 
+@pytest.mark.slow  # real training runs both ways: ~20 s on a 2-core AVX2 CPU (the flags are checked in make test)
 def test_one_layout_each_way(load_benchmark, tmp_path, monkeypatch):
     script = load_benchmark("host_memory")
     sides = []

@@ -62,6 +62,7 @@ sys.exit(script.main())
 '''
 
 
+@pytest.mark.slow  # a 2-rank torchrun job that must wait out its layout timeout: ~13 s on 2 cores
 def test_a_stalled_rank_is_reported_as_hung_not_waited_on(tmp_path):
     wrapper, out = tmp_path / "stall_rank_1.py", tmp_path / "parity.json"
     wrapper.write_text(STALL_RANK_1.format(root=str(ROOT)))

@@ -37,6 +37,7 @@ def _check(rows, names):
         assert all(0 < r["efficiency"][k] <= 1 for k in ("dense_gemm", "attention", "memory_bound", "loss_head"))
 
 
+@pytest.mark.slow  # calibrates and trains for real: ~50 s on a 2-core AVX2 CPU (faked runs check the rest)
 def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypatch):
     from optimus.plan import calibrate
 
@@ -395,7 +396,8 @@ def _allocation_events(events):
     return found
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+# selective in make test-slow (~27 s more on a 2-core AVX2 CPU)
+@pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
 def test_memory_only_rows_meet_the_allocator_peak_under_checkpointing(load_benchmark, machine_cache, mode):
     """`--repeats 0` measures memory alone (no timed run, no step time compared), and what it compares is close:
     one process of the tiny dense model at seq 1,024, where the loss head's buffers (a [512, V] chunk) and the

@@ -110,7 +110,7 @@ def test_plan_cli_hints_bf16_gradient_reduction_only_where_the_config_reduces_in
 
     monkeypatch.chdir(tmp_path)
     args = ["plan", str(REPO / "configs" / "mula-7b-a1b.yaml"), "--cluster", "frontier", "--devices", "64", "--top",
-            "1", "--train.global_batch_size=64"]
+            "1", "--train.global_batch_size=64", "--only", "tp=1", "--only", "pp=1"]  # a tenth of the search
     assert main([*args, "--parallel.grad_reduce_dtype=fp32"]) == 0
     hint = [line for line in capsys.readouterr().out.splitlines() if "--parallel.grad_reduce_dtype=bf16" in line]
     assert len(hint) == 1 and "x faster" in hint[0], hint
