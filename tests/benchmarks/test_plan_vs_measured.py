@@ -396,8 +396,8 @@ def _allocation_events(events):
     return found
 
 
-# selective in make test-slow (~27 s more on a 2-core AVX2 CPU)
-@pytest.mark.parametrize("mode", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two real runs at seq 1,024: ~30 s each on a 2-core AVX2 CPU (faked runs check the rest)
+@pytest.mark.parametrize("mode", ["full", "selective"])
 def test_memory_only_rows_meet_the_allocator_peak_under_checkpointing(load_benchmark, machine_cache, mode):
     """`--repeats 0` measures memory alone (no timed run, no step time compared), and what it compares is close:
     one process of the tiny dense model at seq 1,024, where the loss head's buffers (a [512, V] chunk) and the
