@@ -126,7 +126,7 @@ def group_link(dims: ParallelDims, group: tuple[str, ...], cluster: Cluster) -> 
 # group_link's answers by cluster (its id, with the cluster kept alive beside it), mesh and group: a search prices
 # each of a job's few groups for tens of thousands of layouts, a dozen times each
 _LINKS: dict[tuple, tuple[Cluster, Link]] = {}
-_MOST_LINKS = 50_000
+_MOST_LINKS = 10_000  # a search of a preset keeps a few thousand (meshes x groups); `here` makes a cluster a layout
 
 
 def _beside_compute(dims: ParallelDims, group: tuple[str, ...]) -> bool:

@@ -42,8 +42,10 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
             line += f" {cost['days']:>7.2f} {cost['energy_mwh']:>8.1f} {cost['co2_t']:>7.1f}"
         lines.append(line)
     best = next((c for c in candidates if c.fits), None)
-    if best is not None:
-        lines += breakdown(best, candidates.index(best) + 1)
+    # the best that fits; where none does, the one that comes closest: what it would take to fit
+    shown = best or min(candidates, key=lambda c: c.memory_bytes, default=None)
+    if shown is not None:
+        lines += breakdown(shown, candidates.index(shown) + 1)
     if tokens:
         lines.append(f"energy: nodes x {cluster.node_power_kw:g} kW x time (IT energy); carbon = MWh x PUE "
                      f"{cluster.pue:g} x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")

@@ -210,3 +210,15 @@ def test_plan_cli_only_keeps_to_the_restriction_and_refuses_a_bad_one(monkeypatc
         assert main([*args, "--overwrite", *bad]) == 2  # the plan.json the first search wrote stays
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_where_nothing_fits_the_layout_closest_to_fitting_is_broken_down(monkeypatch, tmp_path, capsys):
+    from optimus.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(REPO / "configs" / "mula-220b-a10b.yaml"), "--cluster", "h100", "--devices", "8",
+                 "--top", "1", "--train.global_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "no layout fits 80 GiB devices" in out
+    (line,) = [line for line in out.splitlines() if " memory per device" in line]
+    assert line.startswith("#") and "optimizer" in line and "parameters" in line
