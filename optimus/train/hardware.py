@@ -189,13 +189,15 @@ class LocalAccelerators:
 
 
 def local_accelerators() -> LocalAccelerators | None:
-    """This machine's accelerators (launch.device_for's choice: CUDA/ROCm first, then XPU), or None: the CPU."""
-    for device_type in ("cuda", "xpu"):
-        backend = getattr(torch, device_type, None)
-        if backend is not None and backend.is_available() and backend.device_count() > 0:
-            props = backend.get_device_properties(0)
-            return LocalAccelerators(device_type, props.name, backend.device_count(), props.total_memory / 1024**3)
-    return None
+    """This machine's accelerators, of the kind launch.device_for gives local rank 0, or None: the CPU."""
+    from optimus.parallel.launch import device_for
+
+    device = device_for(0)
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type)
+    props = backend.get_device_properties(device)
+    return LocalAccelerators(device.type, props.name, backend.device_count(), props.total_memory / 1024**3)
 
 
 def probe_local_accelerators(timeout_s: float = 120.0) -> LocalAccelerators | None:
