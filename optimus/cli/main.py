@@ -119,7 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "starts from one)")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --cluster here: time matmuls, memory-bound ops, operator overhead and gloo "
-                           "collectives at this config's shapes, store the fit for later runs, print it")
+                           "collectives at this config's shapes, store the fit for later runs, print it; with a GPU "
+                           "cluster, on a node of its devices: time the op classes and the node's collectives, "
+                           "write them as a cluster file (--calibrated-cluster) and plan on it")
+    plan.add_argument("--calibrated-cluster", default=None, metavar="FILE",
+                      help="with --calibrate on a GPU node: the cluster file to write (default: "
+                           "CLUSTER-calibrated.yaml here)")
     plan.add_argument("--devices", type=int, required=True, help="devices (GPU tiles / GCDs) of the job: whole nodes")
     plan.add_argument("--tokens", type=float, default=None, help="token budget: also print days, MWh and tCO2e")
     plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")

@@ -25,9 +25,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.search import parse_only, plan
 
     only = parse_only(args.only or [])
-    if args.calibrate and args.cluster != "here":
-        raise UsageError(f"--calibrate measures this machine: use it with --cluster here (not '{args.cluster}')")
     cluster = None if args.cluster == "here" else load_cluster(args.cluster)  # an unknown one fails before the config
+    calibrated_file = _calibrated_cluster_file(args, cluster)
     if args.tokens is not None and not 0 < args.tokens < math.inf:
         raise UsageError(f"--tokens must be a positive number of tokens (got {args.tokens:g})")
     if args.top < 1:
@@ -57,6 +56,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         smaller_config(config, args.devices, args.scaling_from, scaling)  # a batch the smaller run cannot split
     if cluster is None:
         cluster = _here_cluster(config, args.devices, args.calibrate, args.config)
+    elif calibrated_file is not None:
+        cluster = _calibrate_node(config, cluster, calibrated_file, args)
     # (`here` is one machine whatever its ranks: fewer of them are the smaller run)
     if args.scaling_from is not None and args.cluster != "here" and args.scaling_from % cluster.devices_per_node:
         raise UsageError(f"--scaling-from {args.scaling_from} is not a multiple of the {cluster.devices_per_node} "
@@ -121,6 +122,45 @@ def check_plan_outputs(args: argparse.Namespace) -> None:
             what = ("is the config being planned" if Path(path).resolve() == Path(args.config).resolve()
                     else "already exists")
             raise UsageError(f"{flag} {path} {what}: choose another file, or pass --overwrite to replace it")
+
+
+def _calibrated_cluster_file(args: argparse.Namespace, cluster) -> Path | None:
+    """Where --calibrate on a GPU cluster writes its file (checked before anything is measured), or None."""
+    if args.calibrated_cluster and not (args.calibrate and cluster is not None):
+        raise UsageError("--calibrated-cluster names the file --calibrate writes on a GPU node: give --calibrate and a "
+                         "GPU cluster with it (--cluster here keeps its calibration in its own cache)")
+    if not args.calibrate or cluster is None:
+        return None
+    path = args.calibrated_cluster or f"{cluster.name}-calibrated.yaml"
+    output_location("--calibrated-cluster", path)
+    if Path(path).exists() and not args.overwrite:
+        raise UsageError(f"--calibrated-cluster {path} already exists: choose another file, or pass --overwrite to "
+                         "replace it")
+    return Path(path)
+
+
+def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
+    """Measure this node's accelerators for `cluster` (plan/calibrate_node.py), write the cluster file, print what
+    changed, and return the cluster as read back from the file."""
+    from optimus.plan.calibrate_node import (calibrated_cluster_text, check_devices, describe_node, measure_node,
+                                             write_calibrated)
+    from optimus.plan.cluster import load_cluster
+    from optimus.train.hardware import probe_local_accelerators
+
+    from optimus.parallel.validate import validate_layout
+
+    found = probe_local_accelerators()
+    check_devices(cluster, found, args.cluster)
+    config = validate_layout(config).config  # the micro-batch timed: the configured layout's (one rank when none)
+    what = (f"{Path(args.config).name}: {config.train.micro_batch_size} x {config.train.seq_len} tokens a "
+            f"micro-batch")
+    print(f"calibrating {cluster.name} on this node's {found.count} {found.name} (op classes at {what}; "
+          f"collectives over {min(found.count, cluster.devices_per_node)} devices): a few minutes", flush=True)
+    measured = measure_node(config, cluster, found)
+    write_calibrated(path, calibrated_cluster_text(cluster, measured, found, what))
+    print("\n".join(describe_node(cluster, measured)))
+    print(f"calibration written to {path}: plan on it with --cluster {path}")
+    return load_cluster(str(path))
 
 
 def sorted_values(values: frozenset[str]) -> str:

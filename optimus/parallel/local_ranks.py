@@ -1,7 +1,9 @@
-"""Run a measurement on R forked CPU ranks of this machine, joined by gloo over a file rendezvous.
+"""Run a measurement on R forked ranks of this machine, joined over a file rendezvous: CPU ranks by gloo, or one
+rank per local accelerator by its own library (NCCL/RCCL, XCCL: launch.backend_for).
 
-For the planner's calibration (optimus/plan/calibrate.py): it times collectives and the share of the
-cores R processes get, here, without a launcher. Forked children run one thread each (a fork after
+For the planner's calibration (optimus/plan/calibrate.py, calibrate_node.py): it times collectives and the share
+of the cores R processes get, or a node's devices, without a launcher. The parent opens no device context (a
+forked child could not use one its parent holds). Forked children run one thread each (a fork after
 OpenMP started several can hang in its first multi-threaded op, see CPU-NOTES) and leave through
 barrier + destroy + os._exit, so no rank aborts at interpreter exit. Results travel as JSON: they
 are plain numbers and lists, and nothing a child wrote is ever unpickled.
@@ -27,11 +29,16 @@ class LocalRanksError(RuntimeError):
     """A rank failed or did not finish in time; the message says which and why."""
 
 
-def _child(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+def _child(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple, device_type: str) -> None:
+    from optimus.parallel.launch import backend_for, device_for
+
     torch.set_num_threads(1)
     outcome: dict[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        device = device_for(rank, device_type)
+        if device.type != "cpu":
+            getattr(torch, device.type).set_device(device)
+        dist.init_process_group(backend_for(device), init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         outcome = {"ok": fn(rank, world, *args)}
         dist.barrier()
@@ -45,15 +52,17 @@ def _child(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, ar
         os._exit(0)
 
 
-def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """fn(rank, world, *args) on `world` forked gloo ranks; each rank's JSON-serialisable result, in rank order."""
+def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0,
+                       device_type: str = "cpu") -> list[Any]:
+    """fn(rank, world, *args) on `world` forked ranks, each on launch.device_for(rank, device_type) (gloo on the
+    CPU); each rank's JSON-serialisable result, in rank order."""
     with tempfile.TemporaryDirectory(prefix="optimus-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         pids = {}
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
-                _child(rank, world, init_file, tmp, fn, args)
+                _child(rank, world, init_file, tmp, fn, args, device_type)
             pids[rank] = pid
         pending = wait_or_kill(pids, timeout)
         results, failures = [], []

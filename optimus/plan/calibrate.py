@@ -105,13 +105,17 @@ def burst_calls(nbytes: int) -> int:
 
 
 def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int, members: int | None = None,
-                      others: str = "collectives", done_file: str = "") -> list[dict[str, Any]]:
+                      others: str = "collectives", done_file: str = "", device_type: str = "cpu",
+                      large_bytes: int = 8 * 1024 * 1024) -> list[dict[str, Any]]:
     """(runs on each forked rank) the mean seconds per call of each collective and size over `repeats` bursts of
     back-to-back calls (burst_calls; the slowest tenth of the bursts dropped), the slowest rank's. With `members`,
     over consecutive groups of that many ranks (rows say `ranks`: members, `job`: world, `others`): every group
     at once (`others` "collectives"), or the first group while the others run matmuls until it writes
-    `done_file` ("compute")."""
+    `done_file` ("compute"). On `device_type` ranks (one local accelerator each: calibrate_node.py) each burst is
+    timed to the end of its work; messages past `large_bytes` take LARGE_MESSAGE_REPEATS bursts at most."""
     import torch.distributed as dist
+
+    from optimus.parallel.launch import device_for
 
     from optimus.train.host_memory import reuse_freed_host_memory
 
@@ -129,11 +133,13 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
             while not os.path.exists(done_file):
                 a @ b
             return []
+    device = device_for(rank, device_type)
+    sync = synchronizer(device)
     rows = []
     for op in COLLECTIVES:
         for nbytes in sizes:
             n = max(g, nbytes // 4 // g * g)  # gathered / reduced elements, divisible by the group
-            full, part = torch.ones(n), torch.ones(n // g)
+            full, part = torch.ones(n, device=device), torch.ones(n // g, device=device)
             run: Callable[[], None] = {
                 "all_reduce": lambda: dist.all_reduce(full, group=group),
                 "all_gather": lambda: all_gather_single(full, part, group=group),
@@ -141,15 +147,18 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
                 "all_to_all": lambda: dist.all_to_all_single(full.clone(), full, group=group),
             }[op]
             run()
+            sync()
             calls, times = burst_calls(4 * n), []
-            for _ in range(repeats if nbytes <= 8 * 1024 * 1024 else min(repeats, LARGE_MESSAGE_REPEATS)):
+            for _ in range(repeats if nbytes <= large_bytes else min(repeats, LARGE_MESSAGE_REPEATS)):
                 dist.barrier(group=group)
+                sync()
                 start = time.perf_counter()
                 for _ in range(calls):
                     run()
+                sync()
                 times.append((time.perf_counter() - start) / calls)
             kept = sorted(times)[:max(1, len(times) - len(times) // 10)]
-            slowest = torch.tensor([statistics.fmean(kept)], dtype=torch.float64)
+            slowest = torch.tensor([statistics.fmean(kept)], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             rows.append({"op": op, "ranks": g, "bytes": 4 * n, "seconds": float(slowest)} |
                         ({"job": world, "others": others} if g < world else {}))
@@ -299,15 +308,26 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def best_time(fn: Callable[[], None], repeats: int = 2) -> float:
-    """The fastest of `repeats` timed calls of `fn`, after one untimed call (allocation, first dispatch)."""
+def best_time(fn: Callable[[], None], repeats: int = 2, device: torch.device | None = None) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call (allocation, first dispatch); on an
+    accelerator each timed to the end of its work (the device runs it after the call returns)."""
+    sync = synchronizer(device)
     fn()  # warm-up: allocation and first-call dispatch
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def synchronizer(device: torch.device | None) -> Callable[[], None]:
+    """What waits for `device`'s queued work (cuda and ROCm, xpu); nothing on the CPU."""
+    if device is None or device.type == "cpu":
+        return lambda: None
+    return getattr(torch, device.type).synchronize
 
 
 def _forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
@@ -317,13 +337,13 @@ def _forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) ->
     return run
 
 
-def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS) -> dict[str, float]:
-    """Time the trainer's gradient clipping and AdamW step (optim/build.py's kernel choice) on this thread over
-    `elements` fp32 parameters in a few tensors; the bytes are what step_time charges for them."""
+def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS, device: torch.device | None = None) -> dict[str, float]:
+    """Time the trainer's gradient clipping and AdamW step (optim/build.py's kernel choice) on this thread (or
+    `device`) over `elements` fp32 parameters in a few tensors; the bytes are what step_time charges for them."""
     from optimus.optim.build import adamw_kernel
     from optimus.train.step import clip_gradients
 
-    params = [torch.nn.Parameter(torch.randn(part) * 0.02) for part in [elements // 8] * 8]
+    params = [torch.nn.Parameter(torch.randn(part, device=device) * 0.02) for part in [elements // 8] * 8]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     optimizer = torch.optim.AdamW(params, lr=1e-4, **adamw_kernel([{"params": params}]))
@@ -331,7 +351,8 @@ def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS) -> dict[str, floa
     def step() -> None:
         clip_gradients(params, 1.0)
         optimizer.step()
-    return {"seconds": best_time(step, 3), "bytes": float(sum(p.numel() for p in params) * OPTIMIZER_BYTES_PER_ELEMENT)}
+    return {"seconds": best_time(step, 3, device),
+            "bytes": float(sum(p.numel() for p in params) * OPTIMIZER_BYTES_PER_ELEMENT)}
 
 
 # calls each compute class is timed over, the fastest counting: on a shared host one slow call of two set a class's
@@ -340,9 +361,12 @@ def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS) -> dict[str, floa
 COMPUTE_REPEATS = 4
 
 
-def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float) -> dict[str, Any]:
+def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float,
+                       device: torch.device | None = None, time_dtensor: bool = True) -> dict[str, Any]:
     """Time each op class at `config`'s shapes (on this process's threads, against the peak and copy bandwidth
-    they have); return each class's efficiency and what it timed."""
+    they have; or on an accelerator `device`, against its datasheet peak and HBM bandwidth: calibrate_node.py);
+    return each class's efficiency and what it timed. `time_dtensor` False: no DTensor overhead (an accelerator's
+    host dispatches it ahead of the device: the GPU presets' 0)."""
     from optimus.ops import moe_experts_forward
     from optimus.ops.cross_entropy import linear_cross_entropy
 
@@ -352,8 +376,13 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     tokens = (train.micro_batch_size or 1) * train.seq_len
     h, kv, f = m.d_model, m.kv_heads * m.head_dim, (m.ffn_hidden or 4 * m.d_model)
 
+    on_host = device is None or device.type == "cpu"
+
     def tensor(*shape: int, grad: bool = True) -> torch.Tensor:
-        return (torch.randn(*shape) * 0.02).to(dt).requires_grad_(grad)
+        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_(grad)
+
+    def timed(fn: Callable[[], None], repeats: int = COMPUTE_REPEATS) -> float:
+        return best_time(fn, repeats, device)
 
     x = tensor(tokens, h)
     measured: dict[str, Any] = {}
@@ -366,7 +395,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     flops = seconds = 0.0
     for fan_in, fan_out in shapes:
         inp = x if fan_in == h else tensor(tokens, fan_in)
-        seconds += best_time(_forward_backward(lambda a, w: a @ w, inp, tensor(fan_in, fan_out)), COMPUTE_REPEATS)
+        seconds += timed(_forward_backward(lambda a, w: a @ w, inp, tensor(fan_in, fan_out)))
         flops += 6.0 * tokens * fan_in * fan_out
     measured["dense_gemm"] = {"seconds": seconds, "flops": flops}
     if m.is_moe:
@@ -377,37 +406,38 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         experts = max(1, m.n_experts // (config.parallel.ep * tp))
         picks = min(k, experts)
         routed = max(1, -(-tokens * k // (tp * picks)))  # tokens whose `picks` copies make this rank's T k / tp
-        ids = torch.stack([torch.randperm(experts)[:picks] for _ in range(routed)])
-        weights = torch.softmax(torch.randn(routed, picks), dim=-1).to(dt)
+        ids = torch.stack([torch.randperm(experts)[:picks] for _ in range(routed)]).to(device)
+        weights = torch.softmax(torch.randn(routed, picks, device=device), dim=-1).to(dt)
         run = _forward_backward(lambda a, wgu, wd: moe_experts_forward(a, ids, weights, wgu, wd), tensor(routed, h),
                                 tensor(experts, h, 2 * fe), tensor(experts, fe, h))
-        measured["grouped_gemm"] = {"seconds": best_time(run, COMPUTE_REPEATS), "flops": 18.0 * routed * picks * h * fe,
+        measured["grouped_gemm"] = {"seconds": timed(run), "flops": 18.0 * routed * picks * h * fe,
                                     "experts": experts}
     heads, seq = max(1, m.n_heads // tp), train.seq_len  # a tp rank's heads
     batch = max(1, tokens // seq)
     q = tensor(batch, heads, seq, m.head_dim)
     kk, vv = tensor(batch, heads, seq, m.head_dim), tensor(batch, heads, seq, m.head_dim)
     run = _forward_backward(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, kk, vv)
-    measured["attention"] = {"seconds": best_time(run, COMPUTE_REPEATS),
+    measured["attention"] = {"seconds": timed(run),
                              "flops": 12.0 * tokens * heads * m.head_dim * seq}
     # memory bound: a norm, a SwiGLU product, a residual add, and the loss's fp32 softmax over the vocabulary
     from optimus.models.layers import RMSNorm
 
-    norm = RMSNorm(h).to(dt)
+    norm = RMSNorm(h).to(device=device, dtype=dt)
     gate, up, res = tensor(tokens, f), tensor(tokens, f), tensor(tokens, h)
     block = _forward_backward(lambda a, g, u, r: norm(a).sum() + (F.silu(g) * u).sum() + (a + r).sum(), x, gate, up, res)
     # tens of milliseconds: more repeats, or one slow call (another process on the core) sets the efficiency
-    measured["memory_bound"] = {"seconds": best_time(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
-    # the loss head over a tp rank's share of the vocabulary (optimus/parallel/vocab_parallel.py)
-    rows, vocab = min(tokens, 1024), -(-m.vocab_size // tp)
-    labels = torch.randint(0, vocab, (rows,))
+    measured["memory_bound"] = {"seconds": timed(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
+    # the loss head over a tp rank's share of the vocabulary (optimus/parallel/vocab_parallel.py): the CPU's chunked
+    # kernel keeps one rate per row past a chunk; an accelerator's plain path (ops/cross_entropy.py) runs all rows
+    rows, vocab = (min(tokens, 1024) if on_host else tokens), -(-m.vocab_size // tp)
+    labels = torch.randint(0, vocab, (rows,), device=device)
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
-    measured["loss_head"] = {"seconds": best_time(run, COMPUTE_REPEATS), "flops": 6.0 * rows * h * vocab}
-    measured["optimizer"] = measure_optimizer_step()
+    measured["loss_head"] = {"seconds": timed(run), "flops": 6.0 * rows * h * vocab}
+    measured["optimizer"] = measure_optimizer_step(device=device)
     measured["buffer_copy"] = measure_buffer_copies(
-        dt, torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32)
+        dt, torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32, device)
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
-    tiny = torch.ones(8, requires_grad=True)
+    tiny = torch.ones(8, requires_grad=True, device=device)
 
     def chain() -> None:
         y = tiny
@@ -417,9 +447,10 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 
     with CountOps() as counter:
         chain()
-    measured["op_overhead"] = {"seconds": best_time(chain, 5), "operators": counter.count}
+    measured["op_overhead"] = {"seconds": timed(chain, 5), "operators": counter.count}
     # what tp's DTensors add per operator: one block under tp on a one-rank mesh vs plain (a forked rank)
-    measured["dtensor_overhead"] = measure_dtensor_overhead(config, dtype)
+    measured["dtensor_overhead"] = (measure_dtensor_overhead(config, dtype) if time_dtensor else
+                                    {"us_per_operator": 0.0, "not timed": "the host dispatches ahead of the device"})
 
     def rate(name: str) -> float:
         return min(1.0, measured[name]["flops"] / measured[name]["seconds"] / peak_flops)
@@ -439,17 +470,18 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 BUFFER_COPY_ELEMENTS = (8 * 1024 * 1024, 4 * 1024 * 1024, 2 * 1024 * 1024, 1024 * 1024, 1024 * 1024)
 
 
-def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype) -> dict[str, float]:
+def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype,
+                          device: torch.device | None = None) -> dict[str, float]:
     """Data parallelism's copies as FSDP makes them (optim/sharded.py's packing is the same kind), over 16 M elements
     in `dtype` (past the last-level cache, as a model's larger units are): a unit's tensors concatenated into one
     flat buffer and split back out (its all-gather's copy-in and copy-out: torch.cat, torch.split_with_sizes_copy),
     and chunk-concatenated into a `reduce_dtype` buffer (its reduce-scatter's copy-in: torch._chunk_cat, which
     casts slower than a plain copy does: 0.56 of a copy's bandwidth from fp32 to bf16 on a 2-core
     EPYC, 0.94 without the cast); a read and a write per element each."""
-    tensors = [torch.randn(n).to(dtype) for n in BUFFER_COPY_ELEMENTS]
+    tensors = [torch.randn(n, device=device).to(dtype) for n in BUFFER_COPY_ELEMENTS]
     elements = sum(BUFFER_COPY_ELEMENTS)
-    flat = torch.empty(elements, dtype=dtype)
-    reduce_input = torch.empty(2, elements // 2, dtype=reduce_dtype)
+    flat = torch.empty(elements, dtype=dtype, device=device)
+    reduce_input = torch.empty(2, elements // 2, dtype=reduce_dtype, device=device)
     back = [torch.empty_like(t) for t in tensors]
 
     def copies() -> None:
@@ -457,7 +489,8 @@ def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype) -> dict
         torch.split_with_sizes_copy(flat, list(BUFFER_COPY_ELEMENTS), out=back)
         torch._chunk_cat(tensors, 0, 2, out=reduce_input)
     width, reduce_width = flat.element_size(), reduce_input.element_size()
-    return {"seconds": best_time(copies, COMPUTE_REPEATS), "bytes": elements * (4 * width + width + reduce_width)}
+    return {"seconds": best_time(copies, COMPUTE_REPEATS, device),
+            "bytes": elements * (4 * width + width + reduce_width)}
 
 
 def calibrate_op_classes(config: Config, entry: dict[str, Any], threads: int = 1) -> dict[str, Any]:

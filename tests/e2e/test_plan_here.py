@@ -102,12 +102,6 @@ def test_a_lone_rank_is_planned_on_its_threads_and_told_when_the_calibration_ran
     assert steps["2"] < steps["1"]
 
 
-def test_calibrate_needs_the_here_cluster(config_file, capsys):
-    code, _, err = in_process(capsys, "plan", str(config_file), "--cluster", "h100", "--devices", "8", "--calibrate")
-    assert code == 2
-    assert err.strip().splitlines()[-1].endswith("use it with --cluster here (not 'h100')")
-
-
 @pytest.mark.slow  # measures this machine for real: about a minute on an idle 2-core CPU
 def test_calibrate_times_the_configured_layouts_micro_batch_and_dtensor_dispatch(here_cache, config_file):
     """A config that sets tp 2 is calibrated at its own layout (it once failed: validated as one rank), and the

@@ -1,0 +1,157 @@
+"""`optimus plan --calibrate --cluster NAME` on a node of NAME's accelerators (optimus/plan/calibrate_node.py).
+
+There is no GPU here: the node's "devices" are CPU ranks (measure_node's device_type), which run every line the
+GPU path runs but the device's own library, its synchronize and torch.compile's GPU kernels. What that yields is
+checked as the planner reads it: the file it writes loads as a cluster, carries what was measured and the rest of
+the preset, and plans.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from optimus.config import ConfigError, load_config
+from optimus.plan import calibrate_node
+from optimus.plan.calibrate_node import calibrated_cluster_text, check_devices, describe_node, measure_node
+from optimus.plan.cluster import load_cluster
+from optimus.plan.efficiency import Efficiency
+from optimus.plan.search import plan
+from optimus.train.hardware import LocalAccelerators
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+H100S = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 2, 79.19)
+SMALL = {"sizes": (4096, 65536), "repeats": 3, "matmul_size": 256}  # a CPU's minute, not a GPU's
+
+
+def _config(*overrides: str):
+    return load_config(CONFIGS / "mula-tiny-moe.yaml",
+                       ["--train.seq_len=64", "--train.micro_batch_size=2", "--train.dtype=fp32", *overrides])
+
+
+def test_only_the_clusters_own_devices_are_calibrated():
+    h100 = load_cluster("h100")
+    with pytest.raises(ConfigError, match="torch sees no GPU or XPU here: run it on such a node, or give --cluster "
+                                          "here to calibrate this CPU"):
+        check_devices(h100, None, "h100")
+    with pytest.raises(ConfigError, match="measures H100 devices, but this node has 8 AMD Instinct MI250X"):
+        check_devices(h100, LocalAccelerators("cuda", "AMD Instinct MI250X", 8, 64.0), "h100")
+    check_devices(h100, H100S, "h100")  # an H100 node: measured
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """One measurement of the tiny MoE on two CPU "devices", shared by the checks below."""
+    return measure_node(_config(), load_cluster("h100"), H100S, compile_block=False, device_type="cpu", **SMALL)
+
+
+def test_the_written_file_is_the_preset_with_what_the_node_measured(measured, tmp_path):
+    h100 = load_cluster("h100")
+    path = tmp_path / "node.yaml"
+    calibrate_node.write_calibrated(path, calibrated_cluster_text(h100, measured, H100S, "the tiny MoE"))
+    node = load_cluster(str(path))
+    assert node.name == "h100-calibrated" and node.device == "H100"
+    assert node.memory_gb == pytest.approx(79.19)  # the device's own report, not the datasheet's 80
+    # the collectives over the node's 2 ranks, fitted to comms.py's ring: its alpha and beta
+    link = measured["link"]
+    assert len(link["rows"]) == 4 * len(SMALL["sizes"]) and {r["ranks"] for r in link["rows"]} == {2}
+    assert node.intra_node_latency_us == pytest.approx(link["alpha_us"], rel=1e-3)
+    assert node.intra_node_gb_s == pytest.approx(link["beta_gb_s"], rel=1e-3)
+    # every op class measured (fractions of the H100's peaks: tiny on a CPU, but what was timed), to 4 digits
+    for name, value in measured["efficiency"].items():
+        assert getattr(node.efficiency, name) == pytest.approx(value, rel=1e-3, abs=1e-12), name
+    assert 0 < node.efficiency.dense_gemm < 0.05 and node.efficiency.op_overhead_us > 0
+    assert node.efficiency.dtensor_overhead_us == 0  # not timed: an accelerator's host dispatches ahead
+    assert node.efficiency.eager_memory_traffic == 1  # compile_block off: memory_bound is the eager block's
+    for key in ("devices_per_node", "hbm_gb_s", "inter_node_gb_s", "nics_per_node", "inter_node_latency_us",
+                "node_power_kw", "pue", "grid_kgco2_per_kwh"):
+        assert getattr(node, key) == getattr(h100, key), key
+    assert node.peak_flops("bf16") == h100.peak_flops("bf16")
+    # and it plans: slower than the preset, every op class being far below the preset's
+    config = _config()
+    on_node, on_preset = plan(config, node, 8)[0], plan(config, h100, 8)[0]
+    assert on_node.step_s > 10 * on_preset.step_s
+
+
+def test_what_was_measured_is_printed_beside_the_clusters_figures(measured):
+    lines = describe_node(load_cluster("h100"), measured)
+    assert lines[0].startswith("  fp32 matmul 256^3:") and "of the 67 TFLOP/s h100 prices" in lines[0]
+    assert any(line.split()[0] == "grouped_gemm" and "(h100: 0.600)" in line for line in lines)
+    assert "memory_bound is the eager block's: compile_block off" in "\n".join(lines)
+    assert lines[-1].startswith("  intra-node, 2 devices: alpha")
+    assert "(h100: 3 us, 450 GB/s); 64 KiB: all_reduce" in lines[-1]
+
+
+def test_a_node_of_one_device_keeps_the_clusters_link():
+    one = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 1, 79.19)
+    h100 = load_cluster("h100")
+    measured = {"efficiency": Efficiency().to_dict(), "link": None, "ranks": 1, "dtype": "bf16",
+                "timed": {"matmul": {"flops_s": 7e14, "size": 8192}, "memory_bound_compiled": {"seconds": 1.0}}}
+    text = calibrated_cluster_text(h100, measured, one, "a test")
+    assert "intra_node_gb_s: 450  # h100's: one device here, nothing to time" in text
+    assert describe_node(h100, measured)[-1] == "  intra-node: one device here, h100's link kept"
+
+
+def test_numbers_never_take_exponent_form():
+    """YAML 1.1 (PyYAML) reads 1e+04 as a string: every number is written positional."""
+    assert calibrate_node._number(10000.0) == "10000" and calibrate_node._number(0.00063281) == "0.0006328"
+    assert calibrate_node._number(3.14159) == "3.142"
+
+
+@pytest.mark.slow  # torch.compile's C++ build of the block on a CPU: about a minute on 2 cores
+def test_the_compiled_block_sets_memory_bound_and_the_eager_traffic():
+    measured = measure_node(_config(), load_cluster("h100"), H100S, device_type="cpu", **SMALL)
+    compiled = measured["timed"]["memory_bound_compiled"]
+    assert "seconds" in compiled, compiled  # this CPU has a compiler: the block was compiled and timed
+    eager = measured["timed"]["memory_bound"]
+    assert measured["efficiency"]["memory_bound"] == pytest.approx(
+        min(1.0, eager["bytes"] / compiled["seconds"] / 3350e9))
+    assert measured["efficiency"]["eager_memory_traffic"] == pytest.approx(
+        max(1.0, eager["seconds"] / compiled["seconds"]))
+
+
+def _in_process(capsys, *args: str) -> tuple[int, str, str]:
+    from optimus.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_cli_refuses_a_node_without_the_clusters_devices(monkeypatch, tmp_path, capsys):
+    from optimus.train import hardware
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hardware, "probe_local_accelerators", lambda: None)
+    code, _, err = _in_process(capsys, "plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100",
+                               "--devices", "8", "--calibrate")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "torch sees no GPU or XPU here" in err and not (tmp_path / "h100-calibrated.yaml").exists()
+    code, _, err = _in_process(capsys, "plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100",
+                               "--devices", "8", "--calibrated-cluster", "x.yaml")
+    assert code == 2 and "give --calibrate and a GPU cluster with it" in err
+
+
+def test_the_cli_writes_the_calibrated_cluster_plans_on_it_and_keeps_it(monkeypatch, tmp_path, capsys):
+    from optimus.train import hardware
+
+    monkeypatch.chdir(tmp_path)
+    cpu_node = LocalAccelerators("cpu", H100S.name, 2, 79.19)  # CPU ranks under an H100's name
+    monkeypatch.setattr(hardware, "probe_local_accelerators", lambda: cpu_node)
+    monkeypatch.setattr(calibrate_node, "measure_node",
+                        functools.partial(calibrate_node.measure_node, compile_block=False, **SMALL))
+    args = ("plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100", "--devices", "8", "--calibrate",
+            "--train.seq_len=64", "--train.dtype=fp32")
+    code, out, err = _in_process(capsys, *args)
+    assert code == 0, err
+    assert "calibrating h100 on this node's 2 NVIDIA H100 80GB HBM3" in out
+    assert "calibration written to h100-calibrated.yaml: plan on it with --cluster h100-calibrated.yaml" in out
+    assert "valid layouts of 8 h100-calibrated devices (" in out.split("calibration written")[1]  # planned on it
+    written = (tmp_path / "h100-calibrated.yaml").read_text()
+    assert load_cluster("h100-calibrated.yaml").efficiency.dense_gemm < 0.05
+    # again: the file stays unless --overwrite, refused before anything is measured
+    code, out, err = _in_process(capsys, *args)
+    assert code == 2 and "--calibrated-cluster h100-calibrated.yaml already exists" in err and "calibrating" not in out
+    assert (tmp_path / "h100-calibrated.yaml").read_text() == written
