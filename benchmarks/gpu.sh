@@ -21,6 +21,8 @@
 #    process, within the CPU parity tests' tolerances (steps layouts-2, layouts-4, layouts-8).
 # 8. where optuna is installed, `optimus tune` on this GPU: two real trials of mula-tiny-moe, priced and pruned as
 #    the preset of the GPU's kind with its own memory (optimus/plan/tune.py trial_cluster).
+# 9. `optimus plan --calibrate` on the preset of the GPU's kind: Mula-7B-A1B's op classes on this GPU and the
+#    collectives over its GPUs, written as OUT_DIR/calibrated.yaml beside the preset's figures (calibrate_node.py).
 # Each step's log and JSON go to OUT_DIR; a failing step is reported and the others still run.
 #
 # The Python used is $PYTHON (default python3); it needs torch with CUDA, triton, transformers,
@@ -72,6 +74,14 @@ if "$PYTHON" -c "import optuna" 2>/dev/null; then
     step tune "$PYTHON" -m optimus tune configs/mula-tiny-moe.yaml --trials 2 --out "$OUT/tune" --overwrite
 else
     echo "=== tune: optuna is not installed here (pip install optuna): skipped"
+fi
+preset=$("$PYTHON" -c "import torch; from optimus.plan.tune import accelerator_preset as p
+print(p(torch.cuda.get_device_name(0)) or '')" 2>/dev/null)
+if [ -n "$preset" ]; then
+    step calibrate "$PYTHON" -m optimus plan configs/mula-7b-a1b.yaml --cluster "$preset" --devices 8 --calibrate \
+        --calibrated-cluster "$OUT/calibrated.yaml" --overwrite --json "$OUT/plan_calibrated.json" --top 5
+else
+    echo "=== calibrate: no cluster preset for this GPU: skipped"
 fi
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 for n in 2 4 8; do
