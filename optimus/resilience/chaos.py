@@ -36,6 +36,7 @@ from pathlib import Path
 
 RELAUNCH_KINDS = ("kill_group", "kill_mid_save", "sigterm", "truncate_newest", "bitflip_newest", "delete_newest")
 IN_JOB_KINDS = ("kill_rank", "hang_rank")  # need torchrun (ranks >= 2)
+DAMAGE_KINDS = ("truncate_newest", "bitflip_newest", "delete_newest")  # the job stopped, then its newest damaged
 FAULT_KINDS = RELAUNCH_KINDS + IN_JOB_KINDS + ("disk_full", "nan_step")
 NAN_STEPS_VARIABLE = "OPTIMUS_CHAOS_NAN_STEPS"  # read by cli/train.py: steps whose loss is made non-finite
 MIN_STEP_VARIABLE = "OPTIMUS_CHAOS_MIN_STEP_S"  # read by cli/train.py: every step lasts at least this long
@@ -202,9 +203,14 @@ def _wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
     raise ChaosError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _committed(run_dir: Path) -> list[tuple[int, Path]]:
+    """The run's committed checkpoints, (step, folder), oldest first."""
+    return sorted((int(p.name.removeprefix("step-")), p) for p in (run_dir / "checkpoints").glob("step-*")
+                  if (p / "COMMITTED").is_file() and p.name.removeprefix("step-").isdigit())
+
+
 def _newest_checkpoint(run_dir: Path) -> Path | None:
-    steps = sorted((int(p.name.removeprefix("step-")), p) for p in (run_dir / "checkpoints").glob("step-*")
-                   if (p / "COMMITTED").is_file() and p.name.removeprefix("step-").isdigit())
+    steps = _committed(run_dir)
     return steps[-1][1] if steps else None
 
 
@@ -232,9 +238,19 @@ def _damage(checkpoint: Path, kind: str, rng: random.Random) -> str:
 
 
 def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None:
-    """Strike with `fault` once the run has logged its step; record how the run recovered."""
-    _wait_for(lambda: run.last_step() >= fault.at_step or not run.running(), timeout, f"step {fault.at_step}",
-              poll=0.01)
+    """Strike with `fault` once the run has logged its step (a damage kind: and has trained past a committed
+    checkpoint, which the one its SIGTERM writes then follows: damaging the only checkpoint leaves nothing to fall
+    back to, and the run rightly refuses to start); record how the run recovered."""
+    def reached() -> bool:
+        if not run.running():
+            return True
+        if fault.kind in DAMAGE_KINDS:
+            committed = _committed(run.run_dir)
+            if not committed or run.last_step() <= committed[-1][0]:
+                return False
+        return run.last_step() >= fault.at_step
+
+    _wait_for(reached, timeout, f"step {fault.at_step}", poll=0.01)
     if not run.running():
         fault.note = f"not injected: the run had ended (exit code {run.job.returncode}) before step {fault.at_step}"
         return
@@ -280,7 +296,7 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
             fault.note += f"; the run stopped with exit code {code} (2 expected) and was relaunched"
         before = run.lines()  # the old job is gone: what it wrote last is final
         fault.injected_at_step = json.loads(before[-1])["step"] if before else 0
-        if fault.kind in ("truncate_newest", "bitflip_newest", "delete_newest"):
+        if fault.kind in DAMAGE_KINDS:
             newest = _newest_checkpoint(run.run_dir)
             if newest is None:
                 raise ChaosError("no committed checkpoint to damage: lower --train.ckpt_every")
@@ -301,8 +317,11 @@ def _inject(run: _Run, fault: Fault, rng: random.Random, timeout: float) -> None
 
     def trained_again_or_done() -> list[str] | None:
         lines = trained_again()
-        if lines is None and not run.running() and run.job.returncode == 0:
-            return run.lines()  # the fault came after the last step: the restarted job found nothing to redo
+        if lines is None and not run.running():
+            if run.job.returncode == 0:
+                return run.lines()  # the fault came after the last step: the restarted job found nothing to redo
+            raise ChaosError(f"the run ended with exit code {run.job.returncode} instead of training again: see "
+                             f"{run.log}")
         return lines
 
     try:

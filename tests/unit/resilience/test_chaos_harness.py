@@ -48,3 +48,52 @@ def test_the_watched_run_reads_only_whole_lines_of_its_metrics(tmp_path):
     assert run.last_step() == 2 and len(run.lines()) == 2
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.5}\n')
     assert run.last_step() == 2
+
+
+def _watched(tmp_path, steps: int, script: str):
+    """A _Run whose "training job" is `script` (python -c), with `steps` lines of metrics already written."""
+    import sys
+
+    from optimus.resilience.chaos import _Run
+
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, steps + 1)))
+    run = _Run(command=[sys.executable, "-c", script], run_dir=tmp_path, ranks=1, env={}, log=tmp_path / "log")
+    run.launch()
+    return run
+
+
+def test_a_damage_fault_waits_until_a_checkpoint_lies_behind_the_run(tmp_path):
+    """The newest checkpoint damaged while it is the only one (the SIGTERM's own at the step it was written) leaves
+    nothing to fall back to: the harness waits for the run to train past a committed one first."""
+    from optimus.resilience.chaos import Fault, _inject
+
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-2" / "COMMITTED").write_text("{}")
+    run = _watched(tmp_path, 2, "import time; time.sleep(60)")
+    try:
+        with pytest.raises(ChaosError, match="waiting for step 1"):
+            _inject(run, Fault(kind="bitflip_newest", at_step=1), random.Random(0), timeout=1.0)
+        assert run.running()  # not struck: step 2 is the newest checkpoint and the run has not passed it
+    finally:
+        run.job.kill()
+        run.job.wait()
+
+
+def test_a_relaunch_that_fails_ends_the_wait_at_once_with_its_exit_code(tmp_path):
+    """A relaunched job that exits non-zero (a damaged checkpoint with no earlier one, a bad config) is recorded as
+    an unrecovered fault when it exits, not after the harness's whole timeout."""
+    import time
+
+    from optimus.resilience.chaos import Fault, _inject
+
+    counter = tmp_path / "launches"
+    script = (f"import pathlib, sys, time; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() "
+              "else 0; p.write_text(str(n + 1)); time.sleep(60) if n == 0 else sys.exit(2)")
+    run = _watched(tmp_path, 3, script)
+    while not counter.exists():  # the first job is up (killed before its first line, it would not count)
+        time.sleep(0.01)
+    fault = Fault(kind="kill_group", at_step=2)
+    started = time.monotonic()
+    _inject(run, fault, random.Random(0), timeout=60.0)
+    assert time.monotonic() - started < 20
+    assert not fault.recovered and "the run ended with exit code 2 instead of training again" in fault.note
