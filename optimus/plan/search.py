@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,10 @@ from optimus.plan.step_time import step_time
 GIB = 1024**3
 # the largest --devices planned: over a hundred times today's largest machines (Frontier: 75,264 GCDs)
 MAX_DEVICES = 10_000_000
+# a search of more layouts than this is priced by forked workers, one per core (at most MAX_WORKERS), in runs of
+# CHUNK layouts: pricing is pure Python, and 74,388 layouts of 220B-A10B on 768 Aurora tiles took 68 s on one core of
+# a 2-core EPYC; a small search prices faster than the workers start
+FORK_ABOVE, CHUNK, MAX_WORKERS = 4_000, 500, 32
 # what a candidate sets, and nothing else: the config keys a planned layout is written as (report.write_best_config)
 # and run with (tune.layout_overrides)
 PLANNED_KEYS = {"parallel": ("dp_replicate", "dp_shard", "tp", "pp", "ep", "shard_mode", "pp_schedule",
@@ -171,8 +177,97 @@ def _variants(config: Config, devices: int, cluster: Cluster):
                                         dict(micro_batch_size=mbs, activation_checkpointing=ac)
 
 
+@dataclass(frozen=True)
+class _Pricing:
+    """Prices one variant of a job's layouts: its Candidate, or None where validate_layout rejects it."""
+
+    config: Config
+    cluster: Cluster
+    devices: int
+    efficiency: Efficiency | None
+    routing: Routing
+
+    def __call__(self, variant: tuple[dict, dict]) -> Candidate | None:
+        config = self.config
+        candidate = _variant_config(config, variant)
+        try:
+            layout = validate_layout(candidate, self.devices)
+        except LayoutError:
+            return None
+        shape, cluster = _shape(config), self.cluster
+        kept, paced = layout_imbalance(self.routing, layout.config, layout.dims)
+        memory_parts = peak_stage_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
+        memory = sum(memory_parts.values())
+        time = step_time(layout.config, layout.dims, shape, cluster, self.efficiency, layout.batch.micro_batches,
+                         paced)
+        priced = (max(kept.values()) if isinstance(kept, dict) else kept, paced) if config.model.is_moe else None
+        return Candidate(layout.config, memory <= cluster.memory_bytes * HEADROOM, memory, time.step_s,
+                         time.tokens_per_s, time.mfu, time.parts, priced, memory_parts)
+
+
+_SHAPES: dict[int, tuple[Config, ModelShape]] = {}
+
+
+def _shape(config: Config) -> ModelShape:
+    """The model's shape, computed once per search's config."""
+    known = _SHAPES.get(id(config))
+    if known is None or known[0] is not config:
+        _SHAPES.clear()
+        known = _SHAPES[id(config)] = (config, ModelShape.of(config))
+    return known[1]
+
+
+def _variant_config(config: Config, variant: tuple[dict, dict]) -> Config:
+    parallel, train = variant
+    return config.model_copy(update={"parallel": config.parallel.model_copy(update=parallel),
+                                     "train": config.train.model_copy(update=train)})
+
+
+_FORKED: tuple[_Pricing, list] | None = None  # what forked workers price: set before the fork, inherited
+
+
+def _price_run(bounds: tuple[int, int]) -> list[tuple | None]:
+    """(a forked worker) its run of variants priced, each as the Candidate's fields but its config and the
+    micro-batch it resolved to: a config crosses a pipe 50 times slower than it is rebuilt (pydantic)."""
+    pricing, variants = _FORKED
+    out = []
+    for variant in variants[bounds[0]:bounds[1]]:
+        c = pricing(variant)
+        out.append(None if c is None else (c.config.train.micro_batch_size, c.fits, c.memory_bytes, c.step_s,
+                                           c.tokens_per_s, c.mfu, c.parts, c.moe_imbalance, c.memory_parts))
+    return out
+
+
+def pricing_workers(variants: int) -> int:
+    """Forked workers a search of `variants` layouts is priced on: 1 (this process) for a small one, or where
+    this platform cannot fork."""
+    if (variants <= FORK_ABOVE or "fork" not in multiprocessing.get_all_start_methods()
+            or multiprocessing.current_process().daemon):  # (a pool's own worker may not start processes)
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS, -(-variants // CHUNK)))
+
+
+def _price_all(pricing: _Pricing, variants: list, workers: int) -> list[Candidate | None]:
+    """Each variant priced, in order: here, or over `workers` forked processes in runs of CHUNK."""
+    global _FORKED
+    if workers <= 1:
+        return [pricing(v) for v in variants]
+    _FORKED = (pricing, variants)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            runs = pool.map(_price_run, [(i, i + CHUNK) for i in range(0, len(variants), CHUNK)], chunksize=1)
+    finally:
+        _FORKED = None
+    priced = (fields for run in runs for fields in run)
+    return [None if f is None else
+            Candidate(_variant_config(pricing.config, (v[0], {**v[1], "micro_batch_size": f[0]})), *f[1:])
+            for v, f in zip(variants, priced)]
+
+
 def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None,
-         only: dict[str, frozenset[str]] | None = None, routing: Routing = 1.0) -> list[Candidate]:
+         only: dict[str, frozenset[str]] | None = None, routing: Routing = 1.0,
+         workers: int | None = None) -> list[Candidate]:
     """Every valid layout of `config` on `devices` devices of `cluster`, fitting ones first, fastest first.
 
     efficiency: per op class; None takes the cluster's own (preset defaults, or the calibration here).
@@ -180,6 +275,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     routing: an MoE's busiest expert shard's token copies over its balanced share (1: balanced), or a run's logged
     routing split as each layout splits the experts (plan/routing.py), priced in its activations and its expert
     GEMMs' time.
+    workers: processes pricing the layouts (None: pricing_workers); the ranking is the same on any number.
     """
     if devices < 1:
         raise ConfigError(f"--devices must be at least 1 (got {devices})")
@@ -190,25 +286,9 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
         raise ConfigError(f"--devices {devices} is not a multiple of the {cluster.devices_per_node} devices per "
                           f"{cluster.name} node: ask for whole nodes")
     config = cluster.resolved(config)  # train.dtype "auto" as the trainer resolves it on this cluster's devices
-    shape = ModelShape.of(config)
-    budget = cluster.memory_bytes * HEADROOM
-    is_moe = config.model.is_moe
-    out: list[Candidate] = []
-    for parallel, train in _variants(config, devices, cluster):
-        if only and not within(only, parallel, train, config.train.global_batch_size):
-            continue
-        candidate = config.model_copy(update={"parallel": config.parallel.model_copy(update=parallel),
-                                              "train": config.train.model_copy(update=train)})
-        try:
-            layout = validate_layout(candidate, devices)
-        except LayoutError:
-            continue
-        kept, paced = layout_imbalance(routing, layout.config, layout.dims)
-        memory_parts = peak_stage_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
-        memory = sum(memory_parts.values())
-        time = step_time(layout.config, layout.dims, shape, cluster, efficiency, layout.batch.micro_batches, paced)
-        priced = (max(kept.values()) if isinstance(kept, dict) else kept, paced) if is_moe else None
-        out.append(Candidate(layout.config, memory <= budget, memory, time.step_s, time.tokens_per_s, time.mfu,
-                             time.parts, priced, memory_parts))
+    variants = [(parallel, train) for parallel, train in _variants(config, devices, cluster)
+                if not only or within(only, parallel, train, config.train.global_batch_size)]
+    workers = pricing_workers(len(variants)) if workers is None else workers
+    out = [c for c in _price_all(_Pricing(config, cluster, devices, efficiency, routing), variants, workers) if c]
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out

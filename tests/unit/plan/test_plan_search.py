@@ -30,6 +30,30 @@ def test_every_proposed_layout_passes_validate_layout():
     assert fitting == sorted(fitting) and candidates[0].fits
 
 
+def test_forked_workers_price_the_same_ranking_as_one_process():
+    """A large search is priced over forked workers, in runs of CHUNK layouts: the candidates, their order and every
+    JSON field are what one process gives (the configs rebuilt from each layout equal the ones priced)."""
+    from optimus.plan import search
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    cluster = load_cluster("h100")
+    alone, forked = plan(config, cluster, 8, workers=1), plan(config, cluster, 8, workers=2)
+    assert len(alone) > 2 * search.CHUNK  # more than one run of layouts each worker takes
+    assert [c.config for c in forked] == [c.config for c in alone]
+    assert [c.entry(cluster, 1e9) for c in forked] == [c.entry(cluster, 1e9) for c in alone]
+
+
+def test_only_a_large_search_forks(monkeypatch):
+    from optimus.plan import search
+
+    monkeypatch.setattr(search.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert search.pricing_workers(search.FORK_ABOVE) == 1  # faster priced than workers start
+    assert search.pricing_workers(search.FORK_ABOVE + 1) == -(-(search.FORK_ABOVE + 1) // search.CHUNK)
+    assert search.pricing_workers(10**6) == search.MAX_WORKERS
+    monkeypatch.setattr(search.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert search.pricing_workers(10**6) == 1
+
+
 def _plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "optimus", "plan", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
