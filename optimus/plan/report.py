@@ -83,7 +83,8 @@ def write_json(path: str | Path, candidates: list[Candidate], cluster: Cluster, 
     if baseline is not None and baseline.best is not None and devices:
         for entry, candidate in zip(entries, candidates):
             entry["scaling_efficiency"] = baseline.efficiency(candidate, devices)
-    Path(path).write_text(json.dumps(entries, indent=1))
+    # one layout a line: grep and head find whole layouts in a search of tens of thousands (and 11% fewer bytes)
+    Path(path).write_text("[\n" + ",\n".join(json.dumps(entry) for entry in entries) + "\n]\n")
 
 
 def layout_summary(candidate: Candidate) -> str:
