@@ -147,6 +147,7 @@ def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
     from optimus.plan.cluster import load_cluster
     from optimus.train.hardware import probe_local_accelerators
 
+    from optimus.parallel.local_ranks import LocalRanksError
     from optimus.parallel.validate import validate_layout
 
     found = probe_local_accelerators()
@@ -156,7 +157,12 @@ def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
             f"micro-batch")
     print(f"calibrating {cluster.name} on this node's {found.count} {found.name} (op classes at {what}; "
           f"collectives over {min(found.count, cluster.devices_per_node)} devices): a few minutes", flush=True)
-    measured = measure_node(config, cluster, found)
+    try:
+        measured = measure_node(config, cluster, found)
+    except LocalRanksError as err:  # out of device memory at these shapes, a broken NCCL: what the rank said last
+        last = str(err).strip().splitlines()[-1]
+        raise UsageError(f"calibrating {cluster.name} on this node failed ({str(err).splitlines()[0].rstrip(':')}: "
+                         f"{last}); nothing was written") from None
     write_calibrated(path, calibrated_cluster_text(cluster, measured, found, what))
     print("\n".join(describe_node(cluster, measured)))
     print(f"calibration written to {path}: plan on it with --cluster {path}")

@@ -155,3 +155,22 @@ def test_the_cli_writes_the_calibrated_cluster_plans_on_it_and_keeps_it(monkeypa
     code, out, err = _in_process(capsys, *args)
     assert code == 2 and "--calibrated-cluster h100-calibrated.yaml already exists" in err and "calibrating" not in out
     assert (tmp_path / "h100-calibrated.yaml").read_text() == written
+
+
+def test_a_measurement_that_fails_on_the_node_is_one_line_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    from optimus.parallel.local_ranks import LocalRanksError
+    from optimus.train import hardware
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hardware, "probe_local_accelerators", lambda: H100S)
+
+    def out_of_memory(*args, **kwargs):
+        raise LocalRanksError("rank 0 of 1 failed:\nTraceback (most recent call last):\n  ...\n"
+                              "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.2 GiB")
+    monkeypatch.setattr(calibrate_node, "measure_node", out_of_memory)
+    code, _, err = _in_process(capsys, "plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "h100",
+                               "--devices", "8", "--calibrate")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("calibrating h100 on this node failed (rank 0 of 1 failed: torch.OutOfMemoryError: CUDA out of memory. "
+            "Tried to allocate 3.2 GiB); nothing was written") in err
+    assert not list(tmp_path.iterdir())
