@@ -97,6 +97,10 @@ SYNC_BYTES, SYNC_SAMPLES = 64 * 1024, 8
 # the optimizer's state for this many parameters (master, gradient, two moments: 128 MiB in fp32) is far past any
 # last-level cache, as a model's is; its rate per byte was flat from 4 to 30 million on a 2-core EPYC
 OPTIMIZER_ELEMENTS = 8 * 1024 * 1024
+# on an accelerator the optimizer step and the buffer copies are timed over this many times the elements: at HBM's
+# terabytes a second the host's elements pass in tens of microseconds, which the kernels' launches would dominate
+# (a step updates and copies a model's hundreds of millions of elements, bandwidth bound)
+ACCELERATOR_ELEMENTS_SCALE = 16
 
 
 def burst_calls(nbytes: int) -> int:
@@ -116,7 +120,6 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
     import torch.distributed as dist
 
     from optimus.parallel.launch import device_for
-
     from optimus.train.host_memory import reuse_freed_host_memory
 
     # with the allocator a training process has: gloo's reduce-scatter and the all-to-all's input are fresh 64 MiB
@@ -433,9 +436,10 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     labels = torch.randint(0, vocab, (rows,), device=device)
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
     measured["loss_head"] = {"seconds": timed(run), "flops": 6.0 * rows * h * vocab}
-    measured["optimizer"] = measure_optimizer_step(device=device)
+    scale = 1 if on_host else ACCELERATOR_ELEMENTS_SCALE
+    measured["optimizer"] = measure_optimizer_step(OPTIMIZER_ELEMENTS * scale, device)
     measured["buffer_copy"] = measure_buffer_copies(
-        dt, torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32, device)
+        dt, torch.bfloat16 if config.parallel.grad_reduce_dtype == "bf16" else torch.float32, device, scale)
     # fixed cost per operator: a chain of tiny autograd ops, timed and counted
     tiny = torch.ones(8, requires_grad=True, device=device)
 
@@ -470,23 +474,25 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 BUFFER_COPY_ELEMENTS = (8 * 1024 * 1024, 4 * 1024 * 1024, 2 * 1024 * 1024, 1024 * 1024, 1024 * 1024)
 
 
-def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype,
-                          device: torch.device | None = None) -> dict[str, float]:
+def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device | None = None,
+                          scale: int = 1) -> dict[str, float]:
     """Data parallelism's copies as FSDP makes them (optim/sharded.py's packing is the same kind), over 16 M elements
-    in `dtype` (past the last-level cache, as a model's larger units are): a unit's tensors concatenated into one
-    flat buffer and split back out (its all-gather's copy-in and copy-out: torch.cat, torch.split_with_sizes_copy),
+    (times `scale`) in `dtype` (past the last-level cache, as a model's larger units are): a unit's tensors
+    concatenated into one flat buffer and split back out (its all-gather's copy-in and copy-out: torch.cat,
+    torch.split_with_sizes_copy),
     and chunk-concatenated into a `reduce_dtype` buffer (its reduce-scatter's copy-in: torch._chunk_cat, which
     casts slower than a plain copy does: 0.56 of a copy's bandwidth from fp32 to bf16 on a 2-core
     EPYC, 0.94 without the cast); a read and a write per element each."""
-    tensors = [torch.randn(n, device=device).to(dtype) for n in BUFFER_COPY_ELEMENTS]
-    elements = sum(BUFFER_COPY_ELEMENTS)
+    sizes = [n * scale for n in BUFFER_COPY_ELEMENTS]
+    tensors = [torch.randn(n, device=device).to(dtype) for n in sizes]
+    elements = sum(sizes)
     flat = torch.empty(elements, dtype=dtype, device=device)
     reduce_input = torch.empty(2, elements // 2, dtype=reduce_dtype, device=device)
     back = [torch.empty_like(t) for t in tensors]
 
     def copies() -> None:
         torch.cat(tensors, out=flat)
-        torch.split_with_sizes_copy(flat, list(BUFFER_COPY_ELEMENTS), out=back)
+        torch.split_with_sizes_copy(flat, sizes, out=back)
         torch._chunk_cat(tensors, 0, 2, out=reduce_input)
     width, reduce_width = flat.element_size(), reduce_input.element_size()
     return {"seconds": best_time(copies, COMPUTE_REPEATS, device),
