@@ -182,6 +182,7 @@ class _Pricing:
     """Prices one variant of a job's layouts: its Candidate, or None where validate_layout rejects it."""
 
     config: Config
+    shape: ModelShape  # the config's
     cluster: Cluster
     devices: int
     efficiency: Efficiency | None
@@ -194,7 +195,7 @@ class _Pricing:
             layout = validate_layout(candidate, self.devices)
         except LayoutError:
             return None
-        shape, cluster = _shape(config), self.cluster
+        shape, cluster = self.shape, self.cluster
         kept, paced = layout_imbalance(self.routing, layout.config, layout.dims)
         memory_parts = peak_stage_memory(layout.config, layout.dims, shape, cluster.host_cpu, kept)
         memory = sum(memory_parts.values())
@@ -203,18 +204,6 @@ class _Pricing:
         priced = (max(kept.values()) if isinstance(kept, dict) else kept, paced) if config.model.is_moe else None
         return Candidate(layout.config, memory <= cluster.memory_bytes * HEADROOM, memory, time.step_s,
                          time.tokens_per_s, time.mfu, time.parts, priced, memory_parts)
-
-
-_SHAPES: dict[int, tuple[Config, ModelShape]] = {}
-
-
-def _shape(config: Config) -> ModelShape:
-    """The model's shape, computed once per search's config."""
-    known = _SHAPES.get(id(config))
-    if known is None or known[0] is not config:
-        _SHAPES.clear()
-        known = _SHAPES[id(config)] = (config, ModelShape.of(config))
-    return known[1]
 
 
 def _variant_config(config: Config, variant: tuple[dict, dict]) -> Config:
@@ -289,6 +278,7 @@ def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency 
     variants = [(parallel, train) for parallel, train in _variants(config, devices, cluster)
                 if not only or within(only, parallel, train, config.train.global_batch_size)]
     workers = pricing_workers(len(variants)) if workers is None else workers
-    out = [c for c in _price_all(_Pricing(config, cluster, devices, efficiency, routing), variants, workers) if c]
+    pricing = _Pricing(config, ModelShape.of(config), cluster, devices, efficiency, routing)
+    out = [c for c in _price_all(pricing, variants, workers) if c]
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out
