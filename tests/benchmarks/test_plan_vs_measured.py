@@ -343,8 +343,9 @@ def test_allocator_peak_drops_blocks_another_thread_freed():
     workers release all-to-all buffers) stay in the running total; the peak is rebuilt from the blocks instead.
 
     Which addresses the heap hands back depends on its state (3-7 distinct in 40 on a fresh process, 23 after
-    other tests in the same worker), so the peak is checked against a block-by-block oracle over the same events,
-    not against a fixed count."""
+    other tests in the same worker, and in a CI worker none reused in 100), so the peak is checked against a
+    block-by-block oracle over the same events, not against a count of reused addresses; the synthetic events
+    below drop blocks whatever the heap does."""
     import threading
 
     import torch
@@ -364,7 +365,6 @@ def test_allocator_peak_drops_blocks_another_thread_freed():
     running_total = max(e.extra_fields.total_allocated for e in allocations)
     assert running_total >= rounds // 2 * block  # the frees were not seen: the total only climbed
     addresses = {e.extra_fields.ptr for e in allocations if e.extra_fields.alloc_size == block}
-    assert len(addresses) < rounds, "the heap never reused an address: nothing here was freed unseen"
     peak = allocator_peak(events)
     assert peak == _live_peak_oracle(allocations) and peak <= len(addresses) * block < running_total
 
@@ -406,8 +406,10 @@ def test_allocator_peak_drops_a_block_another_block_was_cut_from():
     events = [allocation(1, 4 * mib, 100 * mib),  # freed on another thread: no free event
               allocation(2, 2 * mib, 102 * mib),  # cut from the end of that room
               allocation(3, 4 * mib, 104 * mib),  # starts where the first ended
-              allocation(4, 1 * mib, 99 * mib)]  # ends where the first began
-    assert allocator_peak(events) == 7 * mib  # 11 MiB if the first block were still counted
+              allocation(4, 1 * mib, 99 * mib),  # ends where the first began
+              allocation(5, 1 * mib, 99 * mib)]  # the same address again: the one before it was freed unseen
+    assert allocator_peak(events) == 7 * mib  # 11 MiB if the first block were still counted, 12 with the last
+
 
 def _allocation_events(events):
     from torch._C._profiler import _EventType
