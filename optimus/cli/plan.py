@@ -142,13 +142,12 @@ def _calibrated_cluster_file(args: argparse.Namespace, cluster) -> Path | None:
 def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
     """Measure this node's accelerators for `cluster` (plan/calibrate_node.py), write the cluster file, print what
     changed, and return the cluster as read back from the file."""
+    from optimus.parallel.local_ranks import LocalRanksError
+    from optimus.parallel.validate import validate_layout
     from optimus.plan.calibrate_node import (calibrated_cluster_text, check_devices, describe_node, measure_node,
                                              write_calibrated)
     from optimus.plan.cluster import load_cluster
     from optimus.train.hardware import probe_local_accelerators
-
-    from optimus.parallel.local_ranks import LocalRanksError
-    from optimus.parallel.validate import validate_layout
 
     found = probe_local_accelerators()
     check_devices(cluster, found, args.cluster)
