@@ -23,7 +23,6 @@ into the fewest micro-batches the schedule accepts (at least pp, so the bubble s
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,7 +144,7 @@ def resolve_batch(train: "TrainConfig", dims: ParallelDims, schedule: str = "1f1
                 f"train.micro_batch_size unset to derive it")
         return BatchLayout(global_batch, dp, micro, derived=False)
     wanted = dims.pp if dims.pp > 1 else 1
-    for n_micro in _divisors(per_rank):
+    for n_micro in divisors(per_rank):
         if n_micro >= wanted and _schedule_accepts(schedule, dims.pp, n_micro):
             return BatchLayout(global_batch, dp, per_rank // n_micro, derived=True)
     # fewer samples per rank than the schedule needs micro-batches: one sample each, and the check refuses it
@@ -157,9 +156,9 @@ def resolve_batch(train: "TrainConfig", dims: ParallelDims, schedule: str = "1f1
     return BatchLayout(global_batch, dp, 1, derived=True)
 
 
-def _divisors(n: int) -> list[int]:
-    """The divisors of n in increasing order, in O(sqrt n) (a per-rank share of 10^8 samples took 10 s counted up
-    one by one)."""
+def divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt n): a per-rank share of 10^8 samples took 10 s counted up
+    one by one, and the planner's search (plan/search.py) enumerates the degrees of a large --devices by them."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
 

@@ -16,15 +16,14 @@ every variant outside them before pricing it.
 from __future__ import annotations
 
 import itertools
-import math
 import multiprocessing
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from optimus.config import Config, ConfigError
 from optimus.parallel.mesh import LayoutError, ParallelDims
-from optimus.parallel.validate import validate_layout
+from optimus.parallel.validate import divisors, validate_layout
 from optimus.plan.cluster import Cluster
 from optimus.plan.comms import placement
 from optimus.parallel.dry_run import HEADROOM
@@ -143,18 +142,12 @@ def within(only: dict[str, frozenset[str]], parallel: dict, train: dict, global_
     return True
 
 
-def _divisors(n: int) -> list[int]:
-    """The divisors of n, ascending, found in O(sqrt n) steps (a large --devices must not hang the search)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
 def _variants(config: Config, devices: int, cluster: Cluster):
     m, train = config.model, config.train
-    for tp in [t for t in _divisors(devices) if t <= cluster.devices_per_node and m.n_heads % t == 0]:
-        for pp in [q for q in _divisors(devices // tp) if q <= m.n_layers]:
+    for tp in [t for t in divisors(devices) if t <= cluster.devices_per_node and m.n_heads % t == 0]:
+        for pp in [q for q in divisors(devices // tp) if q <= m.n_layers]:
             dp = devices // (tp * pp)
-            for ep in [e for e in _divisors(dp) if e == 1 or (m.is_moe and m.n_experts % e == 0)]:
+            for ep in [e for e in divisors(dp) if e == 1 or (m.is_moe and m.n_experts % e == 0)]:
                 # how tokens reach their experts matters only with ep > 1: both ways then
                 dispatches = ("all_to_all", "allgather") if ep > 1 else (config.parallel.ep_dispatch,)
                 node_group = max(ep, cluster.devices_per_node // tp)
@@ -215,16 +208,12 @@ def _variant_config(config: Config, variant: tuple[dict, dict]) -> Config:
 _FORKED: tuple[_Pricing, list] | None = None  # what forked workers price: set before the fork, inherited
 
 
-def _price_run(bounds: tuple[int, int]) -> list[tuple | None]:
-    """(a forked worker) its run of variants priced, each as the Candidate's fields but its config and the
-    micro-batch it resolved to: a config crosses a pipe 50 times slower than it is rebuilt (pydantic)."""
+def _price_run(bounds: tuple[int, int]) -> list[tuple[int, Candidate] | None]:
+    """(a forked worker) its run of variants priced, each as (the micro-batch it resolved to, its Candidate without
+    the config): a config crosses a pipe 50 times slower than it is rebuilt (pydantic)."""
     pricing, variants = _FORKED
-    out = []
-    for variant in variants[bounds[0]:bounds[1]]:
-        c = pricing(variant)
-        out.append(None if c is None else (c.config.train.micro_batch_size, c.fits, c.memory_bytes, c.step_s,
-                                           c.tokens_per_s, c.mfu, c.parts, c.moe_imbalance, c.memory_parts))
-    return out
+    priced = (pricing(variant) for variant in variants[bounds[0]:bounds[1]])
+    return [None if c is None else (c.config.train.micro_batch_size, replace(c, config=None)) for c in priced]
 
 
 def pricing_workers(variants: int) -> int:
@@ -248,10 +237,10 @@ def _price_all(pricing: _Pricing, variants: list, workers: int) -> list[Candidat
             runs = pool.map(_price_run, [(i, i + CHUNK) for i in range(0, len(variants), CHUNK)], chunksize=1)
     finally:
         _FORKED = None
-    priced = (fields for run in runs for fields in run)
-    return [None if f is None else
-            Candidate(_variant_config(pricing.config, (v[0], {**v[1], "micro_batch_size": f[0]})), *f[1:])
-            for v, f in zip(variants, priced)]
+    priced = (result for run in runs for result in run)
+    return [None if r is None else
+            replace(r[1], config=_variant_config(pricing.config, (v[0], {**v[1], "micro_batch_size": r[0]})))
+            for v, r in zip(variants, priced)]
 
 
 def plan(config: Config, cluster: Cluster, devices: int, efficiency: Efficiency | None = None,

@@ -19,6 +19,7 @@ import yaml
 from optimus.plan.here import host_key
 
 from tests.e2e.conftest import cli_env, run_cli, tiny_config
+from tests.helpers.cli import run_in_process as in_process
 
 
 def _machine(memory_gib: float) -> dict:
@@ -58,16 +59,6 @@ def test_plan_here_uses_the_measured_machine_and_says_it_is_not_calibrated(here_
     assert entries and all(e["fits"] for e in entries)  # 12 GiB per rank holds the tiny model in any layout
     # the measured peak: 2e10 FLOP/s per thread, one core per rank
     assert all(0 < e["mfu"] <= 1 for e in entries)
-
-
-def in_process(capsys, *args: str) -> tuple[int, str, str]:
-    """`optimus ARGS` in this process (exit code, stdout, stderr): what exits before any work needs no fresh
-    interpreter, whose start (torch's import) is seconds on a 2-core CPU."""
-    from optimus.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("load, busy", [(3.5, True), (0.4, False)])

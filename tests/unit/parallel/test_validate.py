@@ -77,7 +77,7 @@ def test_every_rule_refuses_in_one_line(parallel, train, model, world, needle):
 
 
 def test_the_micro_batch_counts_tried_are_every_divisor_in_order():
-    from optimus.parallel.validate import _divisors
+    from optimus.parallel.validate import divisors as _divisors
 
     for n in [*range(1, 400), 2**12, 3 * 5 * 7 * 11 * 13]:
         assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n

@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from optimus.config import ConfigError, load_config
+from optimus.parallel.validate import divisors as _divisors
 from optimus.plan.cluster import load_cluster
-from optimus.plan.search import MAX_DEVICES, _divisors, plan
+from optimus.plan.search import MAX_DEVICES, plan
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mula-tiny-moe.yaml"
 

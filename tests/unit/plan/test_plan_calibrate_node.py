@@ -20,6 +20,7 @@ from optimus.plan.cluster import load_cluster
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.search import plan
 from optimus.train.hardware import LocalAccelerators
+from tests.helpers.cli import run_in_process as _in_process
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 H100S = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 2, 79.19)
@@ -110,14 +111,6 @@ def test_the_compiled_block_sets_memory_bound_and_the_eager_traffic():
         min(1.0, eager["bytes"] / compiled["seconds"] / 3350e9))
     assert measured["efficiency"]["eager_memory_traffic"] == pytest.approx(
         max(1.0, eager["seconds"] / compiled["seconds"]))
-
-
-def _in_process(capsys, *args: str) -> tuple[int, str, str]:
-    from optimus.cli import main
-
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_the_cli_refuses_a_node_without_the_clusters_devices(monkeypatch, tmp_path, capsys):
