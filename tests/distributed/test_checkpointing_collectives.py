@@ -45,10 +45,10 @@ def _replayed(counts: dict[str, int], plain: dict[str, int], ops: tuple[str, ...
     return sum(counts.get(op, 0) - plain.get(op, 0) for op in ops)
 
 
-@pytest.mark.parametrize("moe, parallel", [
-    (False, dict(tp=2)),
+@pytest.mark.parametrize("moe, parallel", [  # make test: tp and ep once each; make test-slow the other two
+    pytest.param(False, dict(tp=2), marks=pytest.mark.slow),
     (True, dict(tp=2)),
-    (True, dict(dp_shard=2, ep=2, ep_dispatch="all_to_all")),
+    pytest.param(True, dict(dp_shard=2, ep=2, ep_dispatch="all_to_all"), marks=pytest.mark.slow),
     (True, dict(dp_shard=2, ep=2, ep_dispatch="allgather")),
 ], ids=["dense-tp2", "moe-tp2", "ep2-all_to_all", "ep2-allgather"])
 def test_recompute_replays_the_collectives_the_planner_prices(moe, parallel):
@@ -113,10 +113,10 @@ def _kept_bytes(rank: int, world: int, moe: bool, parallel: dict) -> tuple[float
     return kept[0] / tokens / layers, (per_micro_batch / tokens - block_input) / layers - block_input
 
 
-@pytest.mark.parametrize("moe, parallel, world", [
+@pytest.mark.parametrize("moe, parallel, world", [  # make test-slow adds tp 2 on the dense model
     (False, {}, 1),
     (True, {}, 1),
-    (False, dict(tp=2), 2),
+    pytest.param(False, dict(tp=2), 2, marks=pytest.mark.slow),
     (True, dict(tp=2), 2),
     (True, dict(dp_shard=2, ep=2), 2),
     (True, dict(dp_shard=2, ep=2, ep_dispatch="allgather"), 2),

@@ -87,8 +87,10 @@ def test_moe_layer_matches_single_process(world, dispatch):
 
 
 # --- whole training runs through the Trainer's code path (parity.py: 5 steps of losses, step-1 grads) ---
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dispatch", ["all_to_all", "allgather"])
+@pytest.mark.parametrize("world, dispatch", [  # make test: each dispatch once, each world once; make test-slow the rest
+    (2, "all_to_all"), (4, "allgather"),
+    pytest.param(4, "all_to_all", marks=pytest.mark.slow), pytest.param(2, "allgather", marks=pytest.mark.slow),
+], ids=["all_to_all-2", "allgather-4", "all_to_all-4", "allgather-2"])
 def test_ep_layout_matches_one_process(world, dispatch):
     from tests.helpers.parity import check_layout, tiny_config
 

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.distributed
 HSDP = dict(dp_replicate=2, dp_shard=2)
 
 
-@pytest.mark.parametrize("defer", ["none", "replicate", "all"])
+# make test: nothing deferred and everything deferred; deferring the replicate reduction alone in make test-slow
+@pytest.mark.parametrize("defer", ["none", pytest.param("replicate", marks=pytest.mark.slow), "all"])
 def test_hsdp_matches_one_process_whatever_is_deferred(defer):
     config = tiny_config(moe=True, parallel=dict(HSDP, defer_grad_sync=defer), train=dict(micro_batch_size=1))
     check_layout(config, world_size=4, steps=3)

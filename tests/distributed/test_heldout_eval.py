@@ -28,7 +28,9 @@ def _heldout_loss(rank: int, world: int, run_dir: str, token_dir: str, model: di
     return trainer.evaluation.last_loss, sum(x.numel() for x, _ in trainer.evaluation.heldout())
 
 
-@pytest.mark.parametrize("model, parallel, world", [(DENSE, dict(dp_replicate=2), 2), (MOE, dict(dp_shard=2, ep=2), 2),
+# make test: the MoE layout and the pipelined one (which also replicates); replication alone in make test-slow
+@pytest.mark.parametrize("model, parallel, world", [pytest.param(DENSE, dict(dp_replicate=2), 2, marks=pytest.mark.slow),
+                                                    (MOE, dict(dp_shard=2, ep=2), 2),
                                                     (DENSE, dict(dp_replicate=2, pp=2), 4)],
                          ids=["dense-ddp2", "moe-fsdp2-ep2", "dense-ddp2-pp2"])
 def test_data_parallel_ranks_give_the_one_process_heldout_loss(tmp_path, small_token_dir, model, parallel, world):

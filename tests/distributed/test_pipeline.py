@@ -115,7 +115,9 @@ def test_pp_2_interleaved_with_selective_recompute_matches_one_process():
     check_layout(tiny_config(moe=True, model={"n_layers": 4}, parallel=parallel, train=train), world_size=2, steps=3)
 
 
-@pytest.mark.parametrize("moe,schedule,virtual", [(False, "1f1b", 1), (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
+# make test runs tp x pp once (MoE, interleaved); the dense 1F1B pair in make test-slow
+@pytest.mark.parametrize("moe,schedule,virtual", [pytest.param(False, "1f1b", 1, marks=pytest.mark.slow),
+                                                   (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
 def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
     from tests.helpers.parity import check_layout, tiny_config
 

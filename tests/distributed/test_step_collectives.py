@@ -28,6 +28,9 @@ CASES = {  # name: (moe, parallel), 4 ranks
     "moe-fsdp2-tp2-ep2": (True, dict(dp_shard=2, tp=2, ep=2)),
     "moe-pp2-fsdp2-ep2": (True, dict(pp=2, dp_shard=2, ep=2)),
 }
+# make test-slow's cases: their shard modes and dimensions each run in a make-test case too (fsdp x tp and fsdp x ep
+# in moe-fsdp2-tp2-ep2, zero1 in zero1-2-tp2), in other combinations
+SLOW_CASES = ("fsdp2-tp2", "moe-zero1-4-ep2", "moe-fsdp4-ep2")
 
 
 def _group_size(op: str, args) -> int:
@@ -42,7 +45,8 @@ def _group_size(op: str, args) -> int:
                 if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())).size()
 
 
-def _counted_steps(rank: int, world: int, run_root: str, token_dir: str) -> dict[str, dict[str, int]]:
+def _counted_steps(rank: int, world: int, run_root: str, token_dir: str,
+                   names: list[str]) -> dict[str, dict[str, int]]:
     import os
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,7 +95,8 @@ def _counted_steps(rank: int, world: int, run_root: str, token_dir: str) -> dict
     step_module.record_function, PipelineRuntime._gather_terms = Phase, gather_terms
     counted = {}
     try:
-        for name, (moe, parallel) in CASES.items():
+        for name in names:
+            moe, parallel = CASES[name]
             train = dict(max_steps=3, global_batch_size=8, ckpt_every=0, log_every=1)
             model = dict(n_layers=2, **(MOE if moe else {}))
             config = build_config(tiny_run_config(f"{run_root}/{name}", token_dir, train=train, model=model,
@@ -134,9 +139,11 @@ def _priced(name: str, world: int) -> dict[str, int]:
     return dict(priced)
 
 
-def test_every_small_collective_of_a_step_is_priced(tmp_path, small_token_dir):
-    counted = run_distributed(_counted_steps, 4, str(tmp_path), str(small_token_dir), timeout=300)[0]
-    for name in CASES:
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["make-test", "slow"])
+def test_every_small_collective_of_a_step_is_priced(tmp_path, small_token_dir, slow):
+    names = [name for name in CASES if (name in SLOW_CASES) == slow]
+    counted = run_distributed(_counted_steps, 4, str(tmp_path), str(small_token_dir), names, timeout=300)[0]
+    for name in names:
         # funcol's all_reduce and c10d's allreduce_ are one operation to the planner
         measured = Counter()
         for key, calls in counted[name].items():

@@ -21,6 +21,7 @@ def test_tp_2_dense_matches_one_process():
     check_layout(tiny_config(parallel=dict(tp=2)), world_size=2)
 
 
+@pytest.mark.slow  # make test runs tp 2 x dp_shard 2 on the MoE model (below) and tp 2 alone on this dense one
 def test_tp_2_dp_shard_2_dense_matches_one_process():
     check_layout(tiny_config(parallel=dict(tp=2, dp_shard=2)), world_size=4)
 

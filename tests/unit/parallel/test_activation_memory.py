@@ -261,7 +261,8 @@ def test_interleaved_in_flight_follows_torchs_schedule(pp, virtual, n_micro):
         assert micro_batches_in_flight(config, dims, stage) == _torch_interleaved_peak(pp, virtual, n_micro, stage)
 
 
-@pytest.mark.parametrize("preset", ["mula-tiny-dense", "mula-tiny-moe"])
+# make test: the MoE model (its experts' fused op casts too); the dense one in make test-slow
+@pytest.mark.parametrize("preset", [pytest.param("mula-tiny-dense", marks=pytest.mark.slow), "mula-tiny-moe"])
 def test_autocast_weight_copies_are_the_bf16_casts_autograd_keeps(preset):
     """One process in bf16: every block's matrices are cast to bf16 by autocast (the experts by their fused op) and
     kept for the backward; the saved tensors of a real forward, deduplicated by storage, against the formula."""

@@ -95,7 +95,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# make test keeps four that between them run every dimension, both dispatches and an interleaved pipeline (the
+# last one's FSDP, TP + SP, PP and EP at once); the others, one or two dimensions each, run in make test-slow
+EXTRA_LAYOUTS = ("fsdp", "fsdp-moe", "hsdp-moe", "tp-sp", "tp-sp-moe", "ep-all-to-all", "pp-gpipe", "pp-1f1b")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in EXTRA_LAYOUTS else name
+                                  for name in LAYOUTS])
 @in_fresh_process  # a fake process group and a registered fake backend: keep them out of this process
 def test_one_training_step_on_the_fake_device(name):
     moe, parallel, world = LAYOUTS[name]
@@ -111,7 +117,7 @@ def test_one_training_step_on_the_fake_device(name):
     assert any("allreduce" in op for op in ops), ops
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "moe"])
 @in_fresh_process
 def test_bf16_autocast_step_on_the_fake_device(moe):
     """The bf16 path: matmuls in bf16 under autocast, fp32 master weights and optimizer state."""
