@@ -26,8 +26,17 @@ ONLY_HELP = ("search only layouts whose KEY (a --json layout key: dp_replicate, 
              "pp_schedule applies where pp > 1, ep_dispatch where ep > 1")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own errors (a flag's bad value, a missing argument) as the CLI's other bad input: one line and exit
+    code 2, naming where the usage is, instead of the usage block before the line. Its verbs' parsers are this
+    class too (add_subparsers makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optimus", description="Pretrain dense and MoE language models.")
+    parser = OneLineErrorParser(prog="optimus", description="Pretrain dense and MoE language models.")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     train = verbs.add_parser("train", help="train (or resume) a run from a YAML config; --section.key=value overrides")

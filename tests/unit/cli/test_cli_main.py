@@ -1,4 +1,4 @@
-"""The entry point's checks before any verb runs: OMP_NUM_THREADS."""
+"""The entry point's checks before any verb runs: OMP_NUM_THREADS, and the flags argparse refuses."""
 
 from __future__ import annotations
 
@@ -20,6 +20,22 @@ CONFIG = str(REPO / "configs" / "mula-tiny-moe.yaml")
 def _line(verb: str, value: str) -> str:
     return (f"optimus {verb}: error: OMP_NUM_THREADS={value!r} is not a positive number of threads: unset it, or set "
             "it to a positive integer (the threads each process uses, e.g. OMP_NUM_THREADS=4)\n")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["plan", CONFIG, "--cluster", "h100", "--devices", "8", "--tokens", "abc"],
+     "optimus plan: error: argument --tokens: invalid float value: 'abc' (usage: optimus plan --help)"),
+    (["plan", "--cluster", "h100"],
+     "optimus plan: error: the following arguments are required: config, --devices (usage: optimus plan --help)"),
+    (["tune", CONFIG, "--trials", "x"], "optimus tune: error: argument --trials: invalid int value: 'x' (usage: "
+                                        "optimus tune --help)"),
+    ([], "optimus: error: the following arguments are required: verb (usage: optimus --help)"),
+])
+def test_a_flag_argparse_refuses_is_one_line_and_exit_2(argv, line, capsys):
+    """Not argparse's usage block before the line: the line names the flag and where its usage is."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and capsys.readouterr() == ("", line + "\n")
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "4,0"])
