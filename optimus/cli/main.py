@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        print(f"optimus {args.verb}: error: unrecognized arguments: {' '.join(extra)} (usage: optimus {args.verb} "
+              "--help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         check_omp_num_threads()  # before any verb imports torch
         code = args.func(args, extra)

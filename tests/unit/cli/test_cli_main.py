@@ -38,6 +38,12 @@ def test_a_flag_argparse_refuses_is_one_line_and_exit_2(argv, line, capsys):
     assert stopped.value.code == 2 and capsys.readouterr() == ("", line + "\n")
 
 
+def test_a_flag_a_verb_does_not_take_is_one_line_naming_the_verb(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--bogus"]) == 2
+    assert capsys.readouterr() == ("", "optimus report: error: unrecognized arguments: --bogus (usage: optimus report "
+                                       "--help)\n")
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "4,0"])
 def test_a_bad_omp_num_threads_is_one_line_before_anything_runs(value, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", value)
