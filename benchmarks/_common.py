@@ -27,9 +27,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from optimus.cli.errors import stop_writing_to_a_closed_pipe
 from optimus.parallel.launch import cpu_speed_cache
 from optimus.train.hardware import best_matmul_rate, cpu_model, cpu_speed
 from optimus.train.precision import Precision, choose_precision
+
+
+def run_script(main: Callable[[], int | None]) -> None:
+    """A benchmark's entry point: exits with main's code, and quietly (141) where the reader of its table went away
+    (`python benchmarks/plan_here_stored.py | head`), as `optimus` does."""
+    try:
+        code = main()
+    except BrokenPipeError:
+        code = stop_writing_to_a_closed_pipe()
+    sys.exit(code)
 
 
 def machine_info() -> dict:

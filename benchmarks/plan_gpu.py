@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import machine_info, prediction_accuracy, write_json  # noqa: E402
+from benchmarks._common import machine_info, prediction_accuracy, run_script, write_json  # noqa: E402
 from optimus.cli.plan import RESET_DEGREES  # noqa: E402
 from optimus.config import load_config  # noqa: E402
 
@@ -237,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine_info, prediction_accuracy, write_json  # noqa: E402
+from benchmarks._common import machine_info, prediction_accuracy, run_script, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "benchmarks" / "here_measured.json"
@@ -208,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

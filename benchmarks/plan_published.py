@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info  # noqa: E402
+from _common import machine_info, run_script  # noqa: E402
 
 from optimus.plan import published  # noqa: E402
 
@@ -51,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, as a shell tool whose reader went away
+
+
+def stop_writing_to_a_closed_pipe() -> int:
+    """The reader of stdout went away (`optimus plan ... | head`): the interpreter's final flush goes nowhere, so
+    the command stops quietly, as a shell tool does; returns the exit code to end with."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_CLOSED_PIPE
 
 
 class UsageError(ValueError):

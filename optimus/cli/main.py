@@ -13,7 +13,7 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, user_errors
+from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, stop_writing_to_a_closed_pipe, user_errors
 from optimus.cli.info import cmd_info
 from optimus.cli.plan import cmd_plan, cmd_tune
 from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd_report, cmd_verify
@@ -279,9 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         _report_user_error(f"optimus {args.verb}: error: permission denied on {where}: give this user read and write "
                            "access to it, or choose another path")
         return EXIT_BAD_INPUT
-    except BrokenPipeError:  # the reader went away (`optimus plan ... | head`): stop quietly, as a shell tool does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
-        return 141  # 128 + SIGPIPE
+    except BrokenPipeError:
+        return stop_writing_to_a_closed_pipe()
     except OSError as err:
         if err.filename is None:  # not about a path the user gave (a socket, a library's own file): a real fault
             raise

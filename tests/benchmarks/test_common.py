@@ -1,14 +1,17 @@
 """How the benchmarks pick their dtypes, on a CPU that computes bf16 natively and on one that only
-emulates it (the measured speeds are given, not probed)."""
+emulates it (the measured speeds are given, not probed); how a benchmark script ends when its reader goes away."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from optimus.train.hardware import CpuSpeed
+from tests.benchmarks.conftest import BENCHMARKS
 
 AVX2_ONLY = CpuSpeed(fp32_flops=9e10, bf16_flops=7e8, capability="AVX2", bf16_flags=False)
 AMX = CpuSpeed(fp32_flops=2e11, bf16_flops=8e11, capability="AVX512", bf16_flags=True)
@@ -65,3 +68,16 @@ def test_prediction_accuracy_is_the_mean_and_largest_absolute_error(common):
     assert line.startswith("step time: mean absolute error 9.0%, largest 20.0% over 4")
     assert "vTrain 8.37%" in line  # beside the published predictors (REFERENCE.md)
     assert common.prediction_accuracy([]) == "no step times compared"
+
+
+def test_a_table_piped_to_head_ends_quietly_with_141(tmp_path):
+    """`python benchmarks/plan_here_stored.py | head`: the script stops writing once head has gone, no traceback."""
+    script = tmp_path / "long_table.py"
+    script.write_text(f"import sys\nsys.path[:0] = [{str(BENCHMARKS)!r}, {str(BENCHMARKS.parent)!r}]\n"
+                      "from _common import run_script\n"
+                      "def main():\n    for row in range(200_000):\n        print(f'row {row}')\n    return 0\n"
+                      "run_script(main)\n")
+    # 200,000 rows outgrow the pipe's buffer: the script is still writing when head has gone
+    done = subprocess.run(["bash", "-c", f"{sys.executable} {script} | head -1; exit ${{PIPESTATUS[0]}}"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (141, "row 0\n") and done.stderr == "", done.stderr
