@@ -200,9 +200,17 @@ def local_accelerators() -> LocalAccelerators | None:
     return LocalAccelerators(device.type, props.name, backend.device_count(), props.total_memory / 1024**3)
 
 
+def accelerator_runtime_built() -> bool:
+    """Whether this torch has a GPU (CUDA or ROCm) or XPU runtime: the CPU wheel has neither."""
+    return torch.backends.cuda.is_built() or (hasattr(torch, "xpu") and torch.xpu._is_compiled())
+
+
 def probe_local_accelerators(timeout_s: float = 120.0) -> LocalAccelerators | None:
     """local_accelerators() asked of a child process, so that this one (which goes on to launch jobs on those
-    devices) opens no device context of its own, holding memory on device 0 for as long as it runs."""
+    devices) opens no device context of its own, holding memory on device 0 for as long as it runs. A torch
+    without an accelerator runtime sees none: no child (a second torch import) to ask."""
+    if not accelerator_runtime_built():
+        return None
     code = ("import dataclasses, json; from optimus.train.hardware import local_accelerators as f; "
             "a = f(); print(json.dumps(a and dataclasses.asdict(a)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)

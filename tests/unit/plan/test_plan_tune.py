@@ -11,6 +11,7 @@ from optimus.config import ConfigError, load_config
 from optimus.plan.here import here_cluster
 from optimus.plan.tune import (TrialRun, format_trials, layout_key, layout_overrides, run_trial, trial_cluster,
                                 trial_command, tune)
+from optimus.train import hardware
 from optimus.train.hardware import LocalAccelerators, local_accelerators, probe_local_accelerators
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -131,8 +132,15 @@ def test_prices_for_other_devices_than_the_trials_train_on_are_refused():
         trial_cluster(None, 1, LocalAccelerators("cuda", "NVIDIA L40S", 4, 44.5))
 
 
-def test_the_probe_in_a_child_process_sees_what_this_process_sees():
+def test_the_probe_in_a_child_process_sees_what_this_process_sees(monkeypatch):
+    monkeypatch.setattr(hardware, "accelerator_runtime_built", lambda: True)  # the child runs whatever this torch is
     assert probe_local_accelerators() == local_accelerators()
+
+
+def test_a_torch_without_an_accelerator_runtime_starts_no_child(monkeypatch):
+    monkeypatch.setattr(hardware, "accelerator_runtime_built", lambda: False)
+    monkeypatch.setattr(hardware.subprocess, "run", lambda *args, **kwargs: pytest.fail("a child was started"))
+    assert probe_local_accelerators() is None
 
 
 def test_tune_on_accelerators_prunes_by_the_memory_the_devices_report(tmp_path):
