@@ -29,10 +29,10 @@ def _heldout_loss(rank: int, world: int, run_dir: str, token_dir: str, model: di
 
 
 # make test: the MoE layout and the pipelined one (which also replicates); replication alone in make test-slow
-@pytest.mark.parametrize("model, parallel, world", [pytest.param(DENSE, dict(dp_replicate=2), 2, marks=pytest.mark.slow),
-                                                    (MOE, dict(dp_shard=2, ep=2), 2),
-                                                    (DENSE, dict(dp_replicate=2, pp=2), 4)],
-                         ids=["dense-ddp2", "moe-fsdp2-ep2", "dense-ddp2-pp2"])
+@pytest.mark.parametrize("model, parallel, world", [
+    pytest.param(DENSE, dict(dp_replicate=2), 2, marks=pytest.mark.slow), (MOE, dict(dp_shard=2, ep=2), 2),
+    (DENSE, dict(dp_replicate=2, pp=2), 4),
+], ids=["dense-ddp2", "moe-fsdp2-ep2", "dense-ddp2-pp2"])
 def test_data_parallel_ranks_give_the_one_process_heldout_loss(tmp_path, small_token_dir, model, parallel, world):
     (one_loss, one_tokens), = run_distributed(_heldout_loss, 1, str(tmp_path / "one"), str(small_token_dir), model,
                                               None, timeout=120)

@@ -116,8 +116,9 @@ def test_pp_2_interleaved_with_selective_recompute_matches_one_process():
 
 
 # make test runs tp x pp once (MoE, interleaved); the dense 1F1B pair in make test-slow
-@pytest.mark.parametrize("moe,schedule,virtual", [pytest.param(False, "1f1b", 1, marks=pytest.mark.slow),
-                                                   (True, "interleaved_1f1b", 2)], ids=["dense-1f1b", "moe-interleaved"])
+@pytest.mark.parametrize("moe,schedule,virtual", [
+    pytest.param(False, "1f1b", 1, marks=pytest.mark.slow), (True, "interleaved_1f1b", 2),
+], ids=["dense-1f1b", "moe-interleaved"])
 def test_tp_2_pp_2_layout_matches_one_process(moe, schedule, virtual):
     from tests.helpers.parity import check_layout, tiny_config
 
