@@ -5,8 +5,9 @@ For the planner's calibration (optimus/plan/calibrate.py, calibrate_node.py): it
 of the cores R processes get, or a node's devices, without a launcher. The parent opens no device context (a
 forked child could not use one its parent holds). Forked children run one thread each (a fork after
 OpenMP started several can hang in its first multi-threaded op, see CPU-NOTES) and leave through
-barrier + destroy + os._exit, so no rank aborts at interpreter exit. Results travel as JSON: they
-are plain numbers and lists, and nothing a child wrote is ever unpickled.
+barrier + destroy + os._exit, so no rank aborts at interpreter exit. A child compiles (torch.compile) in its own
+process: the compile workers of a parent that compiled before forking did not survive the fork. Results travel as
+JSON: they are plain numbers and lists, and nothing a child wrote is ever unpickled.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -29,10 +31,21 @@ class LocalRanksError(RuntimeError):
     """A rank failed or did not finish in time; the message says which and why."""
 
 
+def compile_without_the_parents_workers() -> None:
+    """In a forked child: torch.compile's pool of compile workers, where the parent had started one (by compiling
+    before the fork), lives on in the child without the parent's thread that reads its results, so the child's
+    first compile would wait forever. Inductor then compiles in this process instead (where the parent never
+    loaded inductor, the child starts its own pool as any process does: nothing to do)."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.compile_threads = 1
+
+
 def _child(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple, device_type: str) -> None:
     from optimus.parallel.launch import backend_for, device_for
 
     torch.set_num_threads(1)
+    compile_without_the_parents_workers()
     outcome: dict[str, Any]
     try:
         device = device_for(rank, device_type)

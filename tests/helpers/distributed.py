@@ -2,7 +2,8 @@
 
 Settings that held up on a 2-core machine (see ../shared/CPU-NOTES.md): fork after importing
 torch.distributed, one thread per child, a file:// rendezvous, a deadline, and ending each child
-with barrier + destroy_process_group + os._exit so no rank aborts at interpreter exit.
+with barrier + destroy_process_group + os._exit so no rank aborts at interpreter exit; a child compiles in its own
+process (local_ranks.compile_without_the_parents_workers: a test before it may have compiled in this one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed.checkpoint  # noqa: F401  (import in the parent, before
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
-from optimus.parallel.local_ranks import wait_or_kill
+from optimus.parallel.local_ranks import compile_without_the_parents_workers, wait_or_kill
 
 
 class DistributedTestError(AssertionError):
@@ -31,6 +32,7 @@ class DistributedTestError(AssertionError):
 
 def _child(rank: int, world_size: int, init_file: str, result_dir: str, fn: Callable, args, kwargs) -> None:
     torch.set_num_threads(1)
+    compile_without_the_parents_workers()
     status, payload = "ok", None
     try:
         dist.init_process_group(
@@ -94,6 +96,7 @@ def run_forked(fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) 
         result_path = os.path.join(tmp, "result.pkl")
         pid = os.fork()
         if pid == 0:
+            compile_without_the_parents_workers()
             try:
                 outcome = ("ok", fn(*args, **kwargs))
             except BaseException:

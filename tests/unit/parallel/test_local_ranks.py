@@ -47,3 +47,32 @@ def test_a_rank_that_met_its_peers_failure_in_torch_distributed_is_not_named_fir
               '  File "/repo/tests/unit/parallel/test_local_ranks.py", line 20, in _fails_on_rank_one\n'
               '    raise ValueError("planted failure")\nValueError: planted failure')
     assert _failed_in_torch_distributed(met_it) and not _failed_in_torch_distributed(failed)
+
+
+def _compiled_sum(rank: int, world: int) -> float:
+    doubled = torch.compile(lambda x: torch.cos(x) * 2 + x)
+    return float(doubled(torch.ones(8)).sum())
+
+
+def _compile_then_run_ranks_that_compile(cache_dir: str) -> list[float]:
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    # nothing from a cache: the kernels are built, on the pool of compile workers
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    inductor_config.fx_graph_cache = False
+    inductor_config.compile_threads = 2  # a pool of compile workers, as on any machine of 2 cores or more
+    torch.compile(lambda x: torch.sin(x) * 3 - x)(torch.ones(4))
+    return run_on_local_ranks(_compiled_sum, 1, timeout=120)
+
+
+@pytest.mark.slow  # inductor's C++ builds, uncached: ~30 s on 2 cores
+def test_a_rank_compiles_after_its_parent_compiled(tmp_path):
+    """The parent's compile workers do not survive the fork: a rank compiling on them waited forever."""
+    from tests.helpers import run_forked
+
+    expected = float((torch.cos(torch.ones(8)) * 2 + 1).sum())
+    # forked: this test process keeps no pool and no inductor settings
+    [got] = run_forked(_compile_then_run_ranks_that_compile, str(tmp_path / "inductor"), timeout=240)
+    assert got == pytest.approx(expected)
