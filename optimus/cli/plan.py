@@ -304,7 +304,7 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import write_best_config
     from optimus.plan.search import parse_only
-    from optimus.plan.tune import check_tune_out, format_trials, trial_cluster, tune
+    from optimus.plan.tune import check_tune_out, format_trials, launcher_ranks, trial_cluster, tune
     from optimus.train.hardware import probe_local_accelerators
 
     only = parse_only(args.only or [])
@@ -322,6 +322,10 @@ def cmd_tune(args: argparse.Namespace, overrides: list[str]) -> int:
     out_dir = output_location("--out", args.out, folder=True)
     check_tune_out(out_dir, args.overwrite)  # before the trials: minutes to hours of them
     launcher = _launcher(args.launcher)
+    if launcher and (started := launcher_ranks(launcher)) not in (None, args.ranks):
+        raise UsageError(f"--launcher {args.launcher!r} starts {started} ranks but --ranks is {args.ranks}: give "
+                         f"--ranks {started} (each trial's layout and prices are for that many devices), or a "
+                         f"launcher that starts {args.ranks}")
     if args.cluster not in (None, "here"):
         load_cluster(args.cluster)  # an unknown name or a bad file fails before the config
     config = load_config(args.config, overrides)

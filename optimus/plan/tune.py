@@ -108,6 +108,39 @@ def _job_nodes(cluster: Cluster, ranks: int, per_node: int, memory_gib: float) -
     return replace(cluster, devices_per_node=min(ranks, per_node), memory_gb=memory_gib)
 
 
+# the launchers' flags that say how many ranks they start: srun's total, or nodes x tasks a node; mpiexec's total
+_TOTAL_FLAGS = {"srun": ("-n", "--ntasks"), "mpiexec": ("-n", "-np", "--np", "--n"), "mpirun": ("-n", "-np", "--np")}
+_SRUN_NODES, _SRUN_PER_NODE = ("-N", "--nodes"), ("--ntasks-per-node",)
+
+
+def _flag_value(words: list[str], names: tuple[str, ...]) -> str | None:
+    """The last value given to any of `names` (`-n 16`, `-n16`, `--ntasks=16`, `--ntasks 16`), or None."""
+    value = None
+    for i, word in enumerate(words):
+        for name in names:
+            if word == name and i + 1 < len(words):
+                value = words[i + 1]
+            elif word.startswith(name + "=") and name.startswith("--"):
+                value = word.split("=", 1)[1]
+            elif len(name) == 2 and word.startswith(name) and len(word) > 2 and word[2:].isdigit():
+                value = word[2:]
+    return value
+
+
+def launcher_ranks(launcher: list[str]) -> int | None:
+    """How many ranks `launcher` (srun, mpiexec, mpirun) starts where its flags say so, else None (a node range,
+    a count from the allocation or a hostfile, another launcher)."""
+    program = Path(launcher[0]).name
+    total = _flag_value(launcher[1:], _TOTAL_FLAGS.get(program, ()))
+    if total is not None:
+        return int(total) if total.isdigit() else None
+    if program == "srun":
+        nodes, per_node = _flag_value(launcher[1:], _SRUN_NODES), _flag_value(launcher[1:], _SRUN_PER_NODE)
+        if nodes and per_node and nodes.isdigit() and per_node.isdigit():
+            return int(nodes) * int(per_node)
+    return None
+
+
 def trial_command(ranks: int, launcher: list[str] | None) -> list[str]:
     """What starts one trial's ranks, before `train` and its arguments: `optimus launch` (torchrun) on this node,
     or the user's launcher (`srun -N 2 --ntasks-per-node 8`, `mpiexec -n 24 --ppn 12`), which starts every rank

@@ -169,6 +169,17 @@ def test_tune_bad_flags_are_one_line_and_exit_2(config_file, args, needle, capsy
     assert len(err.strip().splitlines()) == 1 and err.strip().endswith(needle), err
 
 
+def test_a_launcher_that_starts_another_rank_count_than_ranks_is_one_line(config_file, capsys, tmp_path):
+    srun = tmp_path / "srun"  # only its name and flags are read: nothing starts
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(0o755)
+    code, _, err = in_process(capsys, "tune", str(config_file), "--trials", "1", "--ranks", "8",
+                              "--launcher", f"{srun} -N 2 --ntasks-per-node 8", "--out", str(tmp_path / "tune"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip().endswith("starts 16 ranks but --ranks is 8: give --ranks 16 (each trial's layout and prices "
+                                "are for that many devices), or a launcher that starts 8"), err
+
+
 def test_tune_with_more_ranks_than_cores_says_the_trials_time_share_them(here_cache, config_file, capsys, tmp_path):
     from optimus.plan.here import cores as available_cores
 

@@ -9,8 +9,8 @@ import pytest
 
 from optimus.config import ConfigError, load_config
 from optimus.plan.here import here_cluster
-from optimus.plan.tune import (TrialRun, format_trials, layout_key, layout_overrides, run_trial, trial_cluster,
-                                trial_command, tune)
+from optimus.plan.tune import (TrialRun, format_trials, launcher_ranks, layout_key, layout_overrides, run_trial,
+                                trial_cluster, trial_command, tune)
 from optimus.train import hardware
 from optimus.train.hardware import LocalAccelerators, local_accelerators, probe_local_accelerators
 
@@ -173,6 +173,17 @@ def test_tune_refuses_prices_for_other_devices_in_one_line_before_any_trial(foun
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("launcher, ranks", [
+    ("srun -N 2 --ntasks-per-node 8", 16), ("srun --nodes=2 --ntasks-per-node=8 --cpu-bind=cores", 16),
+    ("srun -n16 -N 2", 16), ("/opt/slurm/bin/srun --ntasks 24", 24), ("mpiexec -n 24 --ppn 12", 24),
+    ("mpirun -np 8", 8),
+    ("srun -N 2-4 --ntasks-per-node 8", None), ("srun -N 2", None), ("mpiexec --ppn 12", None),
+    ("my-launcher -n 4", None),
+])
+def test_the_rank_count_a_launcher_starts_where_its_flags_say(launcher, ranks):
+    assert launcher_ranks(launcher.split()) == ranks
 
 
 def test_under_a_launcher_the_trials_are_priced_as_whole_nodes_of_the_devices():
