@@ -32,7 +32,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
     class too (add_subparsers makes them of the parent's class)."""
 
     def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+        self.exit(EXIT_BAD_INPUT, usage_error_line(self.prog, message) + "\n")
+
+
+def usage_error_line(prog: str, message: str) -> str:
+    """The one line a refused command line ends with: what `prog` refused, and where its usage is."""
+    return f"{prog}: error: {message} (usage: {prog} --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):
-        print(f"optimus {args.verb}: error: unrecognized arguments: {' '.join(extra)} (usage: optimus {args.verb} "
-              "--help)", file=sys.stderr)
+        print(usage_error_line(f"optimus {args.verb}", f"unrecognized arguments: {' '.join(extra)}"), file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         check_omp_num_threads()  # before any verb imports torch

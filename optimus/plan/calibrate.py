@@ -479,10 +479,9 @@ def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype, device:
     """Data parallelism's copies as FSDP makes them (optim/sharded.py's packing is the same kind), over 16 M elements
     (times `scale`) in `dtype` (past the last-level cache, as a model's larger units are): a unit's tensors
     concatenated into one flat buffer and split back out (its all-gather's copy-in and copy-out: torch.cat,
-    torch.split_with_sizes_copy),
-    and chunk-concatenated into a `reduce_dtype` buffer (its reduce-scatter's copy-in: torch._chunk_cat, which
-    casts slower than a plain copy does: 0.56 of a copy's bandwidth from fp32 to bf16 on a 2-core
-    EPYC, 0.94 without the cast); a read and a write per element each."""
+    torch.split_with_sizes_copy), and chunk-concatenated into a `reduce_dtype` buffer (its reduce-scatter's
+    copy-in: torch._chunk_cat, which casts slower than a plain copy does: 0.56 of a copy's bandwidth from fp32 to
+    bf16 on a 2-core EPYC, 0.94 without the cast); a read and a write per element each."""
     sizes = [n * scale for n in BUFFER_COPY_ELEMENTS]
     tensors = [torch.randn(n, device=device).to(dtype) for n in sizes]
     elements = sum(sizes)

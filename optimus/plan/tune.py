@@ -109,7 +109,8 @@ def _job_nodes(cluster: Cluster, ranks: int, per_node: int, memory_gib: float) -
 
 
 # the launchers' flags that say how many ranks they start: srun's total, or nodes x tasks a node; mpiexec's total
-_TOTAL_FLAGS = {"srun": ("-n", "--ntasks"), "mpiexec": ("-n", "-np", "--np"), "mpirun": ("-n", "-np", "--np")}
+_MPI_TOTAL = ("-n", "-np", "--np")
+_TOTAL_FLAGS = {"srun": ("-n", "--ntasks"), "mpiexec": _MPI_TOTAL, "mpirun": _MPI_TOTAL}
 _SRUN_NODES, _SRUN_PER_NODE = ("-N", "--nodes"), ("--ntasks-per-node",)
 
 
