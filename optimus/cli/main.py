@@ -13,6 +13,7 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from optimus.cli.bench import USAGE as BENCH_USAGE
 from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, stop_writing_to_a_closed_pipe, user_errors
 from optimus.cli.info import cmd_info
 from optimus.cli.plan import cmd_plan, cmd_tune
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the earlier search --out holds (trials.jsonl, best.yaml)")
     tune_.set_defaults(func=cmd_tune, takes_overrides=True)
 
+    verbs.add_parser("bench", help="the benchmarks/ scripts of a source checkout: list them, or run one by name with "
+                                   "its own arguments (each compares ours with its reference in the same run)",
+                     usage=BENCH_USAGE)
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
                                     "and ends a bad-input error with one line and exit code 2",
                      usage="optimus launch [torchrun options] VERB ...")
@@ -200,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _VERBS = ("train", "tokenize", "eval", "generate", "export", "import", "info")
 # verbs that run in one process or start their own (tune launches its trials; chaos its runs): not under launch
-_ALONE_VERBS = ("chaos", "report", "verify", "plan", "tune", "launch")
+_ALONE_VERBS = ("chaos", "report", "verify", "plan", "tune", "launch", "bench")
 
 
 def _report_user_error(line: str) -> None:
@@ -267,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"optimus launch: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    if argv[:1] == ["bench"]:  # the script's own flags pass through untouched, --help included
+        from optimus.cli.bench import run_bench
+
+        return run_bench(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):

@@ -11,7 +11,8 @@ it lacks. What "small scale" means per command:
   the degrees where the launcher takes it from the allocation). A dry run printed in the docs must
   match what the code prints now.
 - `make TARGET`: `make -n TARGET` (the target exists and its recipe expands; `make test` is CI itself).
-- benchmarks: with their smallest flags, in test_documented_benchmarks_run (marked slow).
+- benchmarks (`optimus bench NAME` or the script): with their smallest flags, in test_documented_benchmarks_run
+  (marked slow), through `optimus bench`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ TINY_CONFIGS = ("configs/mula-tiny-moe.yaml", "configs/mula-tiny-dense.yaml")
 NOT_RUN_HERE = {
     "pytest": "the test suite itself: `make test` (CI) runs it",
     "bash benchmarks/gpu.sh": "needs a CUDA GPU (tests/gpu and the GPU benchmarks)",
+    "optimus bench gpu": "benchmarks/gpu.sh by name: needs a CUDA GPU",
 }
 BENCHMARK_FLAGS = {  # the smallest run of each benchmark script
     "benchmarks/train_step.py": ["--steps", "1", "--rounds", "1", "--dtypes", "fp32"],
@@ -137,6 +139,9 @@ def plan_for(command: DocCommand) -> Plan:
         return Plan("make", argv[1:])
     if argv[0] in ("python", ".venv/bin/python") and argv[1] in BENCHMARK_FLAGS:
         return Plan("bench", [argv[1], *BENCHMARK_FLAGS[argv[1]]])
+    if argv[:2] == ["optimus", "bench"] and len(argv) > 2:  # optimus bench NAME: benchmarks/NAME.py by name
+        script = f"benchmarks/{argv[2]}.py"
+        return Plan("bench", [script, *BENCHMARK_FLAGS[script]])
     if argv[0] == "python" and argv[1:3] == ["-m", "optimus"]:
         argv = argv[2:]
     if argv[0] == "optimus" and argv[1] == "launch":  # optimus launch [torchrun options] train CONFIG ARGS
@@ -272,8 +277,10 @@ def test_documented_benchmarks_run(tmp_path):
         script, *flags = plan.argv
         if "--json" not in flags:
             flags += ["--json", str(tmp_path / (Path(script).stem + ".json"))]
-        result = subprocess.run([sys.executable, str(REPO / script), *flags], cwd=REPO, capture_output=True,
-                                text=True, timeout=600, env=dict(cli_env(), GLOO_SOCKET_IFNAME="lo"))
+        # through `optimus bench NAME`, as the docs show it (the same script, run from the checkout's root)
+        result = subprocess.run([sys.executable, "-m", "optimus", "bench", Path(script).stem, *flags], cwd=REPO,
+                                capture_output=True, text=True, timeout=600,
+                                env=dict(cli_env(), GLOO_SOCKET_IFNAME="lo"))
         assert result.returncode == 0, f"{script}: {result.stderr[-3000:]}"
 
 

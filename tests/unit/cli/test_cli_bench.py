@@ -1,0 +1,95 @@
+"""`optimus bench`: the checkout's benchmark scripts listed from their docstrings, one run by name with its own
+arguments, in the checkout's root and the environment its usage line names; a name or checkout not there is one
+line and exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optimus.cli import main
+from optimus.cli.bench import CHECKOUT, find_benchmarks, run_bench
+
+REPO = Path(__file__).resolve().parents[3]
+
+# a stand-in benchmark: reports where and how it ran, then exits with the code it is given
+REPORTER = '''"""Reports its arguments, folder and environment.
+
+    OMP_NUM_THREADS=1 FAKE_FLAG=on python benchmarks/{name}.py [--code N]
+"""
+import json, os, sys
+print(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "path": os.environ.get("PYTHONPATH", ""),
+                  "threads": os.environ.get("OMP_NUM_THREADS"), "flag": os.environ.get("FAKE_FLAG")}}))
+sys.exit(int(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else 0)
+'''
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "reporter.py").write_text(REPORTER.format(name="reporter"))
+    (folder / "_common.py").write_text('"""Shared helpers, not a benchmark."""\n')
+    (folder / "kernels.sh").write_text("#!/usr/bin/env bash\n# Kernel checks on a GPU:\n#\n#     bash x\n"
+                                       "echo shell $1\n")
+    return folder
+
+
+def test_the_listing_is_every_script_with_its_first_sentence(checkout: Path):
+    found = find_benchmarks(checkout)
+    assert list(found) == ["reporter", "kernels"]  # the _-prefixed helper is not a benchmark
+    assert found["reporter"].summary == "Reports its arguments, folder and environment"
+    assert found["kernels"].summary == "Kernel checks on a GPU"
+    assert found["reporter"].environment == {"OMP_NUM_THREADS": "1", "FAKE_FLAG": "on"}
+
+
+def test_a_script_runs_in_the_checkout_with_its_arguments_and_environment(checkout: Path, monkeypatch, capfd):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("FAKE_FLAG", "mine")  # what the caller set wins over the usage line
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert run_bench(["reporter", "--json", "out.json", "--help"], folder=checkout) == 0
+    ran = json.loads(capfd.readouterr().out)
+    assert ran["argv"] == ["--json", "out.json", "--help"]  # the script's own flags pass through, --help included
+    assert Path(ran["cwd"]) == checkout.parent
+    assert ran["path"].split(":") == [str(checkout.parent), "/elsewhere"]
+    assert (ran["threads"], ran["flag"]) == ("1", "mine")
+
+
+def test_the_scripts_exit_code_is_the_commands(checkout: Path, capfd):
+    assert run_bench(["reporter.py", "--code", "3"], folder=checkout) == 3
+    assert run_bench(["kernels", "go"], folder=checkout) == 0
+    assert capfd.readouterr().out.splitlines()[-1] == "shell go"
+
+
+def test_an_unknown_name_is_one_line_with_the_nearest(checkout: Path, capsys):
+    assert run_bench(["reportr"], folder=checkout) == 2
+    assert capsys.readouterr().err == ("optimus bench: error: no benchmark named 'reportr': did you mean reporter? "
+                                       "choose one of reporter, kernels (`optimus bench` lists them)\n")
+
+
+def test_no_checkout_beside_the_package_is_one_line(tmp_path: Path, capsys):
+    assert run_bench(["train_step"], folder=tmp_path / "benchmarks") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "clone the repository and install it with `pip install -e .`" in err
+
+
+def test_the_verb_lists_this_checkouts_benchmarks(capsys):
+    assert CHECKOUT == REPO
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "train_step" in out and "Training-step throughput: Optimus vs Hugging Face OlmoeForCausalLM" in out
+    assert "_common" not in out
+    # every real script says what it compares, and those that want one thread per rank say so in their usage line
+    found = find_benchmarks(REPO / "benchmarks")
+    assert all(b.summary for b in found.values())
+    assert found["plan_vs_measured"].environment == {"OMP_NUM_THREADS": "1"}
+
+
+def test_the_verb_runs_a_real_benchmark_by_name(tmp_path: Path, capfd):
+    """plan_published without its search: arithmetic on the presets, a few seconds."""
+    out = tmp_path / "published.json"
+    assert main(["bench", "plan_published", "--no-search", "--json", str(out)]) == 0
+    assert "within their bands" in capfd.readouterr().out
+    assert json.loads(out.read_text())
