@@ -53,7 +53,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m "slow or soak" tests
 
 bench: setup
-	$(PY) benchmarks/train_step.py
+	$(VENV)/bin/optimus bench train_step
 
 clean:
 	rm -rf $(VENV) .cache
