@@ -1,12 +1,15 @@
 """zero1 / zero2 (optim/sharded.py) against one process: losses and step-1 gradients within the parity
 tolerances (tests.helpers.parity: fp32 loss rel 1e-5 at step 1, 1e-4 later; grads atol 1e-5 / rtol 1e-4),
-EP-aware and EP-unaware; the per-rank optimizer-state sizes the EP-aware scheme promises; resume."""
+EP-aware and EP-unaware; the per-rank optimizer-state sizes the EP-aware scheme promises; resume; the clipping norm
+counting what tp ranks hold alike once (fsdp as well)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers.parity import check_layout, tiny_config
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import NORM_RTOL_FIRST_STEP, check_layout, global_batches, rank_micro_batches, tiny_config
 from tests.helpers.runs import small_moe_trainer_config, train_small_moe_on_rank
 
 pytestmark = pytest.mark.distributed
@@ -58,6 +61,56 @@ def test_zero2_ep_2_with_full_activation_checkpointing_matches_one_process():
 @pytest.mark.slow  # extra coverage: tensor parallel parameters (DTensors over tp) under zero1
 def test_zero1_with_tp_2_matches_one_process():
     check_layout(tiny_config(parallel=dict(dp_shard=2, tp=2, shard_mode="zero1")), world_size=4, steps=3)
+
+
+def _keep_only_the_norms_gradients(model) -> None:
+    """Every gradient but the norms' weights (the same on every tp rank) zeroed once it is in .grad (FSDP2 runs these
+    hooks on its sharded parameters after its reduce-scatter; the sharded optimizer's own, registered later, after)."""
+    for name, param in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            param.register_post_accumulate_grad_hook(_zero_the_gradient)
+
+
+def _zero_the_gradient(param) -> None:
+    param.grad.zero_()
+
+
+def _norms_gradient_norm(rank: int, world_size: int, config) -> float:
+    """(on a rank, built as run_parallel_rank builds it) the gradient norm train_step clips by, of one step whose
+    only gradients are the norms'."""
+    from optimus.optim.build import build_optimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from optimus.train.step import train_step
+
+    dims = ParallelDims.from_config(config.parallel, world_size)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, "cpu")
+    _keep_only_the_norms_gradients(model)
+    micro = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size,
+                               dp_rank=mesh.local_rank("dp"), dp_size=mesh.size("dp"))
+    return train_step(model, build_optimizer(model, config.optim), micro, device=torch.device("cpu"),
+                      grad_clip=config.optim.grad_clip, dp_mesh=mesh["dp"]).grad_norm
+
+
+@pytest.mark.parametrize("mode", ["zero1", "fsdp", pytest.param("zero2", marks=pytest.mark.slow)])
+def test_gradients_the_same_on_every_tp_rank_are_counted_once_in_the_norm(mode):
+    """The parity tests' norms are dominated by the large sharded weights: counting the norms' tiny replicated
+    gradients on both tp ranks moved them by less than their 1e-4 tolerance. Here the norms' are the only
+    gradients, so counting them twice is a factor of up to sqrt(2)."""
+    from optimus.models.transformer import build_model
+    from optimus.optim.build import build_optimizer
+    from optimus.train.step import train_step
+
+    config = tiny_config(parallel=dict(dp_shard=2, tp=2, shard_mode=mode))
+    model = build_model(config.model, device=torch.device("cpu"), seed=config.train.seed)
+    _keep_only_the_norms_gradients(model)
+    micro = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size)
+    want = train_step(model, build_optimizer(model, config.optim), micro, device=torch.device("cpu"),
+                      grad_clip=config.optim.grad_clip).grad_norm
+    assert want > 0
+    for got in run_distributed(_norms_gradient_norm, 4, config):
+        assert got == pytest.approx(want, rel=NORM_RTOL_FIRST_STEP), (mode, got, want)
 
 
 def test_zero1_bf16_tracks_one_process_bf16():

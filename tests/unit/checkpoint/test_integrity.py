@@ -1,6 +1,8 @@
 """Every file's size and hash are checked before a load; resume falls back past damaged checkpoints."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +135,30 @@ def test_commit_failure_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="step-2 could not be written") as err:
         manager.save(2, make_state()[3], {})
     assert "\n" not in str(err.value)
+
+
+def test_every_file_a_commit_relies_on_is_fsynced_before_it_is_put_in_place(tmp_path, monkeypatch):
+    """A crash (power lost) just after a commit must find on disk the bytes the commit points to: each small file
+    (meta.json, COMMITTED, latest) is fsynced before the rename that puts it in place, DCP's data files (its
+    sync_files) before COMMITTED is, and the step's folder takes its final name only after COMMITTED is in it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        real_fsync(fd)
+
+    def replace(source, target, *args, **kwargs):
+        events.append(("replace", Path(source).name, Path(target).name))
+        real_replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    for name in ("meta.json", "COMMITTED", "latest"):
+        assert events.index(("fsync", f"{name}.tmp")) < events.index(("replace", f"{name}.tmp", name)), name
+    committed = events.index(("replace", "COMMITTED.tmp", "COMMITTED"))
+    data = [path.name for path in manager.step_dir(1).glob("*.distcp")]
+    assert data and all(events.index(("fsync", name)) < committed for name in data)
+    renamed = [at for at, event in enumerate(events) if event[0] == "replace" and event[2] == manager.step_dir(1).name]
+    assert renamed and min(renamed) > committed

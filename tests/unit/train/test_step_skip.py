@@ -75,3 +75,29 @@ def test_a_non_finite_loss_is_skipped_without_asking_the_predicate():
     assert asked == []
     for name, value in model.state_dict().items():
         assert torch.allclose(value, weights[name], rtol=0, atol=0, equal_nan=True), name
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped_and_the_next_step_trains():
+    """What a bf16 backward that overflows gives: the loss is fine, a gradient is not. The step is skipped as
+    non-finite (the predicate is not asked), nothing changes, and the next step with finite gradients trains."""
+    config = tiny_config()
+    model, optimizer = model_and_optimizer(config)
+    step(model, optimizer, micro_batches(0, config), config)  # some optimizer state to keep
+    weights = copy.deepcopy(model.state_dict())
+    moments = copy.deepcopy(optimizer.state_dict())
+    overflow = model.norm.weight.register_hook(lambda grad: grad * float("inf"))
+    asked = []
+    result = step(model, optimizer, micro_batches(1, config), config, skip_step=lambda loss: asked.append(loss))
+    overflow.remove()
+    assert result.skipped and result.skip_reason == "non-finite" and asked == []
+    assert torch.isfinite(torch.tensor(result.loss)) and not torch.isfinite(torch.tensor(result.grad_norm))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    after = optimizer.state_dict()
+    for pid, state in moments["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    assert all(p.grad is None for p in model.parameters())
+    resumed = step(model, optimizer, micro_batches(1, config), config)
+    assert not resumed.skipped and torch.isfinite(torch.tensor(resumed.grad_norm))
+    assert not torch.equal(model.norm.weight, weights["norm.weight"])
