@@ -57,6 +57,15 @@ def test_sources_follow_the_weights(labelled_sources):
     assert mixture.epochs_seen(1030) == pytest.approx([c / n for c, n in zip(counts + partial, [40, 25, 10])])
 
 
+def test_each_block_interleaves_the_sources_in_its_own_order(labelled_sources):
+    """Not one order repeated every block_size samples (a periodic pattern a model can learn), nor the sources in
+    runs: each block is its own shuffle of its slots."""
+    mixture = Mixture(labelled_sources, [0.5, 0.3, 0.2], SEQ_LEN, seed=1, block_size=30)
+    blocks = [tuple(mixture.source_of(i) for i in range(30 * b, 30 * (b + 1))) for b in range(6)]
+    assert len(set(blocks)) == 6
+    assert all(block != tuple(sorted(block)) for block in blocks)
+
+
 def test_every_instance_once_per_epoch_in_a_new_order(labelled_sources):
     mixture = Mixture(labelled_sources, [1, 1, 1], SEQ_LEN, seed=2, block_size=30)
     per_source: dict[int, list[int]] = {0: [], 1: [], 2: []}

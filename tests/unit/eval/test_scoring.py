@@ -41,6 +41,15 @@ def test_acc_norm_divides_by_characters():
     assert scores["t"].acc_norm == 1.0
 
 
+def test_acc_norm_leaves_the_leading_space_out_of_the_characters(monkeypatch):
+    """lm-eval's count: the answer's characters, not the space that joins it to the question. Planted
+    log-likelihoods: " ab" -2.0 (-1.0 a character; -0.67 counting the space), " abcd" -3.6 (-0.9; -0.72)."""
+    monkeypatch.setattr("optimus.eval.scoring.continuation_logliks", lambda model, requests, *a, **k: [-2.0, -3.6])
+    question = Question(contexts=("Q:", "Q:"), continuations=(" ab", " abcd"), gold=1)
+    scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"t": [question]}, torch.device("cpu"), max_len=16)
+    assert scores["t"].acc == 0.0 and scores["t"].acc_norm == 1.0
+
+
 def test_loglik_is_the_sum_over_continuation_tokens_only():
     model = SuccessorModel(10.0)
     hit = torch.log_softmax(10.0 * torch.nn.functional.one_hot(torch.tensor(1), VOCAB).float(), -1)[1].item()

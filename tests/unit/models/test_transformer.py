@@ -48,6 +48,38 @@ def test_loss_equals_cross_entropy_of_logits(config):
         assert int(out.expert_counts.sum()) == config.n_layers * ids[:, :-1].numel() * config.top_k
 
 
+def test_the_loss_backpropagates_every_term():
+    """`loss` is what training differentiates: its gradient is the sum of its terms' (the load-balancing and z-loss
+    terms' gradients included, not only their values)."""
+    model = build_model(TINY_MOE, seed=0)
+    ids = torch.randint(0, TINY_MOE.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    router = model.layers["0"].mlp.router.weight
+
+    def router_gradient(term) -> torch.Tensor:
+        # a fresh forward for each: the fused loss and expert ops' backwards run once per forward (reused buffers)
+        return torch.autograd.grad(term(model(ids[:, :-1], ids[:, 1:])), router)[0]
+
+    got = router_gradient(lambda out: out.loss)
+    ce = router_gradient(lambda out: out.ce_loss)
+    balance = router_gradient(lambda out: TINY_MOE.aux_loss_coef * out.aux_loss + TINY_MOE.z_loss_coef * out.z_loss)
+    assert balance.abs().max() > 1e-3 * ce.abs().max()  # the router terms move the router measurably
+    torch.testing.assert_close(got, ce + balance)
+
+
+@pytest.mark.parametrize("config", [TINY_MOE, TINY_DENSE], ids=["moe", "dense"])
+def test_flops_per_token_counted_by_hand(config):
+    """6 x each parameter a token uses (a top_k / n_experts share of the experts'; not the embedding lookup's) + the
+    attention scores and their weighted sum, 12 L d S (PaLM's count), from the built model's tensors."""
+    model = build_model(config, device="meta")
+    used = 0.0
+    for name, param in model.named_parameters():
+        if name.startswith("embed."):
+            continue
+        used += param.numel() * (config.top_k / config.n_experts if ".experts." in name else 1)
+    expected = 6 * used + 12 * config.n_layers * config.d_model * 256
+    assert flops_per_token(count_parameters(model, config), config, 256) == pytest.approx(expected, rel=1e-9)
+
+
 def test_same_seed_same_weights_and_causality():
     a, b = build_model(TINY_MOE, seed=3), build_model(TINY_MOE, seed=3)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):

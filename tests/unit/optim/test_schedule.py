@@ -17,3 +17,17 @@ def test_wsd_is_flat_then_linear_decay():
     config = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0, schedule="wsd", decay_fraction=0.2)
     assert lr_at(50, 100, config) == 1.0 and lr_at(79, 100, config) == 1.0
     assert lr_at(90, 100, config) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_warmup_climbs_to_the_peak_and_no_step_exceeds_it(schedule):
+    config = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule=schedule, decay_fraction=0.2)
+    values = [lr_at(step, 100, config) for step in range(100)]
+    assert values[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert values[10] == pytest.approx(1.0) and max(values) == pytest.approx(1.0)
+
+
+def test_wsd_decays_to_min_lr_not_to_zero():
+    config = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(90, 100, config) == pytest.approx(0.55)
+    assert lr_at(99, 100, config) == pytest.approx(0.1, abs=0.05) and lr_at(120, 100, config) == pytest.approx(0.1)

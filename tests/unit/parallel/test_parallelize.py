@@ -100,6 +100,26 @@ def test_selective_mask_recomputes_exactly_the_named_modules():
     assert isinstance(block.mlp, MoE)  # Block still tells MoE from a dense MLP
 
 
+@pytest.mark.parametrize("mode, runs", [("none", 1), ("full", 2), ("selective_ops", 2)])
+def test_full_and_op_level_checkpointing_run_each_block_again_in_backward(mode, runs):
+    """Counted where it happens: a block's modules are called again by the backward (saved-tensor hooks cannot
+    tell, as checkpoint keeps its own saved tensors out of them)."""
+    config = tiny_config(moe=True, train=dict(activation_checkpointing=mode))
+    model = parallelize_model(build_model(config.model, seed=0), ParallelDims(world_size=1), None, config)
+    calls = []
+    for block in model.layers.values():
+        block.get_submodule(_q_proj_of(block)).register_forward_hook(lambda *_: calls.append(1))
+    batch = rank_micro_batches(global_batches(config, 1)[0], config.train.micro_batch_size)[0]
+    loss = model(batch[0], labels=batch[1]).loss
+    assert len(calls) == len(model.layers)
+    loss.backward()
+    assert len(calls) == runs * len(model.layers)
+
+
+def _q_proj_of(block: torch.nn.Module) -> str:
+    return next(name for name, _ in block.named_modules() if name.endswith("attn.q_proj"))
+
+
 def test_selective_mask_keeps_fewer_activations():
     """Recomputed modules keep only their inputs: fewer bytes saved for backward than no checkpointing."""
     from optimus.models.transformer import build_model as build

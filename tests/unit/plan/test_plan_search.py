@@ -30,6 +30,19 @@ def test_every_proposed_layout_passes_validate_layout():
     assert fitting == sorted(fitting) and candidates[0].fits
 
 
+def test_a_layout_fits_only_within_the_headroom_of_device_memory():
+    """A plan keeps 10% of device memory free (dry_run.HEADROOM: the allocator's fragmentation, the launcher's and
+    the communication library's own buffers): a layout needing 95% of a device does not fit, one needing 85% does."""
+    from dataclasses import replace
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    best = plan(config, load_cluster("h100"), 8)[0]
+    for share, fits in ((0.95, False), (0.85, True)):
+        cluster = replace(load_cluster("h100"), memory_gb=best.memory_bytes / share / 1024**3)
+        (same,) = [c for c in plan(config, cluster, 8) if c.config == best.config]
+        assert same.memory_bytes == best.memory_bytes and same.fits is fits, share
+
+
 def test_forked_workers_price_the_same_ranking_as_one_process():
     """A large search is priced over forked workers, in runs of CHUNK layouts: the candidates, their order and every
     JSON field are what one process gives (the configs rebuilt from each layout equal the ones priced)."""
