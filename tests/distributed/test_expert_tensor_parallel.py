@@ -188,7 +188,7 @@ def test_tp_2_moe_model_matches_one_process():
 
 def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_resumes_at_tp_1(tmp_path):
     """Steps 1-2 at tp=2 (zero2, selective recompute of the MoE, the reference expert loop) match one
-    process, losses and every gradient; their DCP checkpoint then resumes in one process (tp=1)."""
+    process, losses, the clipping norms and every gradient; their DCP checkpoint then resumes in one process (tp=1)."""
     from tests.helpers.parity import (
         LOSS_RTOL_LATER_STEPS,
         CheckpointPlan,
@@ -205,7 +205,8 @@ def test_tp_2_moe_with_recomputed_moe_reference_experts_and_zero2_matches_and_re
     reference = reference_run(config, 3)
     save = CheckpointPlan(str(tmp_path), save=True)
     saved = merge_rank_records(run_distributed(run_parallel_rank, 2, config, 2, save))
-    assert_parity(RunRecord(losses=reference.losses[:2], grads=reference.grads), saved)
+    assert_parity(RunRecord(losses=reference.losses[:2], grad_norms=reference.grad_norms[:2], grads=reference.grads),
+                  saved)
     one_process = config.model_copy(update={"parallel": type(config.parallel)()})
     resumed = run_single_process(one_process, 3, CheckpointPlan(str(tmp_path), load_step=2))
     assert resumed.losses[0] == pytest.approx(reference.losses[2], rel=LOSS_RTOL_LATER_STEPS)

@@ -279,6 +279,8 @@ def assert_parity(reference: RunRecord, candidate: RunRecord, check_grads: bool 
     Tolerances: the module constants (loss rtol 1e-5 at step 1, 1e-4 later; grads atol 1e-5 rtol 1e-4).
     """
     assert len(reference.losses) == len(candidate.losses), (reference.losses, candidate.losses)
+    # a record without the norms would skip their check silently: both have them, or neither
+    assert len(reference.grad_norms) == len(candidate.grad_norms), (reference.grad_norms, candidate.grad_norms)
     for step, (want, got) in enumerate(zip(reference.grad_norms, candidate.grad_norms), start=1):
         rtol = NORM_RTOL_FIRST_STEP if step == 1 else NORM_RTOL_LATER_STEPS
         assert abs(got - want) <= rtol * abs(want), (
