@@ -43,3 +43,23 @@ def test_manager_preflight_raises_checkpoint_error(tmp_path):
     (tmp_path / "run").write_text("x")
     with pytest.raises(CheckpointError, match="is a file"):
         CheckpointManager(tmp_path / "run").preflight(checkpoint_bytes=1)
+
+
+def test_the_size_the_trainer_reserves_is_what_a_checkpoint_of_weights_and_adam_moments_takes(tmp_path):
+    """The free-space check is only as good as its estimate: a real checkpoint (fp32 weights and both AdamW
+    moments, after a step) is within 10% of CHECKPOINT_BYTES_PER_PARAMETER per parameter."""
+    import torch
+    from torch import nn
+
+    from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
+    from optimus.train.state import ModelState, OptimizerState
+
+    model = nn.Linear(512, 512)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    optimizer.step()
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}, {})
+    written = sum(path.stat().st_size for path in manager.step_dir(1).iterdir())
+    estimate = sum(p.numel() for p in model.parameters()) * CHECKPOINT_BYTES_PER_PARAMETER
+    assert written == pytest.approx(estimate, rel=0.1)

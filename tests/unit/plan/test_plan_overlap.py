@@ -88,6 +88,17 @@ def test_the_pipeline_fills_and_drains_through_the_stages_without_the_head():
     assert 0 < head_heavy.parts["bubble"] < 0.5 * _busy(head_heavy) / 4
 
 
+def test_interleaving_two_virtual_stages_halves_the_fill_and_drain():
+    """Interleaved 1F1B: each rank holds v = 2 chunks of half the blocks, so the pipe fills and drains in
+    (pp - 1) / v chunk times: half 1F1B's bubble (equal stages, compute only, as above)."""
+    fast = _host(hbm_gb_s=1e6, intra_node_gb_s=1e6, intra_node_latency_us=0)
+    pp = ["--parallel.pp=2", "--train.micro_batch_size=2", "--model.vocab_size=256"]
+    plain = _step([*pp, "--parallel.pp_schedule=1f1b"], 2, fast)
+    interleaved = _step([*pp, "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"], 2, fast)
+    assert _busy(interleaved) == pytest.approx(_busy(plain), rel=0.02)
+    assert interleaved.parts["bubble"] == pytest.approx(plain.parts["bubble"] / 2, rel=0.05)
+
+
 def test_the_stage_without_the_head_pays_its_blocks_operator_costs_in_full():
     """Filling and draining the pipe go through the first stage, which dispatches its blocks' DTensor operators
     whatever share of the FLOPs the head takes: 1F1B over 2 stages, 4 micro-batches, tp 2, the 50k head."""

@@ -154,3 +154,31 @@ def test_a_damaged_config_yaml_is_one_line_and_exit_2(tmp_path, capsys, config, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("optimus report: error:") and problem in err[0], err
     assert "move it away" in err[0] and not (tmp_path / "report.html").exists()
+
+
+def test_the_panels_draw_what_was_logged(tmp_path, monkeypatch):
+    """Read off the figures themselves: the held-out curve is the evaluations' eval_loss at their steps, and each
+    layer's heatmap is [expert, step] of the logged counts over their even share (3 experts, 2 layers, 3 steps:
+    a transposed image would be [step, expert])."""
+    import numpy as np
+
+    from optimus.report import panels
+
+    counts = {1: [[6, 0, 0], [1, 1, 1]], 2: [[0, 6, 0], [2, 1, 0]], 3: [[3, 3, 0], [0, 0, 3]]}
+    lines = [{"step": s, "loss": 5.0 - s, "expert_counts": c} for s, c in counts.items()]
+    lines += [{"step": 2, "eval_loss": 4.5}, {"step": 3, "eval_loss": 4.25}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = RunRecords.read(path)
+    figures = []
+    monkeypatch.setattr(panels, "_png", lambda fig: figures.append(fig) or "png")
+    panels.loss_panel(records)
+    (held_out,) = [line for line in figures[0].axes[0].get_lines() if line.get_label() == "held-out loss"]
+    assert list(held_out.get_xdata()) == [2, 3] and list(held_out.get_ydata()) == [4.5, 4.25]
+    panels.expert_load_panels(records, panels.expert_load_data(records))
+    heatmaps = [ax.get_images()[0].get_array() for ax in figures[-1].axes if ax.get_images()]
+    assert len(heatmaps) == 2
+    for layer, shown in enumerate(heatmaps):
+        logged = np.array([counts[s][layer] for s in (1, 2, 3)], dtype=float)  # [step, expert]
+        want = (logged / logged.mean(axis=1, keepdims=True)).T  # [expert, step]
+        np.testing.assert_allclose(np.asarray(shown), want)

@@ -97,3 +97,33 @@ def test_a_relaunch_that_fails_ends_the_wait_at_once_with_its_exit_code(tmp_path
     _inject(run, fault, random.Random(0), timeout=60.0)
     assert time.monotonic() - started < 20
     assert not fault.recovered and "the run ended with exit code 2 instead of training again" in fault.note
+
+
+@pytest.mark.parametrize("chaos_weight, equal", [(0.0, True), (1.0, False)])
+def test_the_verdict_compares_the_run_under_faults_with_the_reference(tmp_path, monkeypatch, chaos_weight, equal):
+    """The end-to-end drill only ever sees equal weights, which comparing a run with itself would also give: here
+    the two runs (processes replaced by stand-ins that finish at once) end with weights that differ, or not."""
+    from pathlib import Path
+
+    from optimus.resilience import chaos
+
+    class FinishedRun:
+        def __init__(self, command, run_dir, ranks, env, log, disk_full=None):
+            self.run_dir, self.log, self.launches = Path(run_dir), Path(log), 0
+
+        def launch(self):
+            self.launches += 1
+
+        def wait_exit(self, timeout):
+            return 0
+
+        def lines(self):
+            return []
+
+    final = {"reference": {"w": torch.zeros(3)}, "chaos": {"w": torch.full((3,), chaos_weight)}}
+    monkeypatch.setattr(chaos, "_Run", FinishedRun)
+    monkeypatch.setattr(chaos, "_final_weights", lambda run_dir: final[Path(run_dir).name])
+    config = str(Path(__file__).resolve().parents[3] / "configs" / "mula-tiny-moe.yaml")
+    report = chaos.run_chaos(config, ["--train.max_steps=8"], tmp_path / "out", faults=0, ranks=1, kinds=["nan_step"])
+    assert report.weights_equal is equal and report.tensors_compared == 1
+    assert ("w (max abs difference 1)" in report.first_difference) is not equal

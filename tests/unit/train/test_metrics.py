@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+import torch
 
 from optimus.train import metrics
 from optimus.train.metrics import Throughput
@@ -47,3 +48,24 @@ def test_data_parallel_replicas_add_up_to_the_global_rate():
 def test_an_mfu_above_100_percent_is_not_reported():
     r = _report(Throughput(100.0, peak_flops=1e4), tokens=1000, seconds=1.0)
     assert r.mfu is None and r.impossible_mfu == pytest.approx(10.0, rel=1e-3)
+
+
+def test_expert_load_is_each_layers_counts_over_its_own_even_share():
+    """Layer 0 routes 4 tokens to expert 0 alone (its even share 2: 2.0 and 0.0); layer 1 splits 1 + 1 (1.0 each).
+    Over all layers' counts at once the even share would be 1.5 (2.67 and 0.0)."""
+    from optimus.train.metrics import expert_load_summary
+
+    summary = expert_load_summary(torch.tensor([[4, 0], [1, 1]]))
+    assert summary == {"expert_load_max": pytest.approx(2.0), "expert_load_min": pytest.approx(0.0)}
+    assert expert_load_summary(torch.tensor([[3, 1], [1, 3]]))["expert_load_min"] == pytest.approx(0.5)
+
+
+def test_the_cpu_peak_is_the_resident_set_in_bytes():
+    """A 256 MiB tensor written through (every page resident) raises the peak to at least that much, in bytes (Linux
+    reports KiB, macOS bytes)."""
+    from optimus.train.metrics import peak_memory_bytes
+
+    block = torch.ones(64 * 1024 * 1024)  # 256 MiB of fp32, every page touched
+    peak, what = peak_memory_bytes(torch.device("cpu"))
+    assert what == "peak RSS" and peak >= block.numel() * block.element_size()
+    assert peak < 64 * 1024**3  # bytes, not KiB counted as bytes x 1024 again
