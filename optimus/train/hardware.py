@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 
 # (name fragment as torch reports the device, bf16 TFLOP/s, fp32 TFLOP/s, source). First match wins,
-# so the more specific names (H100 PCIe, H100 NVL) come before the generic ones. fp32 is the
+# so the more specific names (H100 PCIe, H100 NVL, GH200) come before the ones they contain (H100, H200). fp32 is the
 # non-tensor-core rate: PyTorch does not use TF32 for fp32 matmuls unless asked to.
 DEVICE_PEAKS_TFLOPS: tuple[tuple[str, float, float, str], ...] = (
     ("H100 PCIe", 756.0, 51.2, "NVIDIA H100 datasheet (PCIe)"),
     ("H100 NVL", 835.0, 60.0, "NVIDIA H100 datasheet (NVL)"),
     ("H100", 989.4, 66.9, "NVIDIA H100 datasheet (SXM5)"),
+    ("GH200", 989.4, 66.9, "NVIDIA GH200 datasheet"),
     ("H200 NVL", 835.0, 60.0, "NVIDIA H200 datasheet (NVL)"),
     ("H200", 989.4, 66.9, "NVIDIA H200 datasheet (SXM)"),
-    ("GH200", 989.4, 66.9, "NVIDIA GH200 datasheet"),
     ("A100", 312.0, 19.5, "NVIDIA A100 datasheet"),
     ("MI300X", 1307.4, 163.4, "AMD Instinct MI300X datasheet"),
     ("MI300A", 980.6, 122.6, "AMD Instinct MI300A datasheet"),

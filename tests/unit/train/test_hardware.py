@@ -23,12 +23,25 @@ NATIVE = CpuSpeed(fp32_flops=170e9, bf16_flops=400e9, capability="AVX512", bf16_
     ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("AMD Instinct MI250X", "bf16", 191.5),
     ("AMD Instinct MI300X", "bf16", 1307.4),
+    ("NVIDIA H100 NVL", "bf16", 835.0),
+    ("NVIDIA H200 NVL", "bf16", 835.0),
+    ("NVIDIA GH200 480GB", "bf16", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),  # fp32 without TF32, as PyTorch runs it unless asked
+    ("AMD Instinct MI300A", "bf16", 980.6),
+    ("AMD Instinct MI250X", "fp32", 47.9),
 ])
 def test_accelerator_peaks_come_from_the_datasheet_of_the_sku(monkeypatch, name, dtype, tflops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     peak, source = device_peak_flops(torch.device("cuda", 0), dtype)
     assert peak == pytest.approx(tflops * 1e12)
     assert "datasheet" in source and name in source and dtype in source
+
+
+def test_a_specific_name_is_looked_up_before_any_name_it_contains():
+    """First match wins: a fragment that contains an earlier one (GH200 contains H200) would never be reached."""
+    fragments = [row[0] for row in hardware.DEVICE_PEAKS_TFLOPS]
+    for later, fragment in enumerate(fragments):
+        assert not any(earlier in fragment for earlier in fragments[:later]), fragment
 
 
 def test_pvc_peak_is_per_tile(monkeypatch):
