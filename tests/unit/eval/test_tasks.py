@@ -44,3 +44,21 @@ def test_the_config_refuses_an_unknown_task_in_one_line():
     with pytest.raises(ConfigError, match="unknown downstream task 'hellaswagg': choose from arc_easy") as err:
         build_config({"train": {"eval_tasks": ["hellaswagg"]}})
     assert "\n" not in str(err.value)
+
+
+def test_the_gold_answer_is_each_questions_own_label():
+    """Not the first choice every time: over arc_easy's first 50 questions the right answer is at several
+    positions, and each is the label OLMo's file gives its question (read here straight from the file)."""
+    import gzip
+    import json
+
+    from optimus.eval.tasks import _SPLIT, _UNCONDITIONED_DOC_ID, _tasks_dir
+
+    questions = load_task("arc_easy", limit=50)
+    assert len({q.gold for q in questions}) > 1
+    labels: dict[int, int] = {}  # the file's questions in its order, each with its label
+    with gzip.open(_tasks_dir() / TASKS["arc_easy"] / _SPLIT / "requests.jsonl.gz", "rt") as rows:
+        for row in map(json.loads, rows):
+            if row["doc_id"] < _UNCONDITIONED_DOC_ID:
+                labels.setdefault(row["doc_id"], int(row["label"]))
+    assert [q.gold for q in questions] == list(labels.values())[:50]

@@ -30,3 +30,19 @@ def test_runs_of_equal_buckets_size_the_buffers_as_one_bucket_at_a_time():
         width, accumulates, reduce_width = rng.choice([2, 4]), rng.random() < 0.5, rng.choice([2, 4])
         assert buffer_nbytes(buckets, width, accumulates, reduce_width) == \
             _one_bucket_at_a_time(buckets, width, accumulates, reduce_width), buckets
+
+
+def test_a_buckets_gathered_rows_and_its_own_segment_lie_side_by_side_without_overlap():
+    """The reduce-scatter reads the [ranks, segment] rows while it writes the [segment] result: on NCCL both are in
+    flight at once, so they must not share a byte (gloo copies, and would not show an overlap)."""
+    import torch
+
+    from optimus.optim.buffers import BucketBuffers
+
+    for ranks, segment, dtype, width in ((4, 1000, torch.float32, 4), (3, 777, torch.bfloat16, 2)):
+        buffers = BucketBuffers(buffer_nbytes([(ranks, segment)], width, accumulates=False), torch.device("cpu"))
+        rows, own = buffers.views(0, ranks, segment, dtype)
+        assert rows.shape == (ranks, segment) and own.shape == (segment,)
+        rows_end = rows.data_ptr() + rows.numel() * rows.element_size()
+        assert own.data_ptr() >= rows_end
+        assert own.data_ptr() + own.numel() * own.element_size() <= buffers.data_ptr(0) + buffers.nbytes[0]

@@ -76,3 +76,22 @@ def test_a_rank_compiles_after_its_parent_compiled(tmp_path):
     # forked: this test process keeps no pool and no inductor settings
     [got] = run_forked(_compile_then_run_ranks_that_compile, str(tmp_path / "inductor"), timeout=240)
     assert got == pytest.approx(expected)
+
+
+_DEVICES_ASKED: list[tuple[int, str]] = []
+
+
+def _devices_asked(rank: int, world: int) -> list:
+    return [list(asked) for asked in _DEVICES_ASKED]
+
+
+@pytest.mark.distributed
+def test_each_rank_runs_on_its_own_device(monkeypatch):
+    """On a GPU node rank r must take device r (a CPU test cannot see the device itself, so the question each
+    forked rank asks is recorded: launch.device_for(its rank, the device type))."""
+    from optimus.parallel import launch
+
+    real = launch.device_for
+    monkeypatch.setattr(launch, "device_for",
+                        lambda rank, device_type: _DEVICES_ASKED.append((rank, device_type)) or real(rank, "cpu"))
+    assert run_on_local_ranks(_devices_asked, 2) == [[[0, "cpu"]], [[1, "cpu"]]]

@@ -1,4 +1,5 @@
-"""ParallelDims.check_model: layouts the model or the sequence length cannot take are refused in one line."""
+"""ParallelDims: layouts the model or the sequence length cannot take are refused in one line (check_model); the
+mesh's flattened groups span the ranks they are named for (build_mesh)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,31 @@ def test_heads_and_experts_must_divide():
         ParallelDims(tp=8, world_size=8).check_model(MODEL)
     with pytest.raises(LayoutError, match="n_experts"):
         ParallelDims(dp_shard=3, ep=3, world_size=3).check_model(MODEL)
+
+
+def _group_sizes(parallel: dict, world: int, rank: int) -> dict[str, int]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from optimus.parallel.mesh import ParallelDims
+
+    dims = ParallelDims(world_size=world, **parallel)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = dims.build_mesh("cpu")
+        return {name: mesh.size(name) for name in ("dp", "dp_shard", "expert_dp", "ep", "tp", "pp")}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel, world, sizes", [
+    # every data-parallel rank reads its own samples: dp spans the expert-parallel ranks too
+    (dict(dp_shard=4, ep=2), 4, dict(dp=4, dp_shard=4, expert_dp=2, ep=2, tp=1, pp=1)),
+    (dict(dp_replicate=2, dp_shard=2, ep=2, tp=2), 8, dict(dp=4, dp_shard=2, expert_dp=2, ep=2, tp=2, pp=1)),
+    (dict(pp=2, dp_shard=2), 4, dict(dp=2, dp_shard=2, expert_dp=2, ep=1, tp=1, pp=2)),
+])
+def test_the_flattened_groups_span_the_ranks_they_are_named_for(parallel, world, sizes):
+    from tests.helpers import run_forked
+
+    for rank in (0, world - 1):
+        assert run_forked(_group_sizes, parallel, world, rank) == sizes

@@ -58,6 +58,11 @@ def test_an_explicit_micro_batch_is_kept():
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, {"global_batch_size": 5, "micro_batch_size": 1},
      {}, None, "cannot split 5 micro-batches"),
     ({"dp_shard": 3}, {}, {"n_experts": 0, "ffn_hidden": 64}, None, "not divisible by the 3 data-parallel ranks"),
+    # every data-parallel rank counts, the replicas' too (dp_replicate x dp_shard), and every virtual stage
+    ({"dp_replicate": 2, "dp_shard": 2}, {"global_batch_size": 6}, {"n_experts": 0, "ffn_hidden": 64}, None,
+     "not divisible by the 4 data-parallel ranks"),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 4}, {"global_batch_size": 8},
+     {"n_layers": 4}, None, "fewer than the pipeline stages (pp x virtual stages = 8)"),
     ({"dp_shard": 2}, {"micro_batch_size": 8}, {}, None, "gets 4 samples"),
     ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, {"activation_checkpointing": "selective_ops"}, {}, None,
      "activation_checkpointing=selective_ops"),

@@ -62,8 +62,13 @@ def test_tensorboard_writes_every_metric_of_metrics_jsonl(logged_run):
     # the report's metrics are among them: memory per rank, expert load per layer, checkpoint and eval
     assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "memory/peak_gib/rank0", "expert_load/layer1/max",
             "expert_load/layer1/min", "checkpoint/save_s", "eval/loss"} <= tags
-    first_loss = read_metrics(logged_run / "metrics.jsonl")[0]["loss"]
-    assert events.Scalars("train/loss")[0].value == pytest.approx(first_loss)
+    records = read_metrics(logged_run / "metrics.jsonl")
+    steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, pytest.approx(v)) for s, v in steps]
+    # each at the step it was logged at, evaluations and checkpoints too
+    assert [e.step for e in events.Scalars("eval/loss")] == [r["step"] for r in records if "eval_loss" in r]
+    assert [e.step for e in events.Scalars("checkpoint/save_s")] == [r["step"] for r in records
+                                                                      if "checkpoint_save_s" in r]
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'optimus[loggers]')")

@@ -104,3 +104,12 @@ def test_memory_check_false_skips_the_check(tmp_path, small_token_dir, monkeypat
     trainer = Trainer(build_config(raw), callbacks=[])
     assert trainer.planned_peak_bytes is None
     assert trainer.fit().step == 1
+
+
+def test_an_accelerator_offers_its_free_memory_not_its_total(monkeypatch):
+    """Another process (or a job before this one) may hold part of the device: the check uses what is free."""
+    gib = 1024**3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * gib, 80 * gib))
+    assert available_bytes(torch.device("cuda", 0), 1) == 3 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("no")))
+    assert available_bytes(torch.device("cuda", 0), 1) is None  # a backend that cannot tell: no check
