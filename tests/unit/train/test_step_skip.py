@@ -31,6 +31,17 @@ def step(model, optimizer, batch, config, skip_step=None):
     return train_step(model, optimizer, batch, device=CPU, grad_clip=config.optim.grad_clip, skip_step=skip_step)
 
 
+def assert_nothing_changed(model, optimizer, weights: dict, moments: dict) -> None:
+    """The weights and AdamW's moments are the ones saved before the step, and no gradient is held."""
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    after = optimizer.state_dict()
+    for pid, state in moments["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_rejected_step_leaves_weights_and_optimizer_state_unchanged():
     config = tiny_config(moe=True)
     model, optimizer = model_and_optimizer(config)
@@ -41,13 +52,7 @@ def test_a_rejected_step_leaves_weights_and_optimizer_state_unchanged():
     result = step(model, optimizer, micro_batches(1, config), config, skip_step=lambda loss: seen.append(loss) or True)
     assert result.skipped and result.skip_reason == "loss spike"
     assert seen == [result.loss]  # judged on the step's (global) loss
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, weights[name]), name
-    after = optimizer.state_dict()
-    for pid, state in moments["state"].items():
-        for key, value in state.items():
-            assert torch.equal(after["state"][pid][key], value), (pid, key)
-    assert all(p.grad is None for p in model.parameters())
+    assert_nothing_changed(model, optimizer, weights, moments)
 
 
 def test_an_accepted_step_matches_a_step_without_a_predicate():
@@ -91,13 +96,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_skipped_and_the_next_step_t
     overflow.remove()
     assert result.skipped and result.skip_reason == "non-finite" and asked == []
     assert torch.isfinite(torch.tensor(result.loss)) and not torch.isfinite(torch.tensor(result.grad_norm))
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, weights[name]), name
-    after = optimizer.state_dict()
-    for pid, state in moments["state"].items():
-        for key, value in state.items():
-            assert torch.equal(after["state"][pid][key], value), (pid, key)
-    assert all(p.grad is None for p in model.parameters())
+    assert_nothing_changed(model, optimizer, weights, moments)
     resumed = step(model, optimizer, micro_batches(1, config), config)
     assert not resumed.skipped and torch.isfinite(torch.tensor(resumed.grad_norm))
     assert not torch.equal(model.norm.weight, weights["norm.weight"])
