@@ -13,7 +13,6 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from optimus.cli.bench import USAGE as BENCH_USAGE
 from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, stop_writing_to_a_closed_pipe, user_errors
 from optimus.cli.info import cmd_info
 from optimus.cli.plan import cmd_plan, cmd_tune
@@ -193,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the earlier search --out holds (trials.jsonl, best.yaml)")
     tune_.set_defaults(func=cmd_tune, takes_overrides=True)
 
+    # listed here for `optimus --help` only: main() hands `bench` and all after it to cli/bench.py before argparse
     verbs.add_parser("bench", help="the benchmarks/ scripts of a source checkout: list them, or run one by name with "
-                                   "its own arguments (each compares ours with its reference in the same run)",
-                     usage=BENCH_USAGE)
+                                   "its own arguments (each compares ours with its reference in the same run)")
     verbs.add_parser("launch", help="torchrun's options, then an optimus command: runs the ranks under torchrun "
                                     "and ends a bad-input error with one line and exit code 2",
                      usage="optimus launch [torchrun options] VERB ...")
