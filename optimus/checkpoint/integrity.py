@@ -53,6 +53,22 @@ def write_json_durably(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the folder's entries (a rename into it, a new file) durable: a rename is a change to the folder,
+    and until the folder itself is fsynced a power cut may undo it even though the file's bytes were synced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform that cannot open folders (Windows): renames there are as durable as it allows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (and Windows) refuse fsync on a folder; the rename still happened
+        pass
+    finally:
+        os.close(fd)
 
 
 def seal(folder: Path) -> None:

@@ -36,7 +36,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from optimus.checkpoint.integrity import COMMITTED, ManifestError, check_files, read_manifest, seal, write_json_durably
+from optimus.checkpoint.integrity import (
+    COMMITTED,
+    ManifestError,
+    check_files,
+    fsync_folder,
+    read_manifest,
+    seal,
+    write_json_durably,
+)
 from optimus.checkpoint.preflight import RunDirError, check_run_dir, human_bytes
 from optimus.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_index
 from optimus.checkpoint.values import (
@@ -318,6 +326,7 @@ class CheckpointManager:
         if final.exists():  # not ours to delete: a save never leaves one (resume moves aside any it would pass)
             os.replace(final, self._aside_path(step))
         os.replace(tmp, final)
+        fsync_folder(self.dir)  # the step's folder keeps its final name across a power cut before `latest` names it
         write_json_durably(self.run_dir / "latest", str(step))
         self._prune(keep=step)
 

@@ -162,3 +162,12 @@ def test_every_file_a_commit_relies_on_is_fsynced_before_it_is_put_in_place(tmp_
     assert data and all(events.index(("fsync", name)) < committed for name in data)
     renamed = [at for at, event in enumerate(events) if event[0] == "replace" and event[2] == manager.step_dir(1).name]
     assert renamed and min(renamed) > committed
+    # A rename is a change to the folder it lands in: each is made durable (the folder fsynced) before the next
+    # step relies on it: COMMITTED inside the step's folder before the folder is renamed, the folder's final name
+    # before `latest` names it, `latest` itself after its rename.
+    folder_synced = [at for at, event in enumerate(events) if event == ("fsync", f".tmp-step-{1}")]
+    assert any(committed < at < min(renamed) for at in folder_synced)
+    latest = events.index(("replace", "latest.tmp", "latest"))
+    checkpoints_synced = [at for at, event in enumerate(events) if event == ("fsync", manager.dir.name)]
+    assert any(min(renamed) < at < latest for at in checkpoints_synced)
+    assert events[latest + 1] == ("fsync", manager.run_dir.name)
