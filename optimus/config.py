@@ -193,7 +193,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found: pass the path of a YAML file (see configs/)")
+            what = "is a directory" if path.is_dir() else "not found"
+            raise ConfigError(f"config file '{path}' {what}: pass the path of a YAML file (see configs/)")
         try:
             raw = read_yaml(path) or {}
         except YamlFileError as err:

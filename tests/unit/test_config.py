@@ -48,6 +48,8 @@ def test_bad_configs_give_one_line(raw, needle):
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):  # (`optimus train configs` said "not found")
+        load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -30,12 +30,47 @@ def _parse(line: bytes) -> tuple[dict[str, Any] | None, str | None]:
     return record, None
 
 
+# Fields the readers compute with (loss.png, the report's panels, the console): a record holding another type
+# there came from an edit or damage and is skipped as an unreadable line is, not left to crash a reader (or a
+# training run redrawing loss.png) later. None is allowed where the trainer may not know the value.
+_REQUIRED_NUMBERS = ("loss", "eval_loss")
+_OPTIONAL_NUMBERS = ("ce_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s",
+                     "tokens_per_s_per_device", "mfu", "checkpoint_save_s", "checkpoint_blocking_s",
+                     "expert_load_max", "expert_load_min", "memory_planned_gib")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _malformed(record: dict[str, Any]) -> str | None:
+    """Why a parsed record cannot be read as one of the trainer's, or None."""
+    if not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
+        return "has no whole-number 'step'"
+    for key in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
+        if key in record and not (_is_number(record[key]) or (record[key] is None and key in _OPTIONAL_NUMBERS)):
+            return f"has {json.dumps(record[key])[:40]} as '{key}', not a number"
+    downstream = record.get("downstream", {})
+    if not isinstance(downstream, dict) or not all(
+            isinstance(score, dict) and all(_is_number(score.get(key)) for key in ("acc", "acc_norm"))
+            for score in downstream.values()):
+        return "has a 'downstream' that is not task names to {acc, acc_norm}"
+    memory = record.get("memory_peak_gib", [])
+    if not isinstance(memory, list) or not all(map(_is_number, memory)):
+        return "has a 'memory_peak_gib' that is not a list of numbers"
+    counts = record.get("expert_counts", [])
+    if not isinstance(counts, list) or not all(isinstance(row, list) and all(map(_is_number, row)) for row in counts):
+        return "has an 'expert_counts' that is not a list of rows of counts"
+    return None
+
+
 def iter_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
     """The records of a metrics.jsonl, one JSON object at a time, read line by line.
 
-    A torn last line (a run killed mid-write) is skipped quietly. Any other line that is not a JSON
-    object in UTF-8 (an edited or damaged file) is skipped too, with one warning line on stderr (once the
-    file is read through) that counts them and names the first: the rest of the run's history stays readable.
+    A torn last line (a run killed mid-write) is skipped quietly. Any other line that is not a JSON object in
+    UTF-8, or whose step or numbers are not numbers (an edited or damaged file), is skipped too, with one warning
+    line on stderr (once the file is read through) that counts them and names the first: the rest of the run's
+    history stays readable.
     """
     path = Path(path)
     if not path.is_file():
@@ -59,6 +94,8 @@ def _record_or_skip(line: bytes, number: int, skipped: list[str], last: bool) ->
     if not line.strip():
         return
     record, why = _parse(line)
+    if record is not None and (why := _malformed(record)) is not None:
+        record, last = None, False  # whole JSON: damage, not a torn write
     if record is not None:
         yield record
     elif not (last and why == "is not JSON"):  # the last line may be torn; any earlier one is damage
@@ -82,7 +119,7 @@ def last_records(path: str | Path, count: int, marker: str) -> list[dict[str, An
         for line in handle:
             if needle in line:
                 kept.append(line)
-    return [record for record, _ in map(_parse, kept) if record is not None]
+    return [record for record, _ in map(_parse, kept) if record is not None and _malformed(record) is None]
 
 
 def _dropped(line: bytes, start_step: int) -> bool:

@@ -116,3 +116,42 @@ def test_a_log_with_nothing_to_drop_is_left_untouched(tmp_path):
     before = path.stat().st_mtime_ns
     rewind_metrics(path, 2)
     assert path.stat().st_mtime_ns == before and path.read_text() == f"{STEP_1}\n{STEP_2}\n"
+
+
+WRONGLY_TYPED = [
+    '{"loss": 1.0}',  # no step
+    '{"step": "3", "loss": 1.0}',
+    '{"step": 3, "loss": "abc"}',
+    '{"step": 3, "loss": null}',
+    '{"step": 3, "eval_loss": "x"}',
+    '{"step": 3, "loss": 1.0, "grad_norm": {"a": 1}}',
+    '{"step": 3, "checkpoint_save_s": "x"}',
+    '{"step": 3, "downstream": 5}',
+    '{"step": 3, "downstream": {"piqa": {"acc": "high", "acc_norm": 0.5}}}',
+    '{"step": 3, "loss": 1.0, "memory_peak_gib": "big"}',
+    '{"step": 3, "loss": 1.0, "expert_counts": [[1, "a"]]}',
+]
+
+
+@pytest.mark.parametrize("line", WRONGLY_TYPED)
+def test_a_record_with_wrongly_typed_fields_is_skipped_with_the_warning(tmp_path, capsys, line):
+    """An edited line whose step or numbers are not numbers crashed loss.png's redraw mid-training (KeyError on
+    'step') and `optimus report` (TypeError): it is damage like an unreadable line, skipped with the one warning."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{line}\n{STEP_2}\n")
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipped 1 unreadable line(s) (line 2 has " in err
+
+
+def test_loss_plot_and_report_read_around_wrongly_typed_records(tmp_path):
+    """The two readers the audit crashed: the trainer's loss.png (drawn at every checkpoint) and the report page."""
+    from optimus.report.page import write_report
+    from optimus.train.callbacks.plot import plot_losses
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([STEP_1, *WRONGLY_TYPED, STEP_2]) + "\n")
+    plot_losses(path, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    write_report(tmp_path)
+    assert "loss" in (tmp_path / "report.html").read_text()
