@@ -7,6 +7,7 @@ steps in a row), end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -293,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return stop_writing_to_a_closed_pipe()
     except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):  # a write that names no path (a flush, a close): still the disk
+            _report_user_error(f"optimus {args.verb}: error: {err.strerror or 'no space left'} where it writes: free "
+                               "space there (or write elsewhere), then rerun")
+            return EXIT_BAD_INPUT
         if err.filename is None:  # not about a path the user gave (a socket, a library's own file): a real fault
             raise
         # a path the system refused (missing, read-only filesystem, disk full, a /proc or /sys file): one line

@@ -91,6 +91,22 @@ def test_a_path_the_system_refuses_is_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "on /proc/optimus-plan.json: check that path" in err
 
 
+def test_a_full_disk_is_one_line_even_when_the_error_names_no_path(monkeypatch, capsys):
+    """A flush or close that hits a full disk raises OSError(ENOSPC) without a filename: `optimus report`, `export`,
+    `tokenize` and `plan --json` ended in a traceback on a full tmpfs."""
+    import errno
+
+    cli_main = importlib.import_module("optimus.cli.main")
+
+    def fills_the_disk(args, overrides):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli_main, "cmd_info", fills_the_disk)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device where it writes: free space there" in err
+
+
 def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
     cli_main = importlib.import_module("optimus.cli.main")  # the package exports a function of the same name
 

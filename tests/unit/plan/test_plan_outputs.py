@@ -63,6 +63,27 @@ def test_plan_with_overwrite_replaces_both_outputs(tmp_path):
     assert load_config(best).parallel
 
 
+def test_a_plan_output_cut_short_leaves_nothing_to_overwrite(tmp_path, monkeypatch, capsys):
+    """A disk that fills while --json is written left an empty file, and the rerun after freeing space was refused
+    ("already exists"): the outputs are written under a temporary name and renamed into place whole."""
+    import errno
+
+    out, best = tmp_path / "plan.json", tmp_path / "best.yaml"
+    real_write_text = Path.write_text
+
+    def disk_full(path, text, *args, **kwargs):
+        real_write_text(path, text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    assert main([*PLAN, "--json", str(out), "--write-config", str(best)]) == 2
+    assert "No space left on device" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert main([*PLAN, "--json", str(out), "--write-config", str(best)]) == 0  # no --overwrite needed
+    assert json.loads(out.read_text()) and load_config(best).parallel
+
+
 @pytest.mark.parametrize("held", [["trials.jsonl"], ["best.yaml"], ["trials.jsonl", "best.yaml"]])
 def test_tune_refuses_a_folder_holding_an_earlier_search_before_any_trial(tmp_path, held, no_search, capsys):
     for name in held:
