@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from optimus.checkpoint.manager import CheckpointManager
+from optimus.checkpoint.manager import CheckpointError, CheckpointManager
 from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
 from optimus.config import Config, save_config
 from optimus.data.build import build_training_data
@@ -91,6 +91,11 @@ class Trainer:
                   file=sys.stderr, flush=True)
         if self.resume_step is not None:
             check_checkpoint_matches(self.checkpoints.read_meta(self.resume_step), config, self.run_dir)
+            if self.resume_step > config.train.max_steps:  # (it trained nothing, said nothing, rewrote config.yaml)
+                raise CheckpointError(
+                    f"the run in {self.run_dir} is at step {self.resume_step}, past train.max_steps = "
+                    f"{config.train.max_steps}: pass --train.max_steps={self.resume_step} or more to go on, or "
+                    "another run.dir to start afresh")
 
         # Every layout starts from the weights one process would have (see build_parallel_model).
         self.model: Transformer = build_parallel_model(config, self.dims, self.mesh, self.device)

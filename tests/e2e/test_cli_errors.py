@@ -77,6 +77,11 @@ def test_damaged_or_foreign_checkpoint_is_refused_and_kept(capsys, tmp_path, tok
     assert "different model" in err and "d_model" in err
     assert snapshot(run) == before
 
+    # a max_steps below the checkpoint's step trained nothing, said nothing and rewrote config.yaml to it
+    err = fail_line(capsys, ["train", cfg, f"--run.dir={run}", "--train.max_steps=1"])
+    assert "at step 2, past train.max_steps = 1: pass --train.max_steps=2 or more" in err
+    assert snapshot(run) == before
+
     shard = next((run / "checkpoints" / "step-2").glob("*.distcp"))
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
