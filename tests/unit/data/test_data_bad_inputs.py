@@ -117,6 +117,15 @@ def test_sidecar_dtypes_tokenize_writes_are_accepted(tmp_path, write_token_file,
     assert TokenDataset(write_token_file(tmp_path / "train.bin", np.arange(64), dtype=dtype)).dtype == np.dtype(dtype)
 
 
+def test_a_token_file_longer_than_its_sidecar_says_is_refused(tmp_path, write_token_file):
+    """Extra bytes after the counted tokens mean the .bin was overwritten or appended to: refuse, do not train on it."""
+    path = write_token_file(tmp_path / "train.bin", np.arange(64))
+    meta = json.loads(path.with_suffix(".json").read_text())
+    path.with_suffix(".json").write_text(json.dumps({**meta, "tokens": 32}))
+    with pytest.raises(DataError, match=r"train\.bin holds 128 bytes but its sidecar says 32 uint16 tokens"):
+        TokenDataset(path)
+
+
 # -------------------------------------------------------------------------------- tokenizer
 
 

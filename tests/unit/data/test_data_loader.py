@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from optimus.data.dataset import open_token_dataset
+from optimus.data.dataset import TokenDataset, open_token_dataset
 from optimus.data.errors import DataError
 from optimus.data.loader import BatchLoader, heldout_batches, heldout_share
 from optimus.data.mixture import Mixture
@@ -72,6 +73,45 @@ def test_batch_size_and_state_errors(mixture):
         BatchLoader(mixture, 8, 1, dp_rank=2, dp_size=2)
     with pytest.raises(DataError, match="no valid step"):
         BatchLoader(mixture, 8, 1).load_state_dict({"steps": 3})
+
+
+def test_a_negative_resume_step_is_refused(mixture):
+    """A damaged checkpoint's step -1 would silently replay batch -1's samples: refuse it with the data error."""
+    with pytest.raises(DataError, match="no valid step"):
+        BatchLoader(mixture, 8, 1).load_state_dict({"step": -1})
+
+
+def test_a_token_id_equal_to_the_vocab_size_is_refused(tmp_path, write_token_file):
+    """Id vocab_size has no embedding row (ids run 0 .. vocab_size - 1): one DataError, not an IndexError mid-step."""
+    source = TokenDataset(write_token_file(tmp_path / "train.bin", np.full(4 * (SEQ_LEN + 1), 9)))
+    loader = BatchLoader(Mixture([source], [1.0], SEQ_LEN, seed=0), global_batch_size=2, micro_batch_size=1,
+                         vocab_size=9)
+    with pytest.raises(DataError, match="holds token id 9, outside model.vocab_size 9"):
+        loader.next_batch()
+    with pytest.raises(DataError, match="outside model.vocab_size 9"):
+        heldout_batches([source], SEQ_LEN, batch_size=2, n_batches=1, vocab_size=9)
+    assert len(BatchLoader(Mixture([source], [1.0], SEQ_LEN, seed=0), 2, 1, vocab_size=10).next_batch()) == 2
+
+
+def _numbered_source(tmp_path, write_token_file, source: int, windows: int) -> TokenDataset:
+    """A held-out file whose window i holds only the id 100 * source + i (so a row says where it came from)."""
+    ids = np.repeat([100 * source + i for i in range(windows)], SEQ_LEN + 1)
+    return TokenDataset(write_token_file(tmp_path / f"heldout-{source}.bin", ids))
+
+
+def test_heldout_sources_of_unequal_length_are_used_in_full(tmp_path, write_token_file):
+    """A short held-out source drops out of the round-robin; the longer ones' remaining windows are still evaluated."""
+    sources = [_numbered_source(tmp_path, write_token_file, k, n) for k, n in enumerate((1, 3, 2))]
+    inputs, _ = _rows(heldout_batches(sources, SEQ_LEN, batch_size=4, n_batches=3))
+    assert inputs[:, 0].tolist() == [0, 100, 200, 101, 201, 102]
+
+
+def test_heldout_shares_are_equal_when_the_windows_do_not_divide_by_the_ranks(tmp_path, write_token_file):
+    """5 held-out windows over 2 ranks: both get 2 (one is left out), so a sharded model's forwards stay in step."""
+    sources = [_numbered_source(tmp_path, write_token_file, k, n) for k, n in enumerate((2, 3))]
+    shares = [heldout_share(sources, SEQ_LEN, 4, 2, micro_batch_size=1, dp_rank=r, dp_size=2) for r in range(2)]
+    assert [len(share) for share in shares] == [2, 2]
+    assert torch.cat([_rows(share)[0] for share in shares])[:, 0].tolist() == [0, 100, 1, 101]
 
 
 def test_heldout_batches_are_fixed_and_round_robin(sotu_tokenized, wiki_tokenized):

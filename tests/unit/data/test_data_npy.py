@@ -77,6 +77,38 @@ def test_bad_files_are_one_clear_error(sotu_tokenized, tmp_path):
         TokenFiles(str(odd / "*.npy"), VOCAB, EOS, dtype="uint32")
 
 
+def test_an_id_equal_to_the_vocab_size_is_refused(tmp_path):
+    """Ids run 0 .. vocab_size - 1: a file holding id vocab_size was made for another vocabulary and is refused."""
+    ids = np.arange(1, 1001, dtype=np.uint16)
+    ids[500] = VOCAB
+    ids.tofile(tmp_path / "part-0.npy")
+    with pytest.raises(DataError, match=f"holds token id {VOCAB}, beyond the vocabulary of {VOCAB}"):
+        TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS, dtype="uint16")
+    ids[500] = VOCAB - 1
+    ids.tofile(tmp_path / "part-0.npy")
+    assert TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS, dtype="uint16").num_tokens == 1000
+
+
+def test_out_of_vocabulary_ids_only_at_the_end_of_a_file_are_caught(tmp_path):
+    """The id check samples a file's start, middle and end: a foreign tail (e.g. a file appended to) is refused."""
+    ids = (np.arange(20_000) % 1000 + 1).astype(np.uint16)  # far longer than the start and middle samples cover
+    ids[-3:] = VOCAB + 5
+    ids.tofile(tmp_path / "part-0.npy")
+    with pytest.raises(DataError, match=f"holds token id {VOCAB + 5}, beyond the vocabulary"):
+        TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS, dtype="uint16")
+
+
+def test_an_explicit_uint16_dtype_overrides_the_looks_like_uint32_guess(tmp_path):
+    """Every second id zero suggests uint32 files read as uint16, but a dtype the user set is trusted, not refused."""
+    ids = np.zeros(2000, dtype=np.uint16)
+    ids[::2] = np.arange(1000) % 500 + 1
+    ids.tofile(tmp_path / "part-0.npy")
+    with pytest.raises(DataError, match="looks like uint32"):
+        TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS)  # dtype inferred from the vocabulary: refused
+    files = TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS, dtype="uint16")
+    assert files.num_tokens == 2000 and files.dtype == np.uint16
+
+
 def test_mixing_with_a_packaged_style_source_keeps_exact_resume(sotu_tokenized, wiki_tokenized, tmp_path):
     write_olmo_files(sotu_tokenized, tmp_path, "uint32")
     sources = [TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS, dtype="uint32"), open_token_dataset(wiki_tokenized)]
@@ -142,6 +174,13 @@ def test_recipe_mistakes_name_the_source(tmp_path):
     binary.write_bytes(b"sources: \xff\n")
     with pytest.raises(DataError, match=r"is not UTF-8 text \(byte 9\)"):
         recipe_sources(DataConfig(recipe=str(binary)))
+
+
+def test_a_negative_recipe_weight_is_refused_naming_it(tmp_path):
+    """A negative data.weights entry is a typo, not a way to leave a source out: one error naming the weight."""
+    _make_mix(tmp_path)
+    with pytest.raises(DataError, match="data.weights.arxiv is -1.0: use a non-negative weight"):
+        recipe_sources(DataConfig(recipe=str(RECIPE), root=str(tmp_path), weights={"wikipedia": 1.0, "arxiv": -1.0}))
 
 
 def test_training_data_mixes_npy_files_with_a_packaged_corpus(sotu_tokenized, tmp_path, monkeypatch):

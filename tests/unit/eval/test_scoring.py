@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimus.eval.scoring import continuation_logliks, score_questions
+from optimus.eval.scoring import _rank_slice, continuation_logliks, score_questions
 from optimus.eval.tasks import Question
 from optimus.models.config import ModelConfig
 from optimus.models.transformer import build_model
@@ -77,3 +77,42 @@ def test_padding_and_batching_do_not_change_a_real_models_scores():
     padded = continuation_logliks(model, requests, torch.device("cpu"), max_len=32, batch_size=3, pad_multiple=8)
     assert padded == pytest.approx(alone, abs=1e-4)
     assert model.training  # switched back after scoring
+
+
+def test_padded_widths_are_a_multiple_of_pad_multiple():
+    """Sequence parallelism splits each batch's width over the TP ranks: every forward gets a multiple of the pad."""
+    widths = []
+
+    class Recording(SuccessorModel):
+        def forward(self, input_ids):
+            widths.append(input_ids.shape[1])
+            return super().forward(input_ids)
+
+    requests = [([1, 2, 3], [4, 5]), ([1] * 9, [2] * 4), ([7], [8]), ([1] * 5, [2] * 7)]  # 4, 12, 1 and 11 inputs
+    continuation_logliks(Recording(10.0), requests, torch.device("cpu"), max_len=32, batch_size=1, pad_multiple=8)
+    assert sorted(widths) == [8, 8, 16, 16]
+
+
+@pytest.mark.parametrize("n, world", [(19, 2), (19, 3), (7, 4), (6, 3)])
+def test_every_rank_gets_as_many_requests_when_they_do_not_divide(monkeypatch, n, world):
+    """FSDP and EP forwards are collective: each rank scores the same number of requests (padded with request 0),
+    and together the ranks cover every request."""
+    monkeypatch.setattr("optimus.eval.scoring.dist.get_world_size", lambda group: world)
+    slices = []
+    for rank in range(world):
+        monkeypatch.setattr("optimus.eval.scoring.dist.get_rank", lambda group, rank=rank: rank)
+        slices.append(_rank_slice(n, group=object()))
+    padded = -(-n // world) * world
+    assert all(total == padded and len(mine) == padded // world for mine, total in slices)
+    assert set().union(*(mine for mine, _ in slices)) == set(range(n))
+
+
+def test_a_tie_goes_to_the_lowest_index_choice(monkeypatch):
+    """As argmax does: choices with equal log-likelihoods (and lengths) are answered by the first of them."""
+    monkeypatch.setattr("optimus.eval.scoring.continuation_logliks", lambda model, requests, *a, **k: [-2.0] * 3)
+    first = Question(contexts=("Q:",) * 3, continuations=(" ab", " cd", " ef"), gold=0)
+    last = Question(contexts=("Q:",) * 3, continuations=(" ab", " cd", " ef"), gold=2)
+    for question, expected in [(first, 1.0), (last, 0.0)]:
+        scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"t": [question]}, torch.device("cpu"),
+                                 max_len=16)
+        assert scores["t"].acc == expected and scores["t"].acc_norm == expected
