@@ -174,11 +174,42 @@ class YamlFileError(ValueError):
         self.problem, self.fix = problem, fix
 
 
+class _KeyGivenTwice(yaml.YAMLError):
+    def __init__(self, key: Any, line: int):
+        super().__init__(f"key {key!r} given twice")
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: PyYAML keeps the last one without a word, so an
+    edit that adds a setting already set further up would silently win or lose."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be set again here, as YAML means
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int, float, bool)):  # (an unhashable key: construct_mapping says so)
+            continue
+        if key in seen:
+            raise _KeyGivenTwice(key, key_node.start_mark.line + 1)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """A YAML file's content, or YamlFileError where its text is not YAML or not UTF-8 (the caller names the file:
-    a config, a cluster preset, a data recipe, a run's config.yaml)."""
+    """A YAML file's content, or YamlFileError where its text is not YAML or not UTF-8, or gives a key twice in one
+    mapping (the caller names the file: a config, a cluster preset, a data recipe, a run's config.yaml)."""
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # safe: a SafeLoader
+    except _KeyGivenTwice as err:
+        raise YamlFileError(f"gives the key {err.key!r} twice (the second at line {err.line})",
+                            "keep one of them") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -412,7 +412,10 @@ class CheckpointManager:
                 size = (path / name).stat().st_size
                 if size != record.size:
                     raise CheckpointError(f"file '{name}' is {size} bytes, {COMMITTED} says {record.size}")
-            meta = json.loads((path / META).read_text())
+            try:
+                meta = json.loads((path / META).read_text())
+            except ValueError as err:  # (a hash that matches damage: the file was edited and COMMITTED with it)
+                raise CheckpointError(f"{META} is not JSON: {err}") from None
             check_meta(meta)
             return meta
         except (CheckpointError, ManifestError) as err:

@@ -50,6 +50,17 @@ def test_bad_files(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="is a directory"):  # (`optimus train configs` said "not found")
         load_config(tmp_path)
+    twice = tmp_path / "twice.yaml"  # PyYAML kept the last without a word: an edit's duplicate silently won or lost
+    twice.write_text("model:\n  preset: mula-tiny-moe\ntrain:\n  seed: 1\nmodel: {preset: mula-tiny-dense}\n")
+    with pytest.raises(ConfigError, match=r"gives the key 'model' twice \(the second at line 5\): keep one of them"):
+        load_config(twice)
+    twice.write_text("model: {preset: mula-tiny-moe, preset: mula-tiny-dense}\n")
+    with pytest.raises(ConfigError, match="'preset' twice"):
+        load_config(twice)
+    merged = tmp_path / "merged.yaml"  # a key a merge (`<<: *anchor`) brings may be set again: YAML's override
+    merged.write_text("x-train: &t {seed: 1, max_steps: 2}\ntrain:\n  <<: *t\n  seed: 3\n")
+    from optimus.config import read_yaml
+    assert read_yaml(merged)["train"] == {"seed": 3, "max_steps": 2}
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
