@@ -29,8 +29,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -183,6 +185,26 @@ class _Run:
         except subprocess.TimeoutExpired:
             _kill_job(self.job, self.ranks)
             raise ChaosError(f"the job did not end within {timeout:.0f} s: see {self.log}") from None
+
+
+@contextmanager
+def ending_jobs_on_exit(runs: list[_Run]) -> Iterator[None]:
+    """Whatever ends the harness (an error, Ctrl-C, the SIGTERM of a scheduler or `timeout`) ends the training jobs
+    it started: each runs in a session of its own, so no signal to the harness reaches them, and they would train
+    on as orphans. SIGTERM is turned into SystemExit(143) meanwhile, so that this cleanup runs."""
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()  # (only the main thread may set a handler)
+    previous = signal.signal(signal.SIGTERM, terminated) if in_main else None
+    try:
+        yield
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        for run in runs:
+            if run.running():
+                _kill_job(run.job, run.ranks)
 
 
 def _train_command(config: str, overrides: list[str], ranks: int, max_restarts: int, run_dir: Path) -> list[str]:
@@ -421,25 +443,26 @@ def run_chaos(config: str, overrides: list[str], out_dir: Path, faults: int, ran
 
     reference = _Run(_train_command(config, overrides, ranks, 0, out_dir / "reference"), out_dir / "reference",
                      ranks, env, out_dir / "reference.log")
-    started = time.monotonic()
-    _progress(f"reference run ({max_steps} steps, {ranks} rank(s)) in {reference.run_dir}")
-    reference.launch()
-    if reference.wait_exit(timeout) != 0:
-        raise ChaosError(f"the undisturbed reference run failed: see {reference.log}")
-    report.reference_s = time.monotonic() - started
-
     trigger = out_dir / "disk-full.trigger"
     chaos = _Run(_train_command(config, overrides, ranks, restarts, out_dir / "chaos"), out_dir / "chaos", ranks,
                  {**env, DISK_FULL_VARIABLE: str(trigger)}, out_dir / "chaos.log", disk_full=trigger)
-    started = time.monotonic()
-    _progress(f"run under {len(plan)} faults in {chaos.run_dir}")
-    chaos.launch()
-    for fault in plan:
-        if fault.kind == "nan_step":
-            continue  # injected by the run itself at its step; checked below
-        _inject(chaos, fault, rng, timeout)
-    if chaos.wait_exit(timeout) != 0:
-        raise ChaosError(f"the run under faults did not finish cleanly: see {chaos.log}")
+    with ending_jobs_on_exit([reference, chaos]):
+        started = time.monotonic()
+        _progress(f"reference run ({max_steps} steps, {ranks} rank(s)) in {reference.run_dir}")
+        reference.launch()
+        if reference.wait_exit(timeout) != 0:
+            raise ChaosError(f"the undisturbed reference run failed: see {reference.log}")
+        report.reference_s = time.monotonic() - started
+
+        started = time.monotonic()
+        _progress(f"run under {len(plan)} faults in {chaos.run_dir}")
+        chaos.launch()
+        for fault in plan:
+            if fault.kind == "nan_step":
+                continue  # injected by the run itself at its step; checked below
+            _inject(chaos, fault, rng, timeout)
+        if chaos.wait_exit(timeout) != 0:
+            raise ChaosError(f"the run under faults did not finish cleanly: see {chaos.log}")
     report.chaos_s = time.monotonic() - started
     report.relaunches = chaos.launches - 1
     records = [json.loads(line) for line in chaos.lines()]
