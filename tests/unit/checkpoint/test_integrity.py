@@ -3,6 +3,7 @@
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,3 +172,135 @@ def test_every_file_a_commit_relies_on_is_fsynced_before_it_is_put_in_place(tmp_
     checkpoints_synced = [at for at, event in enumerate(events) if event == ("fsync", manager.dir.name)]
     assert any(min(renamed) < at < latest for at in checkpoints_synced)
     assert events[latest + 1] == ("fsync", manager.run_dir.name)
+
+
+def test_flipped_bytes_in_the_dcp_index_are_caught(tmp_path):
+    """DCP's `.metadata` index says where every tensor lives: bit rot there (same size) must be found by the check
+    before a load, like in any shard, not only the data files."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    index = manager.step_dir(1) / ".metadata"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    index.write_bytes(bytes(data))
+    assert manager.find_problem(1).startswith("file '.metadata' does not match its BLAKE2b hash")
+
+
+def test_a_step_committed_again_after_its_check_is_checked_again(tmp_path):
+    """A passed check is remembered only for the files it read: once step 1 is saved anew (its old folder moved
+    aside), damage in the new files must still be found."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    assert manager.find_problem(1) is None
+    model, _, _, state = make_state()
+    manager.save(1, state, {"model": {}})
+    flip_bytes_in_tensor(manager.step_dir(1), model.weight)
+    problem = manager.find_problem(1)
+    assert problem is not None and "does not match its BLAKE2b hash" in problem
+
+
+def _save_and_damage_step_2_then_resume(manager):
+    """Save step 2, truncate its shard, resume: step 2 is moved aside; returns the note on it."""
+    manager.save(2, make_state()[3], {"model": {}})
+    shard = manager.step_dir(2) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    step, (note,) = manager.newest_usable()
+    assert step == 1
+    return note
+
+
+def test_a_step_moved_aside_a_third_time_gets_a_free_name(tmp_path):
+    """A run that keeps damaging the same step (a failing disk) must keep every damaged copy and keep resuming:
+    each move aside picks the next free name, never fails on an existing one."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    notes = [_save_and_damage_step_2_then_resume(manager) for _ in range(3)]
+    assert [note.rsplit("kept as ", 1)[1] for note in notes] == [
+        "checkpoints/damaged-step-2)", "checkpoints/damaged-step-2.2)", "checkpoints/damaged-step-2.3)"]
+    assert sorted(p.name for p in manager.dir.iterdir()) == [
+        "damaged-step-2", "damaged-step-2.2", "damaged-step-2.3", "step-1"]
+
+
+def test_verify_lists_a_step_moved_aside_twice(tmp_path):
+    """`optimus verify` must account for every folder resume set aside, including the second copy of a step
+    (damaged-step-N.2), so the user sees all the damaged copies kept on disk."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    for _ in range(2):
+        _save_and_damage_step_2_then_resume(manager)
+    reports = verify_run(tmp_path)
+    assert [(r.name, r.step, r.ok) for r in reports] == [
+        ("step-1", 1, True), ("damaged-step-2", 2, False), ("damaged-step-2.2", 2, False)]
+
+
+def test_verify_reports_oldest_first_whatever_order_the_folder_lists(tmp_path, monkeypatch):
+    """The verify report reads top to bottom from the oldest step (numerically: step-10 after step-2), whatever
+    order the filesystem lists the folders in (here: newest name first)."""
+    saved_run(tmp_path, steps=(2, 10))
+    (tmp_path / "checkpoints" / "damaged-step-3").mkdir()
+    listing = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(listing(self), reverse=True)))
+    assert [r.name for r in verify_run(tmp_path)] == ["step-2", "damaged-step-3", "step-10"]
+
+
+def test_verify_reports_a_manifest_that_does_not_list_the_index(tmp_path):
+    """`optimus verify` must call a checkpoint whose COMMITTED omits `.metadata` damaged, as resume does: the
+    index is then unchecked, so verify saying "ok" would promise a load that resume refuses."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    committed = manager.step_dir(1) / "COMMITTED"
+    data = json.loads(committed.read_text())
+    del data["files"][".metadata"]
+    committed.write_text(json.dumps(data))
+    (report,) = verify_run(tmp_path)
+    assert report.problem == "COMMITTED does not list '.metadata'"
+
+
+def test_read_meta_refuses_a_file_larger_than_committed_says(tmp_path):
+    """Bytes appended to a shard (an overwrite, a botched copy) make it not the file that was committed: resume's
+    cheap size check must refuse it, not only files that shrank."""
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    assert manager.read_meta(1)["step"] == 1
+    shard = manager.step_dir(1) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes() + b"extra")
+    with pytest.raises(CheckpointError, match="step-1 is damaged .*'__0_0.distcp' is .* bytes, COMMITTED says"):
+        manager.read_meta(1)
+
+
+def test_read_meta_refuses_contents_that_are_not_names(tmp_path):
+    """meta.json's 'contents' is a list of names the trainer looks up: a non-string there is refused as a damaged
+    checkpoint in one line, not a crash later in the trainer."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state()[3], {"model": {}, "contents": ["model", 3]})
+    with pytest.raises(CheckpointError, match="'contents' is not a list of names") as err:
+        manager.read_meta(1)
+    assert "\n" not in str(err.value)
+
+
+def test_read_meta_names_a_meta_json_that_is_not_json(tmp_path):
+    """An edited meta.json committed with its new hash said only "JSONDecodeError: Expecting property name": the
+    message names the file."""
+    from optimus.checkpoint.integrity import seal
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state()[3], {"model": {}, "contents": ["model"]})
+    (manager.step_dir(1) / "meta.json").write_text("{not json")
+    (manager.step_dir(1) / "COMMITTED").unlink()
+    seal(manager.step_dir(1))
+    with pytest.raises(CheckpointError, match=r"is damaged \(meta.json is not JSON: Expecting property name") as err:
+        manager.read_meta(1)
+    assert "\n" not in str(err.value)
+
+
+def test_the_disk_full_note_appears_only_when_free_space_is_below_a_checkpoint(tmp_path, monkeypatch):
+    """A failed save says "the disk is full" only when it is: with room for a checkpoint left, the note would send
+    the user after the wrong cause."""
+    from optimus.checkpoint import manager as manager_module
+
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    size = sum(p.stat().st_size for p in manager.step_dir(1).iterdir())
+
+    def write_fails(self, plan, planner):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_fails)
+    for free, full in ((size - 1, True), (size * 1000, False)):
+        monkeypatch.setattr(manager_module.shutil, "disk_usage", lambda path, free=free: SimpleNamespace(free=free))
+        with pytest.raises(CheckpointError) as err:
+            manager.save(2, make_state()[3], {"model": {}})
+        assert ("the disk is full" in str(err.value)) == full, (free, str(err.value))

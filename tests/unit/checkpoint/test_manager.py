@@ -68,3 +68,14 @@ def test_metadata_with_foreign_objects_is_not_unpickled(tmp_path):
     (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         SafeFileSystemReader(path).read_metadata()
+
+
+def test_stale_latest_pointer_naming_an_older_step_does_not_win(tmp_path):
+    """A crash after step 2's folder was renamed into place but before `latest` was rewritten leaves the pointer on
+    step 1: resume must still pick the newest committed checkpoint, not redo work from the older one."""
+    _, _, _, state = make_state()
+    manager = CheckpointManager(tmp_path, keep_last_k=3)
+    manager.save(1, state, {})
+    manager.save(2, state, {})
+    (tmp_path / "latest").write_text("1")
+    assert manager.latest() == 2

@@ -182,3 +182,67 @@ def test_the_panels_draw_what_was_logged(tmp_path, monkeypatch):
         logged = np.array([counts[s][layer] for s in (1, 2, 3)], dtype=float)  # [step, expert]
         want = (logged / logged.mean(axis=1, keepdims=True)).T  # [expert, step]
         np.testing.assert_allclose(np.asarray(shown), want)
+
+
+def test_the_summary_names_the_last_held_out_loss(tmp_path):
+    """The report's headline gives where the run ended: the held-out loss of the last evaluation, not the first."""
+    from optimus.report.page import render_report
+
+    lines = [{"step": s, "loss": 5.0 - s} for s in (1, 2, 3, 4)]
+    lines += [{"step": 2, "eval_loss": 4.5}, {"step": 4, "eval_loss": 4.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert "last loss 1.0000, last held-out loss 4.2500</p>" in render_report(tmp_path)
+
+
+def test_the_precision_line_comes_from_the_newest_run_segment(tmp_path):
+    """A run resumed with another dtype or on other devices logs its precision again: the report states what the
+    run trains with now (the newest segment's line), not what it started with."""
+    from optimus.report.page import precision_line
+
+    def segment(step, dtype, devices):
+        return {"step": step, "loss": 1.0, "dtype": dtype, "dtype_requested": "auto", "dtype_reason": "why",
+                "peak_flops_per_device": 1e12, "peak_source": "table", "world_size": devices}
+
+    lines = [segment(1, "fp32", 1), {"step": 2, "loss": 1.0}, segment(3, "bf16", 8), {"step": 4, "loss": 1.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    line = precision_line(RunRecords.read(path))
+    assert line.startswith("precision: bf16 (train.dtype=auto; why)") and line.endswith("8 device(s)")
+
+
+def test_the_heatmap_keeps_the_last_step_after_a_damaged_line(tmp_path):
+    """A damaged expert_counts line (ragged) makes the log hold fewer readable steps than counted: the heatmap of
+    a long run still ends at the run's last step, where the user looks first."""
+    logged = 2 * MAX_HEATMAP_COLUMNS
+    lines = [{"step": s, "loss": 1.0, "expert_counts": [[s, 1], [1, 1]]} for s in range(1, logged + 1)]
+    lines[10]["expert_counts"] = [[1, 2], [3]]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = RunRecords.read(path)
+    assert len(records.expert_loads.steps) == logged - 1 and 11 not in records.expert_loads.steps
+    steps = expert_load_data(records)["steps"]
+    assert steps[0] == 1 and steps[-1] == logged and len(steps) <= MAX_HEATMAP_COLUMNS
+
+
+def test_an_expert_counts_line_with_another_layer_count_is_skipped(tmp_path):
+    """A line whose expert_counts has another number of layers than the run's (a damaged or foreign line) is left
+    out of the expert-load panels; the report is still drawn rather than failing on it."""
+    lines = [{"step": s, "loss": 1.0, "expert_counts": [[s, 1], [1, 1]]} for s in (1, 2, 3)]
+    lines[1]["expert_counts"] = [[1, 1], [1, 1], [1, 1]]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    loads = RunRecords.read(path).expert_loads
+    assert loads.steps == [1, 3] and loads.highest.shape == (2, 2)
+    assert [counts.shape for counts in loads.sample_counts] == [(2, 2), (2, 2)]
+
+
+def test_a_job_of_exactly_max_ranks_drawn_keeps_every_rank_memory(tmp_path):
+    """Up to MAX_RANKS_DRAWN ranks the memory panel draws one line per rank: a job of exactly that many keeps each
+    rank's peak, not only the highest and lowest."""
+    from optimus.report.records import MAX_RANKS_DRAWN
+
+    memory = [float(rank + 1) for rank in range(MAX_RANKS_DRAWN)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 1.0, "memory_peak_gib": memory}) + "\n")
+    (step,) = RunRecords.read(path).steps
+    assert step["memory_peak_gib"] == memory and "memory_ranks" not in step
