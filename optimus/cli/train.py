@@ -133,4 +133,11 @@ def cmd_tokenize(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.data.tokenize import tokenize_command
 
     output_location("--output", args.output, folder=True)
-    return tokenize_command(args)
+    output = Path(args.output)
+    created = not output.exists()
+    try:
+        return tokenize_command(args)
+    except BaseException:
+        if created and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()  # a failed first tokenization leaves no empty folder behind that looks like its result
+        raise

@@ -96,8 +96,12 @@ class _SplitWriter:
         _write_json_atomically(self.meta_path, {**meta, "tokens": self.tokens, "documents": self.documents})
 
     def discard(self) -> None:
-        self.file.close()
-        self.temp_path.unlink(missing_ok=True)
+        try:
+            self.file.close()  # (flushing its buffer fails again on the full disk that ended the run)
+        except OSError:
+            pass
+        finally:
+            self.temp_path.unlink(missing_ok=True)
 
 
 def _write_batch(

@@ -16,7 +16,7 @@ import torch
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
 from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
-from optimus.config import Config, save_config
+from optimus.config import Config, ConfigError, save_config
 from optimus.data.build import build_training_data
 from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
@@ -49,6 +49,18 @@ class TrainSummary:
     heldout_loss: float | None
     resumed_from: int | None
     stopped_by_signal: str | None = None  # e.g. "SIGTERM": checkpointed at `step` and stopped early
+
+
+# The files a run writes beside its checkpoints (a folder under one of these names failed only at the first
+# checkpoint, or at the end, after training and after older checkpoints were rotated out).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png", "report.html")
+
+
+def _check_run_files(run_dir: Path) -> None:
+    blocked = [name for name in RUN_FILES if (run_dir / name).is_dir()]
+    if blocked:
+        raise ConfigError(f"run.dir {run_dir} holds a folder named '{blocked[0]}' where training writes a file: "
+                          "move it away, or choose another run.dir")
 
 
 class Trainer:
@@ -84,6 +96,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k, device=self.device)
         # the whole model's count (on meta, free): under PP this rank's model holds only its stages
         params = count_parameters(build_model(config.model, device="meta"), config.model)
+        _check_run_files(self.run_dir)
         self.checkpoints.preflight(checkpoint_bytes=params.total * CHECKPOINT_BYTES_PER_PARAMETER)
         self.resume_step, skipped = self.checkpoints.newest_usable()  # damaged ones are moved aside, never deleted
         if skipped and self.is_rank0:

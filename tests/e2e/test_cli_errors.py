@@ -92,6 +92,18 @@ def test_damaged_or_foreign_checkpoint_is_refused_and_kept(capsys, tmp_path, tok
     assert fail_line(capsys, ["generate", str(run), "--prompt", "Hello"])
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "loss.png"])
+def test_a_folder_where_training_writes_a_file_is_refused_before_training(capsys, tmp_path, token_dir, name):
+    """A folder named loss.png passed the pre-start checks and failed at the first checkpoint, after training and
+    after older checkpoints were rotated out; metrics.jsonl failed after loss.png was redrawn empty."""
+    run = tmp_path / "run"
+    (run / name).mkdir(parents=True)
+    cfg = write(tmp_path, tiny_config(token_dir, train={"max_steps": 2, "ckpt_every": 2, "eval_every": 0}))
+    err = fail_line(capsys, ["train", cfg, f"--run.dir={run}", "--no-progress"])
+    assert f"holds a folder named '{name}' where training writes a file: move it away" in err
+    assert sorted(p.name for p in run.iterdir()) == [name]
+
+
 def test_run_dir_mistakes(capsys, tmp_path):
     assert "not a run directory" in fail_line(capsys, ["eval", str(tmp_path)])
     assert "not a run directory" in fail_line(capsys, ["export", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "o")])

@@ -116,6 +116,36 @@ def test_no_tokens_and_all_heldout_raise_and_leave_nothing(tmp_path):
         tokenize_files([str(tmp_path / "one.txt")], "olmoe", output, heldout_fraction=1.0, progress=False)
 
 
+def test_a_failed_first_tokenization_leaves_no_folder_behind(tmp_path, capsys):
+    """`optimus tokenize` into a new folder that then fails left the empty folder, which looks like a result."""
+    from optimus.cli import main
+
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    assert main(["tokenize", "--input", str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "new")]) == 2
+    assert "produced no tokens" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept
+    assert main(["tokenize", "--input", str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_a_split_discarded_on_a_full_disk_removes_its_temporary_file(tmp_path):
+    """On a full disk closing the temporary file fails too (its buffer cannot be flushed): the file is still
+    removed, not left as .train.bin.PID.tmp."""
+    import errno
+
+    writer = tokenize_module._SplitWriter(tmp_path, "train")
+    real_close = writer.file.close
+
+    def close_on_a_full_disk():
+        real_close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.file.close = close_on_a_full_disk
+    writer.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_line_midway_raises_and_keeps_the_previous_output(tmp_path):
     (tmp_path / "good.jsonl").write_text('{"text": "first version"}\n')
     tokenize_files([str(tmp_path / "good.jsonl")], "olmoe", tmp_path / "out", workers=2, progress=False)
