@@ -236,7 +236,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return build_config(raw)
 
 
+def config_yaml(config: Config) -> str:
+    """The fully resolved config as YAML text (what `config.yaml` in a run directory holds)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
 def save_config(config: Config, path: str | Path) -> None:
     """Write the fully resolved config as YAML (what `config.yaml` in a run directory holds)."""
-    data = config.model_dump(mode="json")
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    Path(path).write_text(config_yaml(config))

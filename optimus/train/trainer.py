@@ -16,7 +16,7 @@ import torch
 
 from optimus.checkpoint.manager import CheckpointError, CheckpointManager
 from optimus.checkpoint.preflight import CHECKPOINT_BYTES_PER_PARAMETER
-from optimus.config import Config, ConfigError, save_config
+from optimus.config import Config, ConfigError, config_yaml, save_config
 from optimus.data.build import build_training_data
 from optimus.models.flops import count_parameters, flops_per_token
 from optimus.models.transformer import Transformer, build_model
@@ -225,7 +225,13 @@ class Trainer:
     def _keep_earlier_settings(self) -> None:
         """Before config.yaml is rewritten on resume: keep the earlier one where settings changed, and say which."""
         saved = self.run_dir / "config.yaml"
-        if self.resume_step is None or not saved.is_file():
+        if not saved.is_file():
+            return
+        if self.resume_step is None:  # no checkpoint: a run that stopped before its first, or a folder of the user's
+            if saved.read_bytes() != config_yaml(self.requested_config).encode():  # (e.g. the very file being trained)
+                kept = keep_earlier_config(self.run_dir, 0)
+                self._say(f"run.dir held a config.yaml unlike this run's (and no checkpoint): it is kept as "
+                          f"{kept.name}", warning=True)
             return
         changed = changed_settings(saved, self.requested_config)
         if changed:

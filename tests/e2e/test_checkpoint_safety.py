@@ -88,6 +88,20 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
+def test_a_config_yaml_in_a_fresh_run_dir_is_kept_not_overwritten(two_checkpoints, tmp_path, capsys):
+    """Training a folder's own config.yaml into that folder (no checkpoint yet) rewrote the file, the user's
+    source with its comments, as the resolved config: it is kept as config-before-step-0.yaml, and said."""
+    cfg, _ = copy_run(two_checkpoints, tmp_path)
+    run = tmp_path / "mine"
+    run.mkdir()
+    mine = cfg.read_text() + "# my notes on this experiment\n"
+    (run / "config.yaml").write_text(mine)
+    assert main(["train", str(run / "config.yaml"), f"--run.dir={run}", "--train.max_steps=1", "--no-progress"]) == 0
+    assert "run.dir held a config.yaml unlike this run's (and no checkpoint): it is kept as config-before-step-0.yaml" \
+        in capsys.readouterr().err
+    assert (run / "config-before-step-0.yaml").read_text() == mine
+
+
 def test_resume_with_changed_settings_keeps_the_earlier_config_and_says_so(two_checkpoints, tmp_path, capsys):
     cfg, run = copy_run(two_checkpoints, tmp_path)
     assert main(["train", str(cfg), f"--run.dir={run}", "--train.max_steps=5", "--no-progress"]) == 0
