@@ -82,7 +82,7 @@ def run_on_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: 
         for rank in range(world):
             path = Path(tmp) / f"rank{rank}.json"
             if not path.exists():
-                why = f"did not finish within {timeout:.0f} s" if rank in pending else "died without a result"
+                why = f"did not finish within {timeout:g} s" if rank in pending else "died without a result"
                 failures.append((True, f"rank {rank} of {world} {why}"))
                 continue
             outcome = json.loads(path.read_text())

@@ -1,5 +1,5 @@
 """Bad flags and outputs of the run verbs, refused with one line before anything is written: report's --out,
-import's --out, eval's --tasks/--batches/--batch-size, generate's --temperature/--max-new-tokens, and an output
+import's --out, eval's --tasks/--limit/--batches/--batch-size, generate's --temperature/--max-new-tokens, and an output
 folder no file can be made in (plan's --json)."""
 
 from __future__ import annotations
@@ -77,6 +77,13 @@ def test_eval_flags_below_one_name_the_flag(tmp_path, flag, value, capsys):
     assert one_error_line(capsys).endswith(f"error: {flag} must be at least 1 (got {value})")
 
 
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_eval_tasks_with_a_limit_below_one_is_one_line(tmp_path, limit, capsys):
+    """--limit 0 or -1 names no question of a task to score: one line before the run is read (no run needed)."""
+    assert main(["eval", str(tmp_path), "--tasks", "arc_easy", "--limit", limit]) == 2
+    assert one_error_line(capsys).endswith("error: --limit must be at least 1 (or left out for every question)")
+
+
 @pytest.mark.parametrize("temperature", ["1e-45", "1e-300", "5e-5"])
 def test_generate_refuses_a_temperature_too_small_to_sample_with(tmp_path, temperature, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "hi", "--temperature", temperature]) == 2
@@ -121,3 +128,31 @@ def test_plan_refuses_a_json_file_in_a_folder_no_file_can_be_made_in_before_sear
 def test_an_output_check_leaves_nothing_in_the_folder(tmp_path):
     assert output_location("--json", tmp_path / "sub" / "plan.json") == tmp_path / "sub" / "plan.json"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_an_output_under_a_file_is_refused_as_such(tmp_path, folder):
+    """A path whose nearest existing part is a file (a mistyped --out under notes.txt) is named as a file up front,
+    not reported as an unwritable folder."""
+    from optimus.cli.errors import UsageError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    target = tmp_path / "notes.txt" / "sub" / "plan.json"
+    with pytest.raises(UsageError, match=f"^--out {target}: {tmp_path / 'notes.txt'} is a file, not a directory: "
+                                         "choose another path$"):
+        output_location("--out", target, folder=folder)
+
+
+def test_an_existing_output_folder_no_file_can_be_made_in_is_refused_though_its_parent_is_writable(tmp_path,
+                                                                                                   monkeypatch):
+    """--out names a folder that exists: the files go into it, so it must be writable itself (its parent being
+    writable is not enough). chmod does not stop root (as tests may run), so the write check itself is told which
+    folder refuses files."""
+    from optimus.cli import errors
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(errors, "_can_create_in", lambda where: where != out)
+    with pytest.raises(errors.UsageError, match=f"^--out {out}: {out} is not writable: choose a path you can write$"):
+        output_location("--out", out, folder=True)
+    assert output_location("--out", tmp_path / "other", folder=True) == tmp_path / "other"  # a new one beside it

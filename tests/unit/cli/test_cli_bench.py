@@ -63,6 +63,13 @@ def test_the_scripts_exit_code_is_the_commands(checkout: Path, capfd):
     assert capfd.readouterr().out.splitlines()[-1] == "shell go"
 
 
+def test_a_script_a_signal_ended_exits_as_a_shell_reports_it(checkout: Path):
+    """A benchmark killed by SIGKILL (the OOM killer) exits 137 = 128 + 9, as the shell would report it, not with
+    subprocess's -9 (which the process exit would turn into 247)."""
+    (checkout / "crash.sh").write_text("#!/usr/bin/env bash\n# Killed by a signal.\n#\n#     bash x\nkill -KILL $$\n")
+    assert run_bench(["crash"], folder=checkout) == 137
+
+
 def test_an_unknown_name_is_one_line_with_the_nearest(checkout: Path, capsys):
     assert run_bench(["reportr"], folder=checkout) == 2
     assert capsys.readouterr().err == ("optimus bench: error: no benchmark named 'reportr': did you mean reporter? "

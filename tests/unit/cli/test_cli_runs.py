@@ -122,3 +122,19 @@ def test_eval_limit_without_tasks_is_one_line(tiny_run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["optimus eval: error: --limit counts the questions of --tasks: add --tasks, or use --batches for "
                    "the held-out loss"]
+
+
+def test_export_includes_a_tokenizer_exactly_as_large_as_the_models_vocabulary(tiny_run, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Every id of a tokenizer whose vocabulary is the model's own size has its embedding row: the export ships
+    the tokenizer (only a tokenizer with more ids than the model is left out)."""
+    from optimus.config import load_config
+    from optimus.data import sources
+
+    vocab = load_config(tiny_run / "config.yaml").model.vocab_size
+    real = sources.tokenizer_info
+    monkeypatch.setattr(sources, "tokenizer_info", lambda spec: {**real(spec), "vocab_size": vocab})
+    out = tmp_path / "hf"
+    assert main(["export", str(tiny_run), "--format", "hf", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("(Hugging Face transformers layout with its tokenizer)")
+    assert (out / "tokenizer.json").is_file()

@@ -139,6 +139,7 @@ def test_torchrun_restart_attempt_and_agent_store_are_read():
     ({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT='x'"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT 70000 is not a port"),
+    ({"MASTER_PORT": "65536"}, "MASTER_PORT 65536 is not a port"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "x"}, "SLURM_LOCALID='x'"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "abc"}, "tasks per node 'abc'"),
     ({"RANK": "1", "WORLD_SIZE": "1"}, "rank 1 of a world of 1"),
@@ -197,3 +198,79 @@ def test_the_held_port_is_one_line_from_the_command(capsys, monkeypatch, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()  # the batch line, then the error
     assert code == 2 and err[-1].startswith("optimus train: error: MASTER_PORT") and "is in use" in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_an_empty_launcher_variable_takes_its_default():
+    """A job script that exports LOCAL_RANK= (empty) means unset: the default applies, not 'not an integer'."""
+    launch = detect_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "", "MASTER_PORT": ""})
+    assert (launch.local_rank, launch.master_port) == (1, DEFAULT_PORT)
+
+
+def test_an_agent_store_variable_of_false_is_read_as_false():
+    """torchrun writes TORCHELASTIC_USE_AGENT_STORE=False when its agent hosts no store: only "True" means one."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert detect_launch_env(env).agent_store is False
+
+
+class _RecordedGroup:
+    """Stands in for torch.distributed's store and group calls: records what init_distributed asked for."""
+
+    def __init__(self, monkeypatch):
+        from optimus.parallel import launch as launch_module
+
+        self.stores, self.prefixes, self.groups = [], [], []
+        monkeypatch.setattr(launch_module.dist, "is_initialized", lambda: False)
+        monkeypatch.setattr(launch_module, "rendezvous_store",
+                            lambda launch, is_master, timeout_s: self.stores.append((launch.rank, is_master)) or "tcp")
+        monkeypatch.setattr(launch_module.dist, "PrefixStore", lambda prefix, store: self.prefixes.append(prefix)
+                            or f"{prefix}@{store}")
+        monkeypatch.setattr(launch_module.dist, "init_process_group", lambda **kwargs: self.groups.append(kwargs))
+
+
+def test_each_torchrun_restart_attempt_joins_under_its_own_key_prefix(monkeypatch):
+    """Under torchrun's agent store (kept across --max-restarts) a restarted attempt must not read the dead
+    attempt's keys: attempt N joins under optimus/attempt-N."""
+    recorded = _RecordedGroup(monkeypatch)
+    for attempt in (0, 1):
+        env = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        init_distributed(detect_launch_env(env), torch.device("cpu"), timeout_s=5)
+    assert recorded.prefixes == ["optimus/attempt-0", "optimus/attempt-1"]
+    assert recorded.stores == [(1, False), (1, False)]  # the agent hosts the store: no worker does
+    assert [group["store"] for group in recorded.groups] == ["optimus/attempt-0@tcp", "optimus/attempt-1@tcp"]
+
+
+def test_only_global_rank_zero_hosts_the_rendezvous_on_a_multi_node_job(monkeypatch):
+    """Rank 8 is local rank 0 of the second node: it joins rank 0's store, it does not open one of its own."""
+    recorded = _RecordedGroup(monkeypatch)
+    for rank, local in ((8, 0), (0, 0)):
+        env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "16", "SLURM_LOCALID": str(local),
+               "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NODELIST": "node[1-2]"}
+        init_distributed(detect_launch_env(env), torch.device("cpu"), timeout_s=5)
+    assert recorded.stores == [(8, False), (0, True)]
+    assert [(group["rank"], group["world_size"]) for group in recorded.groups] == [(8, 16), (0, 16)]
+
+
+@pytest.mark.parametrize("exit_code, barrier", [(0, True), (1, False), (2, False)])
+def test_leaving_waits_for_the_peers_only_after_a_clean_run(monkeypatch, exit_code, barrier):
+    """A clean exit meets the other ranks at a barrier before the group is destroyed; a failed one leaves at once
+    (its peers may be gone, so a barrier could wait forever). The process exits with the code either way."""
+    from optimus.parallel import launch as launch_module
+    from optimus.parallel.launch import leave_distributed
+
+    calls = []
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        calls.append(("exit", code))
+        raise Exited
+
+    monkeypatch.setattr(launch_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(launch_module.dist, "barrier", lambda: calls.append(("barrier",)))
+    monkeypatch.setattr(launch_module.dist, "destroy_process_group", lambda: calls.append(("destroy",)))
+    monkeypatch.setattr(launch_module.os, "_exit", exit_now)
+    with pytest.raises(Exited):
+        leave_distributed(exit_code)
+    assert calls == [*([("barrier",)] if barrier else []), ("destroy",), ("exit", exit_code)]

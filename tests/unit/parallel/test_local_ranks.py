@@ -95,3 +95,20 @@ def test_each_rank_runs_on_its_own_device(monkeypatch):
     monkeypatch.setattr(launch, "device_for",
                         lambda rank, device_type: _DEVICES_ASKED.append((rank, device_type)) or real(rank, "cpu"))
     assert run_on_local_ranks(_devices_asked, 2) == [[[0, "cpu"]], [[1, "cpu"]]]
+
+
+def test_a_rank_still_running_at_the_timeout_is_killed_and_named_as_timed_out(monkeypatch):
+    """A rank that hangs is reported as "did not finish within N s", not as one that "died without a result"
+    (each "rank" here is a stand-in process that sleeps, spawned where the runner forks: no torch in it)."""
+    import os
+
+    from optimus.parallel import local_ranks
+
+    spawned = []
+    monkeypatch.setattr(local_ranks.os, "fork",
+                        lambda: spawned.append(os.posix_spawnp("sleep", ["sleep", "60"], os.environ)) or spawned[-1])
+    with pytest.raises(LocalRanksError) as err:
+        run_on_local_ranks(_sum_of_ranks, 1, 1.0, timeout=0.6)
+    assert str(err.value) == "rank 0 of 1 did not finish within 0.6 s"  # (a sub-second timeout read "within 0 s")
+    with pytest.raises(ChildProcessError):  # killed and reaped: nothing left running
+        os.waitpid(spawned[0], os.WNOHANG)

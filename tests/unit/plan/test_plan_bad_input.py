@@ -1,5 +1,5 @@
-"""Bad `optimus plan` input refused in one line that names it: device counts, a cluster file's efficiency keys, and
-a `base:` file's device the hardware table lacks."""
+"""Bad `optimus plan` input refused in one line that names it: device counts, --efficiency, a cluster file's efficiency
+keys, and a `base:` file's device the hardware table lacks."""
 
 from __future__ import annotations
 
@@ -70,3 +70,43 @@ def test_a_based_file_with_an_unknown_device_names_the_file_not_the_preset(tmp_p
     priced = {"base": "h100", "device": "TPUv9", "peak_tflops": {"bf16": 900, "fp32": 90}}
     cluster = load_cluster(_file(tmp_path, priced))
     assert cluster.peak_flops("bf16") == 900e12
+
+
+
+class _Searched(Exception):
+    """Raised by the stand-in search: the flags were accepted."""
+
+
+def _record_the_search(monkeypatch) -> list:
+    """Replace the layout search by a stand-in that records the efficiency it was given and stops the command."""
+    given = []
+
+    def search(config, cluster, devices, efficiency, only, routing):
+        given.append(efficiency)
+        raise _Searched
+
+    monkeypatch.setattr("optimus.plan.search.plan", search)
+    return given
+
+
+@pytest.mark.parametrize("efficiency", ["1", "0.5"])
+def test_an_efficiency_up_to_one_reaches_the_search(efficiency, monkeypatch):
+    """--efficiency takes (0, 1]: 1 (the peak) is a legal what-if, priced with every compute class at that value."""
+    from optimus.cli import main
+
+    given = _record_the_search(monkeypatch)
+    with pytest.raises(_Searched):
+        main(["plan", str(CONFIG), "--cluster", "h100", "--devices", "8", "--efficiency", efficiency])
+    assert (given[0].dense_gemm, given[0].attention) == (float(efficiency), float(efficiency))
+
+
+@pytest.mark.parametrize("efficiency", ["1.01", "0", "-0.5"])
+def test_an_efficiency_outside_zero_to_one_is_one_line(efficiency, monkeypatch, capsys):
+    """More than the peak, or nothing, cannot be priced: one line naming the flag, before any search."""
+    from optimus.cli import main
+
+    given = _record_the_search(monkeypatch)
+    assert main(["plan", str(CONFIG), "--cluster", "h100", "--devices", "8", "--efficiency", efficiency]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--efficiency must be in (0, 1] (got {float(efficiency):g})" in err
+    assert given == []

@@ -186,6 +186,40 @@ def test_the_rank_count_a_launcher_starts_where_its_flags_say(launcher, ranks):
     assert launcher_ranks(launcher.split()) == ranks
 
 
+@pytest.mark.parametrize("ranks, refused", [("2", True), ("8", False)])
+def test_a_launcher_that_starts_another_rank_count_than_ranks_is_one_line(ranks, refused, monkeypatch, capsys,
+                                                                          tmp_path):
+    """`--launcher 'mpirun -np 8'` with `--ranks 2` would train on 8 ranks layouts priced for 2: refused in one line
+    naming both counts, before any trial (the search is a stand-in that records whether it was reached; priced as
+    h100 nodes, so nothing on this machine is measured)."""
+    import stat
+
+    from optimus.cli import main
+
+    mpirun = tmp_path / "bin" / "mpirun"  # a program of that name on the given path: never run here
+    mpirun.parent.mkdir()
+    mpirun.write_text("#!/bin/sh\nexit 1\n")
+    mpirun.chmod(mpirun.stat().st_mode | stat.S_IEXEC)
+    searched = []
+
+    def stand_in(*args, **kwargs):
+        searched.append(args[4])  # the ranks the trials are priced for
+        return None, []
+
+    monkeypatch.setattr("optimus.plan.tune.tune", stand_in)
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", lambda: None)
+    code = main(["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--ranks", ranks,
+                 "--launcher", f"{mpirun} -np 8", "--cluster", "h100", "--out", str(tmp_path / "t")])
+    captured = capsys.readouterr()
+    if refused:
+        err = captured.err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"--launcher '{mpirun} -np 8' starts 8 ranks but --ranks is 2: give --ranks 8" in err
+        assert searched == []
+    else:
+        assert searched == [8]
+
+
 def test_under_a_launcher_the_trials_are_priced_as_whole_nodes_of_the_devices():
     nodes = trial_cluster(None, 16, H100_NODE, launcher=True)
     assert (nodes.name, nodes.devices_per_node, nodes.memory_gb) == ("h100", 8, 79.1)

@@ -117,6 +117,9 @@ def test_the_verdict_compares_the_run_under_faults_with_the_reference(tmp_path, 
         def wait_exit(self, timeout):
             return 0
 
+        def running(self):
+            return False
+
         def lines(self):
             return []
 
@@ -127,3 +130,55 @@ def test_the_verdict_compares_the_run_under_faults_with_the_reference(tmp_path, 
     report = chaos.run_chaos(config, ["--train.max_steps=8"], tmp_path / "out", faults=0, ranks=1, kinds=["nan_step"])
     assert report.weights_equal is equal and report.tensors_compared == 1
     assert ("w (max abs difference 1)" in report.first_difference) is not equal
+
+
+def test_a_torn_last_line_that_already_names_its_loss_is_not_read(tmp_path):
+    """The trainer may be cut off mid-line after "loss" was written: that half line must not be parsed (it would
+    end the harness with a JSON error) and the last whole step stays the run's last step."""
+    from optimus.resilience.chaos import _Run
+
+    run = _Run(command=[], run_dir=tmp_path, ranks=1, env={}, log=tmp_path / "log")
+    whole = ['{"step": 1, "loss": 9.0}', '{"step": 2, "loss": 8.5}']
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in whole) + '{"step": 3, "loss": 8.')
+    assert run.last_step() == 2 and run.lines() == whole
+
+
+def test_every_fault_recovered_is_no_survival_when_the_final_weights_differ():
+    """Recovering from each fault is not enough: a run that ends with weights other than the undisturbed run's
+    did not survive, and the report's last line says so."""
+    from optimus.resilience.chaos import ChaosReport, Fault, format_report
+
+    faults = [Fault(kind="kill_group", at_step=2, recovered=True, recovery_s=1.0, steps_redone=1)]
+    different = ChaosReport(config="c.yaml", ranks=1, max_steps=8, faults=faults, weights_equal=False,
+                            tensors_compared=3, first_difference="w (max abs difference 1)")
+    assert not different.survived and different.to_json()["survived"] is False
+    assert format_report(different).endswith("every fault survived: NO")
+    equal = ChaosReport(config="c.yaml", ranks=1, max_steps=8, faults=faults, weights_equal=True, tensors_compared=3)
+    assert equal.survived
+
+
+def test_steps_redone_are_those_between_the_resumed_checkpoint_and_the_fault(tmp_path):
+    """A job killed after logging step 5 and relaunched from its step-3 checkpoint trains steps 4 and 5 again: the
+    report says 2 steps were redone (the fault's step minus the step it resumed from)."""
+    import time
+
+    from optimus.resilience.chaos import Fault, _inject
+
+    counter, metrics = tmp_path / "launches", tmp_path / "metrics.jsonl"
+    # the relaunch rewinds metrics.jsonl to step 3 (its checkpoint) and logs step 4 anew, with another loss
+    resumed = "".join(f'{{"step": {s}, "loss": 1.0}}\\n' for s in range(1, 4)) + '{"step": 4, "loss": 0.5}\\n'
+    script = (f"import pathlib, time; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() "
+              f"else 0; p.write_text(str(n + 1)); time.sleep(60) if n == 0 else "
+              f"pathlib.Path({str(metrics)!r}).write_text('{resumed}')")
+    run = _watched(tmp_path, 5, script)
+    try:
+        while not counter.exists():  # the first job is up
+            time.sleep(0.01)
+        fault = Fault(kind="kill_group", at_step=2)
+        _inject(run, fault, random.Random(0), timeout=60.0)
+        assert fault.recovered, fault.note
+        assert (fault.injected_at_step, fault.steps_redone) == (5, 2)
+    finally:
+        if run.running():
+            run.job.kill()
+        run.job.wait()

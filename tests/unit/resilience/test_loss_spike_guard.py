@@ -81,3 +81,14 @@ def test_consecutive_skips_count_survives_a_state_dict_round_trip():
     restored.load_state_dict(skips.state_dict())
     with pytest.raises(TooManySkippedSteps, match="step 3: 3 optimizer steps"):
         restored.update(3, "non-finite")
+
+
+def test_a_loss_equal_to_flat_losses_is_not_a_spike():
+    """Perfectly flat losses (a std of 0) put the threshold at their mean: the same loss again is accepted, only a
+    higher one is a spike."""
+    guard = LossSpikeGuard(zscore=3.0, window=8)
+    for _ in range(8):
+        assert not guard(2.5)
+    assert guard.threshold() == 2.5
+    assert not guard.is_spike(2.5) and guard.is_spike(2.5000001)
+    assert not guard(2.5) and len(guard.losses) == 8

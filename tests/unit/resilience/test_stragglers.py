@@ -17,3 +17,9 @@ def test_ranks_within_the_factor_are_not_named():
 def test_several_slow_ranks_among_many():
     times = [0.1, 0.1, 0.5, 0.1, 0.1, 0.1, 0.3, 0.1]
     assert [s.rank for s in find_stragglers(times, [f"h{i}" for i in range(8)], factor=2.0)] == [2, 6]
+
+
+def test_a_rank_exactly_at_the_factor_is_not_named():
+    """A straggler is strictly slower than factor x the median: a rank at exactly that time is not named."""
+    assert find_stragglers([0.25, 0.5], ["a", "b"], factor=2.0) == []
+    assert [s.rank for s in find_stragglers([0.25, 0.5000001], ["a", "b"], factor=2.0)] == [1]

@@ -59,3 +59,28 @@ def test_stop_ends_the_thread_and_nothing_fires_afterwards():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "finished"
+
+
+def test_a_hung_process_exits_124_as_timeout_does():
+    """Job scripts and torchrun logs tell a hang from a crash by the documented exit code 124 (timeout(1)'s)."""
+    assert EXIT_HUNG == 124
+
+
+def test_a_short_timeout_is_checked_at_least_four_times_per_timeout():
+    """The watchdog fires at most a quarter timeout late: it polls every timeout/4 seconds, capped at 5 s for long
+    timeouts (the interval the thread waits is recorded, not timed)."""
+    from optimus.resilience.watchdog import HangWatchdog
+
+    class RecordingStop:
+        def __init__(self):
+            self.waits = []
+
+        def wait(self, seconds):
+            self.waits.append(seconds)
+            return True  # stopped: the loop ends after the first wait
+
+    for timeout_s, poll_s in ((2.0, 0.5), (60.0, 5.0)):
+        watchdog = HangWatchdog(timeout_s)
+        watchdog._stopped = RecordingStop()
+        watchdog._watch()
+        assert watchdog._stopped.waits == [poll_s], timeout_s
