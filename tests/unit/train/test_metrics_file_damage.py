@@ -129,7 +129,7 @@ WRONGLY_TYPED = [
     '{"step": 3, "downstream": 5}',
     '{"step": 3, "downstream": {"piqa": {"acc": "high", "acc_norm": 0.5}}}',
     '{"step": 3, "loss": 1.0, "memory_peak_gib": "big"}',
-    '{"step": 3, "loss": 1.0, "expert_counts": [[1, "a"]]}',
+    '{"step": 3, "loss": 1.0, "expert_counts": "many"}',
 ]
 
 
