@@ -422,7 +422,8 @@ class CheckpointManager:
             problem = str(err)
         except (OSError, ValueError) as err:
             problem = f"{type(err).__name__}: {err}"
-        raise CheckpointError(f"checkpoint {path} is damaged ({problem}): move it away to resume from an earlier one")
+        raise CheckpointError(f"checkpoint {path} is damaged ({problem}): move it away, and training and the other "
+                              "verbs use the one before it")
 
     # ------------------------------------------------------------------------------------ load
     def load(self, step: int, state: dict[str, Stateful | Any]) -> None:
