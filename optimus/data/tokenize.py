@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optimus.atomic_write import write_text_whole
 from optimus.data.encode import batched_documents, encoded_batches, worker_pool
 from optimus.data.errors import DataError
 from optimus.data.readers import expand_inputs, read_documents
@@ -123,9 +124,7 @@ def _write_batch(
 
 
 def _write_json_atomically(path: Path, content: dict) -> None:
-    temp_path = path.with_name(f".{path.name}.tmp")
-    temp_path.write_text(json.dumps(content, indent=2) + "\n")
-    os.replace(temp_path, path)
+    write_text_whole(path, json.dumps(content, indent=2) + "\n")
 
 
 def _progress_bar(enabled: bool):

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from optimus.atomic_write import write_text_whole
 from optimus.config import YamlFileError, read_yaml
 from optimus.report.panels import (
     checkpoint_panel, downstream_panel, expert_load_data, expert_load_panels, grad_norm_panel, loss_panel,
@@ -162,7 +163,5 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, overwrite: 
         raise ReportError(f"cannot write '{path}': its folder does not exist; create it or choose another --out")
     if path.exists() and not overwrite and path.resolve() != own.resolve():
         raise ReportError(f"--out {out} already exists: choose another file, or pass --overwrite to replace it")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page)
-    tmp.replace(path)
+    write_text_whole(path, page)
     return path

@@ -11,7 +11,6 @@ measured afresh.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -21,6 +20,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from optimus.atomic_write import write_text_whole
 
 # (name fragment as torch reports the device, bf16 TFLOP/s, fp32 TFLOP/s, source). First match wins,
 # so the more specific names (H100 PCIe, H100 NVL, GH200) come before the ones they contain (H100, H200). fp32 is the
@@ -171,9 +172,7 @@ def write_json_cache(path: Path, data: dict) -> None:
     """Write a measurement cache atomically (temp file + rename); an unwritable place is not an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_text_whole(path, json.dumps(data, indent=1))
     except OSError:
         pass
 

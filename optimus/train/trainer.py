@@ -94,9 +94,9 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.data = build_training_data(config, dp_rank=dp_rank, dp_size=self.dims.dp)
         self.checkpoints = CheckpointManager(self.run_dir, config.train.keep_last_k, device=self.device)
+        _check_run_files(self.run_dir)
         # the whole model's count (on meta, free): under PP this rank's model holds only its stages
         params = count_parameters(build_model(config.model, device="meta"), config.model)
-        _check_run_files(self.run_dir)
         self.checkpoints.preflight(checkpoint_bytes=params.total * CHECKPOINT_BYTES_PER_PARAMETER)
         self.resume_step, skipped = self.checkpoints.newest_usable()  # damaged ones are moved aside, never deleted
         if skipped and self.is_rank0:
@@ -223,7 +223,8 @@ class Trainer:
         self.checkpoints.load(self.resume_step, state)
 
     def _keep_earlier_settings(self) -> None:
-        """Before config.yaml is rewritten on resume: keep the earlier one where settings changed, and say which."""
+        """Before config.yaml is rewritten: keep the earlier one where a resume changed settings, or where a folder
+        without a checkpoint held another config.yaml, and say so."""
         saved = self.run_dir / "config.yaml"
         if not saved.is_file():
             return

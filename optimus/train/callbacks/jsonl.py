@@ -37,6 +37,7 @@ _REQUIRED_NUMBERS = ("loss", "eval_loss")
 _OPTIONAL_NUMBERS = ("ce_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s",
                      "tokens_per_s_per_device", "mfu", "checkpoint_save_s", "checkpoint_blocking_s",
                      "expert_load_max", "expert_load_min", "memory_planned_gib")
+_NUMBERS = _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS
 
 
 def _is_number(value: Any) -> bool:
@@ -45,9 +46,9 @@ def _is_number(value: Any) -> bool:
 
 def _malformed(record: dict[str, Any]) -> str | None:
     """Why a parsed record cannot be read as one of the trainer's, or None."""
-    if not isinstance(record.get("step"), int) or isinstance(record.get("step"), bool):
+    if type(record.get("step")) is not int:  # (a bool is an int to isinstance)
         return "has no whole-number 'step'"
-    for key in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
+    for key in _NUMBERS:
         if key in record and not (_is_number(record[key]) or (record[key] is None and key in _OPTIONAL_NUMBERS)):
             return f"has {json.dumps(record[key])[:40]} as '{key}', not a number"
     downstream = record.get("downstream", {})
