@@ -90,7 +90,9 @@ def test_a_relaunch_that_fails_ends_the_wait_at_once_with_its_exit_code(tmp_path
     script = (f"import pathlib, sys, time; p = pathlib.Path({str(counter)!r}); n = int(p.read_text()) if p.exists() "
               "else 0; p.write_text(str(n + 1)); time.sleep(60) if n == 0 else sys.exit(2)")
     run = _watched(tmp_path, 3, script)
-    while not counter.exists():  # the first job is up (killed before its first line, it would not count)
+    # The first job is up once its count is written whole: killed before that (an empty file), the relaunch would
+    # crash on reading it (exit 1) instead of exiting with the code this test looks for.
+    while not (counter.exists() and counter.read_text() == "1"):
         time.sleep(0.01)
     fault = Fault(kind="kill_group", at_step=2)
     started = time.monotonic()
