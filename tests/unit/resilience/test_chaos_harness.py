@@ -174,7 +174,7 @@ def test_steps_redone_are_those_between_the_resumed_checkpoint_and_the_fault(tmp
               f"pathlib.Path({str(metrics)!r}).write_text('{resumed}')")
     run = _watched(tmp_path, 5, script)
     try:
-        while not counter.exists():  # the first job is up
+        while not (counter.exists() and counter.read_text() == "1"):  # the first job is up, its count written whole
             time.sleep(0.01)
         fault = Fault(kind="kill_group", at_step=2)
         _inject(run, fault, random.Random(0), timeout=60.0)
