@@ -16,7 +16,6 @@ collectives do not pass there), and checks that both give the same gradients.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 from benchmarks._common import CollectiveCounter, machine_info, time_interleaved, write_json  # noqa: E402
@@ -97,7 +97,7 @@ def _rank(rank: int, world: int, config_path: str, overrides: list[str], rounds:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per layout (each runs both policies)")
     parser.add_argument("--only", default=None, help="comma-separated layout names (default: all)")
     parser.add_argument("--model", default="", help="extra --model.* overrides for every layout, comma-separated "

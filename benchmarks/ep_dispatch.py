@@ -18,13 +18,13 @@ top_k copies for all_to_all, whose returned rows follow the routing), and checks
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     CollectiveCounter, ep_all_to_all_bytes, machine_info, time_interleaved, write_json,
 )
@@ -123,7 +123,7 @@ def planned_ep_bytes(dispatch: str, ep: int, tokens: int, top_k: int, d_model: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds (each runs both dispatches)")
     parser.add_argument("--layout", default="fsdp2-ep2", choices=sorted(LAYOUTS), help="the ranks' layout")
     parser.add_argument("--model", default="", help="extra --model.* overrides, comma-separated")

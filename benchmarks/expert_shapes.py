@@ -18,7 +18,6 @@ fastest) and exact / rounded.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     CPU_TIME_HELP, announce, choose_dtype, machine_info, precision_fields, timing_clock, write_json,
 )
@@ -79,7 +79,7 @@ def time_variants(tokens: int, dtype: torch.dtype, calls: int, rounds: int, fres
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto (default): bf16 where the CPU computes it natively, as training picks")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per layer call (make train's micro-batch)")

@@ -13,7 +13,6 @@ freed blocks mapped).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, write_json  # noqa: E402
@@ -57,7 +57,7 @@ def _run(name: str, steps: int, warmup: int, reuse: bool, model: list[str] = ())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="benchmarks/results/host_memory.json")
     parser.add_argument("--only", default=",".join(DEFAULT_LAYOUTS), help="comma-separated layout names")
     parser.add_argument("--steps", type=int, default=4)

@@ -14,7 +14,6 @@ default 1,000 keep the benchmark to a minute).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from benchmarks._common import machine_info  # noqa: E402
 
 IMPORTS = ("import json, resource, sys, time; from pathlib import Path; "
@@ -65,7 +65,7 @@ def measure(name: str, run: Path, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--experts", type=int, default=240)

@@ -23,7 +23,6 @@ it natively, bf16; an explicit "fp32,bf16" runs an emulated bf16 too, with a war
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -252,7 +252,7 @@ def print_table(rows: list[dict], peak_tflops: float, peak_what: str, dtype_line
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, check and time every case, print the tables, write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--shapes", default="tiny,olmoe", help=f"comma list of {sorted(SHAPES)}")

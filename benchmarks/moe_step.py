@@ -23,7 +23,6 @@ reference (the paper reports 1.71x on Mula-7B-A1B).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from _common import (  # noqa: E402
     CPU_TIME_HELP, announce, choose_dtype, machine_info, precision_fields, real_token_batches, time_interleaved,
     timing_clock, write_json,
@@ -128,7 +128,7 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: olmoe on accelerators, tiny on CPU")
     parser.add_argument("--layers", type=int, help="transformer layers (default: 2 for olmoe, the preset's for tiny)")

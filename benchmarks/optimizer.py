@@ -50,7 +50,6 @@ On a shared 2-core machine 4 ranks oversubscribe the cores: timings are informat
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -60,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
@@ -354,7 +354,7 @@ def _gib(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results/optimizer.json", help="where to write the figures")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")

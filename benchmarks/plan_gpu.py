@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, prediction_accuracy, run_script, write_json  # noqa: E402
@@ -204,7 +205,7 @@ def print_stored(path: Path, json_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     add_case_arguments(parser, 5, "measured steps after the warm-up", "bench-results/gpu/plan_gpu.json")
     parser.add_argument("--stored", nargs="?", const=str(STORED), default=None, metavar="FILE",
                         help="price the steps measured on GPUs before (default file: benchmarks/gpu_measured.json); "

@@ -16,7 +16,6 @@ what they were priced from replace their time rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from benchmarks._common import machine_info, prediction_accuracy, run_script, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def add_run(stored: dict, results: dict) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stored", default=str(STORED), help="the stored readings (default: %(default)s)")
     parser.add_argument("--add", action="append", default=[], metavar="RESULTS",
                         help="a plan_vs_measured.py JSON whose readings to store (then the file is written)")

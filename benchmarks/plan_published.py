@@ -10,12 +10,12 @@ every assumption live in optimus/plan/published.py (the regression test in tests
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from _common import machine_info, run_script  # noqa: E402
 
 from optimus.plan import published  # noqa: E402
@@ -26,7 +26,7 @@ def _figure(x: float, fraction: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results/plan_published.json", help="where to write the rows")
     parser.add_argument("--no-search", action="store_true", help="skip the Aurora comparisons that search layouts")
     args = parser.parse_args()

@@ -49,7 +49,6 @@ FSDP transients), plus the data pipeline's token batches, which the comparison a
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import json
@@ -62,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, prediction_accuracy  # noqa: E402
@@ -649,7 +649,7 @@ def run_layout(name: str, steps: int, warmup: int, cache_file: Path, cpu_cache, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results/plan_vs_measured.json", help="where to write the rows")
     parser.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per layout; the fastest run's median "

@@ -26,7 +26,6 @@ The dtype is fp32 on every machine, not auto: the analytic counts are of fp32 we
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -152,7 +152,7 @@ def _measured_by_kind(bytes_: dict[str, int], dispatch: str) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results/scaling.json", help="where to write the figures")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per world size (after 2 warm-up steps)")
     parser.add_argument("--dispatch", default="all_to_all", choices=["all_to_all", "allgather"])

@@ -24,7 +24,6 @@ kernel launches a step ran.
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, write_json  # noqa: E402
@@ -173,7 +173,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     add_case_arguments(parser, 2, "profiled steps after the warm-up", "bench-results/gpu/step_profile.json")
     args = parser.parse_args(argv)
     device_name, cluster, names = selected_cases(args, "step_profile")

@@ -22,7 +22,6 @@ this CPU can do.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from optimus.cli.errors import OneLineErrorParser  # noqa: E402
 from _common import (  # noqa: E402
     CPU_TIME_HELP, DTYPES_HELP, announce, cpu_matmul_peak, dtype_list, dtypes_to_compare, machine_info,
     precision_fields, real_token_batches, time_interleaved, timing_clock, write_json,
@@ -205,7 +205,7 @@ def print_table(results: dict, info: dict, batch: int, seq_len: int, dtype_lines
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the figures to this JSON file")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -16,6 +17,20 @@ def stop_writing_to_a_closed_pipe() -> int:
     the command stops quietly, as a shell tool does; returns the exit code to end with."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_CLOSED_PIPE
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's own errors (a flag's bad value, a missing argument) as the CLI's other bad input: one line and exit
+    code 2, naming where the usage is, instead of the usage block before the line. The `optimus` verbs' parsers
+    are this class (add_subparsers makes them of the parent's class), and so are the benchmarks' own."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, usage_error_line(self.prog, message) + "\n")
+
+
+def usage_error_line(prog: str, message: str) -> str:
+    """The one line a refused command line ends with: what `prog` refused, and where its usage is."""
+    return f"{prog}: error: {message} (usage: {prog} --help)"
 
 
 class UsageError(ValueError):

@@ -14,7 +14,8 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from optimus.cli.errors import EXIT_BAD_INPUT, UsageError, stop_writing_to_a_closed_pipe, user_errors
+from optimus.cli.errors import (EXIT_BAD_INPUT, OneLineErrorParser, UsageError, stop_writing_to_a_closed_pipe,
+                                usage_error_line, user_errors)
 from optimus.cli.info import cmd_info
 from optimus.cli.plan import cmd_plan, cmd_tune
 from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd_report, cmd_verify
@@ -25,20 +26,6 @@ ONLY_HELP = ("search only layouts whose KEY (a --json layout key: dp_replicate, 
              "micro_batch_size, grad_accum, activation_checkpointing, shard_mode, pp_schedule, ep_dispatch) is one "
              "of the values; repeat for other keys (--only tp=1 --only shard_mode=zero1,zero2: what a stack without TP runs). "
              "pp_schedule applies where pp > 1, ep_dispatch where ep > 1")
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's own errors (a flag's bad value, a missing argument) as the CLI's other bad input: one line and exit
-    code 2, naming where the usage is, instead of the usage block before the line. Its verbs' parsers are this
-    class too (add_subparsers makes them of the parent's class)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, usage_error_line(self.prog, message) + "\n")
-
-
-def usage_error_line(prog: str, message: str) -> str:
-    """The one line a refused command line ends with: what `prog` refused, and where its usage is."""
-    return f"{prog}: error: {message} (usage: {prog} --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:

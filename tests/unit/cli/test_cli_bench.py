@@ -100,3 +100,20 @@ def test_the_verb_runs_a_real_benchmark_by_name(tmp_path: Path, capfd):
     assert main(["bench", "plan_published", "--no-search", "--json", str(out)]) == 0
     assert "within their bands" in capfd.readouterr().out
     assert json.loads(out.read_text())
+
+
+def test_a_benchmarks_bad_flag_is_one_line(capfd):
+    """A script's refused command line ends as the `optimus` verbs' do: one line naming the flag, exit code 2, no
+    usage block before it."""
+    assert main(["bench", "plan_published", "--no-such-flag"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err == ("plan_published.py: error: unrecognized arguments: --no-such-flag "
+                   "(usage: plan_published.py --help)"), err
+
+
+def test_every_benchmark_parses_its_flags_with_the_one_line_parser():
+    """The others are held by reading them (running each would import torch fifteen times): none builds a plain
+    argparse parser."""
+    scripts = [b.path for b in find_benchmarks(REPO / "benchmarks").values() if b.path.suffix == ".py"]
+    plain = [path.name for path in scripts if "argparse.ArgumentParser(" in path.read_text()]
+    assert scripts and not plain, plain
