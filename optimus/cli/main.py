@@ -11,6 +11,7 @@ import errno
 import os
 import re
 import sys
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -198,13 +199,12 @@ def _report_user_error(line: str) -> None:
     """Bad input ends the job with `line` once: on rank 0 only (every rank usually meets the same error).
 
     Under torchrun the line also goes to the worker's error file, so torchrun's failure summary names
-    it and `optimus launch` prints it last. Other ranks wait a moment first: torchrun stops every
-    worker as soon as one exits, and rank 0 should have said why by then (a rank that alone meets
-    the error still records it after the wait).
+    it and `optimus launch` prints it last. Other ranks wait a moment first (_quiet_rank_delay): torchrun
+    stops every worker as soon as one exits, and rank 0 should have said why by then (a rank that alone
+    meets the error still records it after the wait).
     """
     import json
     import os
-    import time
 
     from optimus.parallel.launch import LaunchError, detect_launch_env
     from optimus.parallel.torchrun import WORKER_ERRORS_ENV, WORKER_ERRORS_TO_LAUNCHER
@@ -214,7 +214,7 @@ def _report_user_error(line: str) -> None:
     except (LaunchError, ValueError):
         rank = 0
     if rank != 0:  # a rank stopped meanwhile by torchrun leaves no record: rank 0's is the root cause
-        time.sleep(_QUIET_RANK_DELAY_S)
+        time.sleep(_quiet_rank_delay())
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
@@ -227,6 +227,22 @@ def _report_user_error(line: str) -> None:
 
 
 _QUIET_RANK_DELAY_S = 3.0
+_QUIET_RANK_MAX_DELAY_S = 60.0
+_STARTED = time.monotonic()  # about when this process started (`optimus` imports this module first)
+
+
+def _quiet_rank_delay() -> float:
+    """How long a non-zero rank waits before it records its error, so that rank 0 has met the same error by then.
+
+    Once the ranks have met (a process group), they run in step: _QUIET_RANK_DELAY_S. Before that (a bad layout or
+    config, found by every rank on its own after the start-up's imports) rank 0 may be seconds behind: two ranks
+    of one torchrun on a busy 2-core host reached the same error 5 s apart, 9 s after they started. They started
+    together and do the same work, so this rank waits twice as long as it took to get here (at most
+    _QUIET_RANK_MAX_DELAY_S): by then rank 0 has met the error even at a third of its pace."""
+    distributed = sys.modules.get("torch.distributed")  # not imported: no process group yet
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return _QUIET_RANK_DELAY_S
+    return min(_QUIET_RANK_MAX_DELAY_S, max(_QUIET_RANK_DELAY_S, 2 * (time.monotonic() - _STARTED)))
 
 
 def check_omp_num_threads(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -39,7 +39,9 @@ def _worker_pid(local_rank: int, marker: str) -> int | None:
 
 
 def _losses(path: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    # whole lines only: the job may be writing the last one as it is read
+    rows = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 

@@ -28,7 +28,9 @@ def last_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    text = path.read_text()
+    # whole lines only: the run may be writing the last one as it is read (a torn line can end in a nested "}")
+    steps = [json.loads(line)["step"] for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
     return max(steps, default=0)
 
 

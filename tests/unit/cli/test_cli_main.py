@@ -140,3 +140,24 @@ def test_launch_names_a_verb_that_runs_on_its_own(verb, capsys):
 def test_launch_without_a_verb_lists_the_launchable_ones(capsys):
     assert main(["launch", "--nproc-per-node=2", "frobnicate"]) == 2
     assert capsys.readouterr().err.startswith("optimus launch: error: no optimus command after the torchrun options")
+
+
+def test_a_quiet_rank_waits_twice_its_start_up_until_the_ranks_have_met(monkeypatch):
+    """A non-zero rank that meets bad input waits before it records it, so that rank 0 says it first: 3 s once the
+    ranks run in step (a process group); before that, twice as long as this process has run (a busy host's start-ups
+    differed by 5 s: rank 1's record, written 3 s after its error, became torchrun's root cause), at most 60."""
+    import time
+    from types import SimpleNamespace
+
+    cli_main = importlib.import_module("optimus.cli.main")  # the package exports a function of the same name
+    not_met = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch.distributed", not_met)
+    for ran_s, least in ((0.5, 3.0), (7.5, 15.0)):
+        monkeypatch.setattr(cli_main, "_STARTED", time.monotonic() - ran_s)
+        delay = cli_main._quiet_rank_delay()
+        assert least <= delay <= max(3.0, 2 * (time.monotonic() - cli_main._STARTED))  # (the clock runs meanwhile)
+    monkeypatch.setattr(cli_main, "_STARTED", time.monotonic() - 100.0)
+    assert cli_main._quiet_rank_delay() == 60.0
+    monkeypatch.setitem(sys.modules, "torch.distributed", SimpleNamespace(is_available=lambda: True,
+                                                                          is_initialized=lambda: True))
+    assert cli_main._quiet_rank_delay() == 3.0
