@@ -68,3 +68,23 @@ def choose_precision(requested: str, device: torch.device, cpu: CpuSpeed | None 
     warning = (f"warning: train.dtype=bf16 on a device without native bf16 ({evidence}): its matmuls run "
                f"{slowdown}; use train.dtype=auto (or fp32) here")
     return Precision("bf16", requested, f"as configured; no native bf16: {evidence}", warning)
+
+
+def agree_on_precision(precision: Precision, device: torch.device) -> Precision:
+    """Every rank of a job trains in rank 0's dtype. `auto` is each rank's own reading of its device, and on a CPU
+    that reading is a timing: ranks whose bf16 and fp32 rates are close, one whose probe met a busy core, or nodes of
+    different CPU kinds could read it either way, and ranks in different dtypes would exchange gradients that do not
+    match. An explicit dtype is the same on every rank already (one config), so nothing is exchanged for it."""
+    import torch.distributed as dist
+
+    if precision.requested != "auto" or not (dist.is_available() and dist.is_initialized()):
+        return precision
+    if dist.get_world_size() == 1:
+        return precision
+    choice = torch.tensor([precision.dtype == "bf16"], dtype=torch.int32, device=device)  # NCCL sends device tensors
+    dist.broadcast(choice, src=0)
+    dtype = "bf16" if bool(choice.item()) else "fp32"
+    if dtype == precision.dtype:
+        return precision
+    return Precision(dtype, precision.requested, f"rank 0's choice, which every rank takes; this rank read "
+                                                 f"{precision.dtype}: {precision.reason}")

@@ -36,7 +36,7 @@ from optimus.train.checkpoint_match import check_checkpoint_matches
 from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.host_memory import reuse_freed_host_memory
 from optimus.train.memory_fit import check_memory_fits
-from optimus.train.precision import Precision, choose_precision
+from optimus.train.precision import Precision, agree_on_precision, choose_precision
 from optimus.train.resume_settings import changed_settings, keep_earlier_config
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, train_step
@@ -195,7 +195,7 @@ class Trainer:
         if self.device.type == "cpu":
             cache_file, kernel_env = cpu_speed_cache()
             cpu = cpu_speed(cache_file, kernel_env)
-        precision = choose_precision(requested, self.device, cpu)
+        precision = agree_on_precision(choose_precision(requested, self.device, cpu), self.device)
         peak, source = device_peak_flops(self.device, precision.dtype, cpu)
         return precision, peak, source
 
