@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, ring_time, send_time
+from optimus.parallel.mesh import ParallelDims
+from optimus.plan.cluster import Cluster
+from optimus.plan.comms import Link, all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 
 US, GB = 1e-6, 1e9
 ONE_NODE = Link(size=8, per_node=8, intra_alpha=5 * US, intra_beta=100 * GB, inter_alpha=10 * US, inter_beta=25 * GB)
@@ -45,3 +47,30 @@ def test_all_to_all_sends_its_on_and_off_node_shares_at_once():
 def test_a_pipeline_send_goes_over_the_network_only_when_the_stages_span_nodes():
     assert send_time(ONE_NODE, 1e6) == pytest.approx(5 * US + 1e6 / (100 * GB))
     assert send_time(FOUR_NODES, 1e6) == pytest.approx(10 * US + 1e6 / (25 * GB))
+
+
+def _measured(table: dict, devices_per_node: int = 4) -> Cluster:
+    """A host of `devices_per_node` ranks that timed the collectives of `table` (here.collective_table's form)."""
+    return Cluster(name="host", device="H100", devices_per_node=devices_per_node, memory_gb=8, hbm_gb_s=10,
+                   intra_node_gb_s=1, intra_node_latency_us=200, inter_node_gb_s=2, inter_node_latency_us=200,
+                   node_power_kw=0.1, pue=1.0, grid_kgco2_per_kwh=0.0, measured_collectives=table)
+
+
+def test_a_group_size_not_timed_reads_the_nearest_one_scaled_by_the_rings_share_of_the_bytes():
+    """A table timed on pairs prices a group of 4 from the pairs' times, scaled by what a ring moves of the data:
+    (g - 1) / g = 3/4 against the pair's 1/2, 1.5 times the pair's time."""
+    table = {"all_gather": {(2, 2, False): [[2**20, 0.001], [2**26, 0.100]]}}
+    link = group_link(ParallelDims(dp_shard=4, world_size=4), ("dp_shard_mod_ep", "ep"), _measured(table))
+    assert link.size == 4 and link.measured is not None
+    assert ring_time(link, 2**26) == pytest.approx(1.5 * 0.100)
+    assert ring_time(link, 2**20) == pytest.approx(1.5 * 0.001)
+
+
+def test_under_a_pipeline_only_groups_within_a_stage_read_the_rows_timed_beside_compute():
+    """Beside a pipeline a group inside one stage (tp, dp) communicates while the other stages compute: the rows
+    timed with the job's other ranks computing; a group across the stages (pp: the step's gradient norm and loss
+    terms) has every stage in it, the rows timed with every group communicating at once."""
+    table = {"all_reduce": {(2, 4, False): [[4096, 0.001]], (2, 4, True): [[4096, 0.003]]}}
+    dims, host = ParallelDims(pp=2, dp_shard=2, world_size=4), _measured(table)
+    assert all_reduce_time(group_link(dims, ("pp",), host), 4096) == pytest.approx(0.001)
+    assert all_reduce_time(group_link(dims, ("dp_shard_mod_ep", "ep"), host), 4096) == pytest.approx(0.003)

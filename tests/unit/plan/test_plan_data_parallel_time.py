@@ -192,3 +192,15 @@ def test_fsdp_moves_the_experts_in_their_blocks_call_without_ep_and_in_their_own
     seconds, whole, experts = priced(["--parallel.dp_shard=4", "--parallel.ep=2"])
     assert 0.0 < experts < whole
     assert seconds == pytest.approx((block_calls + 2) * whole + block_calls * experts)
+
+
+def test_a_deferred_reduce_scatter_copies_in_gradients_accumulated_in_the_reduce_dtype():
+    """Deferring the reduce-scatter (defer_grad_sync=all, or under pp), FSDP accumulates whole gradients in its
+    reduce dtype (fp32 here) over the micro-batches: the reduce-scatter's copy-in reads 4 bytes an element and writes
+    4 (not the 2 of bf16 gradients that a reduce every micro-batch reads), once a step, over every parameter of the
+    stage (the tiny dense model's, whole at dp_shard 2 without tp)."""
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=bf16"])
+    shape = ModelShape.of(config)
+    stage = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    once = _time(["--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"])
+    assert once.copies_step == pytest.approx((4 + 4) * stage / HBM, rel=1e-9)

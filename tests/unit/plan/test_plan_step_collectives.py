@@ -65,3 +65,20 @@ def test_where_the_sync_was_timed_only_the_first_call_after_the_update_pays_it_o
         after_update = step_collectives_time(layout.config, layout.dims, timed, layers, update_s=0.02)
         expected = sync_after_compute(timed.collective_sync, 0.02) * steps_with_one
         assert after_update - back_to_back == pytest.approx(expected)
+
+
+def test_the_norms_partial_gradients_are_summed_once_a_step_only_where_fsdp_does_not_each_micro_batch():
+    """Under tp the sequence-parallel norms' gradients are Partial sums: FSDP redistributes each in every
+    micro-batch's backward (block_collectives.norm_gradient_reduces), so the step sums nothing more; the other
+    shard modes keep them Partial and sum all of them (2 norms a block and the final one, d_model fp32 each) in one
+    all-reduce a step."""
+    def partial_sums(mode: str) -> tuple[list, int]:
+        layout = _layout("mula-tiny-dense.yaml", 4, "--parallel.dp_shard=2", "--parallel.tp=2",
+                         f"--parallel.shard_mode={mode}")
+        model = layout.config.model
+        calls = [c for c in step_collectives(layout.config, layout.dims, model.n_layers) if c.what == "partial sums"]
+        return [(c.group, c.nbytes) for c in calls], 4 * (2 * model.n_layers + 1) * model.d_model
+
+    fsdp, _ = partial_sums("fsdp")
+    zero1, nbytes = partial_sums("zero1")
+    assert fsdp == [] and zero1 == [(("tp",), nbytes)]

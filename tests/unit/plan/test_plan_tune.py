@@ -258,3 +258,31 @@ def test_a_trial_runs_under_the_launcher_with_its_run_folder_under_the_search(tm
     assert Path((tmp_path / "run_dir").read_text().strip()).parent.parent == out  # seen by every node
     assert not list(out.iterdir())  # and removed after the trial
     assert trial_command(2, None)[-4:] == ["optimus", "launch", "--nproc-per-node=2", "train"]
+
+
+def test_a_layout_suggested_again_is_not_run_again_but_recorded_as_its_first_measurement(tmp_path):
+    """The sampler may suggest a layout it has tried: that trial reuses the first run's measurement (a real run
+    costs minutes) and says so, so every layout runs at most once however many trials are asked for."""
+    from optimus.plan.search import parse_only
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    launched = []
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        launched.append(layout_key(candidate))
+        rate = 100.0 + len(launched)  # each run measures anew: a repeat would read another rate
+        return TrialRun("ok", rate, 512 / rate, [512 / rate])
+
+    only = parse_only(["shard_mode=zero2", "tp=1", "pp=1", "ep=1", "dp_replicate=1"])
+    _, records = tune(config, "unused.yaml", [], _cluster(64), 2, 6, tmp_path, {}, runner=fake_run,
+                      say=lambda line: None, only=only)
+    trials = [r for r in records if r["trial"] is not None]
+    assert len(trials) == 6 and len(launched) == len(set(launched)) < 6
+    first = {}
+    for r in trials:
+        if r["key"] in first:
+            assert r["status"] == "ok (repeat: measured before)"
+            assert r["measured_tokens_per_s"] == first[r["key"]]["measured_tokens_per_s"]
+        else:
+            assert r["status"] == "ok"
+            first[r["key"]] = r
