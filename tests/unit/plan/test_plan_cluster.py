@@ -58,6 +58,8 @@ def test_a_cluster_file_plans_and_its_numbers_move_the_plan(tmp_path):
     ({"hbm_gb_s": "fast"}, "hbm_gb_s must be a positive number (got 'fast')"),
     ({"inter_node_latency_us": float("nan")}, "inter_node_latency_us must be a number, 0 or more"),
     ({"pue": 0.9}, "pue must be at least 1"),
+    ({"node_power_kw": 0}, "node_power_kw must be a positive number (got 0)"),  # a plan of no energy
+    ({"grid_kgco2_per_kwh": -0.1}, "grid_kgco2_per_kwh must be a number, 0 or more (got -0.1)"),
     ({"devices_per_node": 2.5}, "devices_per_node must be a whole number, at least 1 (got 2.5)"),
     ({"devices_per_node": True}, "devices_per_node must be a whole number"),
     ({"speed": 3}, "unknown key 'speed': a cluster takes name, device"),
@@ -102,3 +104,13 @@ def test_a_cluster_file_that_is_not_utf8_text_is_one_line(tmp_path):
 def test_a_name_is_a_preset_and_a_path_or_yaml_name_is_a_file():
     assert not is_cluster_file("h100") and not is_cluster_file("here") and not is_cluster_file("summit")
     assert is_cluster_file("mine.yaml") and is_cluster_file("clusters/mine") and is_cluster_file("x.yml")
+
+
+def test_a_presets_name_wins_over_a_file_of_that_name_here(tmp_path, monkeypatch):
+    """`--cluster h100` is the preset even where the working folder holds a file called h100; a file without a
+    .yaml name that is not a preset's is read as a cluster file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h100").write_text(yaml.safe_dump({**OWN_DEVICE, "name": "not-the-preset"}))
+    (tmp_path / "mine").write_text(yaml.safe_dump(OWN_DEVICE))
+    assert not is_cluster_file("h100") and load_cluster("h100").name == "h100"
+    assert is_cluster_file("mine") and load_cluster("mine").name == "mi355"

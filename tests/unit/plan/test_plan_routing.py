@@ -134,3 +134,22 @@ def test_plan_takes_one_routing_flag_and_a_readable_run(tmp_path, capsys):
     assert "--moe-routing and --moe-imbalance both price the routing: give one" in one_error_line(capsys)
     assert main([*PLAN, "--moe-routing", str(tmp_path / "nowhere")]) == 2
     assert f"--moe-routing {tmp_path / 'nowhere'}: no such run folder or file" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("checkpointing, kept", [("full", 1.5), ("selective", 1.5), ("selective_ops", 1.125),
+                                                 ("none", 1.125)])
+def test_where_blocks_are_recomputed_one_at_a_time_the_worst_layer_sets_the_activations(checkpointing, kept):
+    """Full and selective checkpointing keep one block's routed activations at a time (layer 0's busiest half: 24 of
+    32 copies, 1.5x); selective_ops and none keep every layer's, summed: (24 + 3 x 16) / 64 = 1.125x."""
+    skewed = [_layer(17)] + [[2] * 16] * 3
+    routing = LoggedRouting(torch.tensor([skewed], dtype=torch.float64), "run")
+    config = _config(f"--train.activation_checkpointing={checkpointing}")
+    assert layout_imbalance(routing, config, _dims(ep=2))[0] == pytest.approx({0: kept})
+
+
+def test_records_beyond_the_last_logged_steps_are_passed_over():
+    """The router settles as training goes on: of more records than LOGGED_STEPS, the last ones count."""
+    even, skewed = [[2] * 16] * 4, [_layer(17)] * 4
+    records = [{"expert_counts": skewed}] + [{"expert_counts": even}] * LOGGED_STEPS
+    routing = LoggedRouting.of_records(records, "run")
+    assert routing.steps == LOGGED_STEPS and bool((routing.counts == 2).all())

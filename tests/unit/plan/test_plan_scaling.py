@@ -74,3 +74,24 @@ def test_plan_refuses_a_smaller_run_it_cannot_compare_in_one_line(flags, message
     monkeypatch.setattr("optimus.plan.search.plan", lambda *a, **k: pytest.fail("searched before the flags held"))
     assert main([*PLAN, *flags]) == 2
     assert message in one_error_line(capsys)
+
+
+def test_the_baseline_is_the_smaller_runs_best_fitting_layout_not_its_fastest(monkeypatch):
+    """A layout that does not fit never ran: scoring against it would make every larger layout look inefficient. The
+    smaller run is planned at its own devices and batch (weak: 8 x 8 / 16 = 4 sequences)."""
+    from optimus.plan import scaling
+
+    unfit, fits = SimpleNamespace(fits=False, tokens_per_s=9e9), SimpleNamespace(fits=True, tokens_per_s=1e6)
+    planned = []
+
+    def plan(config, cluster, devices, *rest):
+        planned.append((config.train.global_batch_size, devices))
+        return [unfit, fits] if len(planned) == 1 else [unfit]
+
+    monkeypatch.setattr(scaling, "plan", plan)
+    config = load_config(MOE, [])
+    baseline = scaling.smaller_run(config, None, 16, 8, "weak")
+    assert (baseline.best, baseline.devices, baseline.global_batch_size) == (fits, 8, 4)
+    assert baseline.efficiency(SimpleNamespace(tokens_per_s=3e6), 16) == pytest.approx(3e6 / 16 / (1e6 / 8))
+    assert scaling.smaller_run(config, None, 16, 8, "strong").best is None  # none fits: no baseline
+    assert planned == [(4, 8), (8, 8)]

@@ -259,3 +259,66 @@ def test_where_nothing_fits_the_layout_closest_to_fitting_is_broken_down(monkeyp
     assert "no layout fits 80 GiB devices" in out
     (line,) = [line for line in out.splitlines() if " memory per device" in line]
     assert line.startswith("#") and "optimizer" in line and "parameters" in line
+
+
+def test_a_candidates_entry_counts_every_device_of_its_layout_and_memory_in_gib():
+    """HSDP 2 x 2 over a 2-stage pipeline is 8 devices (one 10.2 kW h100 node): at 1e5 tokens/s, 8.64e9 tokens take
+    a day, 0.2448 MWh; its 16 sequences are 2 micro-batches of 2 on each of the 4 data-parallel ranks (grad_accum 2);
+    memory is reported in GiB (2**30 bytes), as device memory is."""
+    from optimus.plan.search import Candidate
+
+    cluster = load_cluster("h100")
+    config = validate_layout(load_config(REPO / "configs" / "mula-tiny-moe.yaml", [
+        "--train.global_batch_size=16", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.pp=2",
+        "--train.micro_batch_size=2"]), 8).config
+    candidate = Candidate(config, True, 3 * 2**30, 0.5, 1e5, 0.3, {"compute": 0.5}, None, {"parameters": 2**30})
+    assert candidate.config_world() == 8
+    entry = candidate.entry(cluster, 8.64e9)
+    assert entry["layout"]["grad_accum"] == 2 and entry["layout"]["pp_schedule"] == "1f1b"
+    assert entry["memory_gib"] == 3.0 and entry["memory_parts_gib"] == {"parameters": 1.0}
+    assert entry["days"] == pytest.approx(1.0) and entry["energy_mwh"] == pytest.approx(0.2448)
+
+
+def _layouts(devices: int, batch: int, only: list[str], cluster: str = "h100") -> list:
+    from optimus.plan.search import parse_only
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", [f"--train.global_batch_size={batch}"])
+    return plan(config, load_cluster(cluster), devices, only=parse_only(only))
+
+
+def test_every_micro_batch_up_to_sixteen_that_divides_a_ranks_share_is_tried():
+    """128 sequences over 8 data-parallel ranks: 16 a rank, in micro-batches of 1, 2, 4, 8 or 16."""
+    found = _layouts(8, 128, ["tp=1", "pp=1", "ep=1", "activation_checkpointing=none", "shard_mode=fsdp"])
+    assert sorted(c.config.train.micro_batch_size for c in found) == [1, 2, 4, 8, 16]
+
+
+def test_one_data_parallel_rank_is_one_row_not_one_per_shard_mode():
+    """tp 4 x pp 2 on 8 devices leaves one data-parallel rank: fsdp, zero1, zero2 and ddp would run alike."""
+    found = _layouts(8, 16, ["tp=4", "pp=2", "micro_batch_size=1", "activation_checkpointing=none",
+                             "pp_schedule=1f1b"])
+    assert [c.config.parallel.shard_mode for c in found] == ["fsdp"]
+
+
+def test_hsdp_groups_span_a_node_or_the_expert_parallel_ranks_if_wider():
+    """64 h100s at tp 4 leave 16 data-parallel ranks; a node holds 2 of them, but ep 4 needs its 4 experts' holders
+    in one FSDP group: HSDP groups of 4 (x 4 replicas) beside FSDP over all 16."""
+    found = _layouts(64, 64, ["tp=4", "pp=1", "ep=4", "micro_batch_size=1", "activation_checkpointing=none",
+                              "shard_mode=fsdp", "ep_dispatch=all_to_all"])
+    assert sorted((c.config.parallel.dp_replicate, c.config.parallel.dp_shard) for c in found) == [(1, 16), (4, 4)]
+
+
+def test_a_layouts_routing_price_is_its_fuller_stages():
+    """With a run's routing each pipeline stage has its own activations' share: the candidate reports the larger."""
+    import torch
+
+    from optimus.plan.routing import LoggedRouting, layout_imbalance
+    from optimus.plan.search import parse_only
+
+    skewed, even = [[17] + [1] * 15] + [[2] * 16] * 3, [[2] * 16] * 4  # layer 0 (the first stage's) skewed
+    routing = LoggedRouting(torch.tensor([skewed, even], dtype=torch.float64), "run")
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    (found,) = plan(config, load_cluster("h100"), 8, only=parse_only([
+        "tp=1", "pp=2", "ep=2", "micro_batch_size=1", "activation_checkpointing=none", "shard_mode=fsdp",
+        "pp_schedule=1f1b", "ep_dispatch=all_to_all"]), routing=routing)
+    kept, paced = layout_imbalance(routing, found.config, found.dims())
+    assert kept[0] > kept[1] and found.moe_imbalance == (kept[0], paced)
