@@ -11,13 +11,11 @@ import pytest
 from optimus.config import load_config
 from optimus.parallel.validate import validate_layout
 from optimus.plan.block_collectives import replayed_collectives, tensor_parallel_time
-from optimus.plan.cluster import Cluster
 from optimus.plan.comms import all_reduce_time, group_link
+from tests.helpers.plan import toy_cluster
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-TOY = Cluster(name="toy", device="H100", devices_per_node=8, memory_gb=80, hbm_gb_s=3000, intra_node_gb_s=100,
-              intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10, node_power_kw=1, pue=1.0,
-              grid_kgco2_per_kwh=0.0)
+TOY = toy_cluster()
 
 
 def _tp2(*overrides: str):

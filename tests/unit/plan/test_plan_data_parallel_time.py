@@ -12,15 +12,14 @@ from optimus.parallel.validate import validate_layout
 from optimus.plan.cluster import Cluster
 from optimus.plan.data_parallel_time import DataParallelTime, data_parallel_time
 from optimus.plan.memory import ModelShape
+from tests.helpers.plan import toy_cluster
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 HBM = 1e12  # bytes a second of memory-bound work: any, the tests compare layouts on the same one
 
 
 def _toy() -> Cluster:
-    return Cluster(name="toy", device="H100", devices_per_node=4, memory_gb=80, hbm_gb_s=3000,
-                   intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
-                   node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
+    return toy_cluster(devices_per_node=4)
 
 
 def _time(overrides: list[str], hidden_by_backward: float = 0.0, preset: str = "mula-tiny-dense") -> DataParallelTime:

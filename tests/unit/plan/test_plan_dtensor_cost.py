@@ -74,14 +74,12 @@ def test_step_time_charges_dtensor_dispatch_only_under_tp():
     from dataclasses import replace
 
     from optimus.parallel.validate import validate_layout
-    from optimus.plan.cluster import Cluster
+    from tests.helpers.plan import toy_cluster
     from optimus.plan.efficiency import Efficiency
     from optimus.plan.memory import ModelShape
     from optimus.plan.step_time import step_time
 
-    cluster = Cluster(name="toy", device="H100", devices_per_node=2, memory_gb=80, hbm_gb_s=3000,
-                      intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
-                      node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
+    cluster = toy_cluster(devices_per_node=2)
     efficiency = Efficiency(dtensor_overhead_us=100.0)
     for tp, world in ((2, 2), (1, 1)):
         config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=8",

@@ -12,6 +12,7 @@ from optimus.parallel.mesh import ParallelDims
 from optimus.plan.cluster import Cluster, cluster_names, load_cluster
 from optimus.plan.comms import all_reduce_time, all_to_all_time, group_link, ring_time, send_time
 from tests.helpers.distributed import run_forked
+from tests.helpers.plan import toy_cluster
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -75,9 +76,7 @@ def test_memory_model_agrees_with_the_dry_run(config, overrides):
 
 
 def _toy(n: int = 4) -> Cluster:
-    return Cluster(name="toy", device="H100", devices_per_node=n, memory_gb=80, hbm_gb_s=3000,
-                   intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
-                   node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
+    return toy_cluster(devices_per_node=n)
 
 
 def test_alpha_beta_on_a_hand_computed_case():

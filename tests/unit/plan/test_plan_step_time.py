@@ -3,7 +3,6 @@ again of the FLOPs, the pipeline's fill and drain over its sends, each op class 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,14 @@ from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.memory import ModelShape
 from optimus.plan.step_time import step_time
+from tests.helpers.plan import toy_cluster
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 HALF = Efficiency(0.5, 0.5, 0.5, loss_head=0.5)  # every FLOP class at half of peak
 
 
 def _toy(**changes) -> Cluster:
-    base = Cluster(name="toy", device="H100", devices_per_node=8, memory_gb=80, hbm_gb_s=3000,
-                   intra_node_gb_s=100, intra_node_latency_us=5, inter_node_gb_s=40, inter_node_latency_us=10,
-                   node_power_kw=1, pue=1.0, grid_kgco2_per_kwh=0.0)
-    return replace(base, **changes)
+    return toy_cluster(**changes)
 
 
 def _layout(ranks: int, *overrides: str, preset: str = "mula-tiny-dense"):
