@@ -9,6 +9,7 @@ another model is refused: checkpoint_match.check_checkpoint_matches).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,27 @@ def changed_settings(saved: Path, config: Config) -> list[str]:
             if old.get(key) != new.get(key)]
 
 
+def _free_name(run_dir: Path, stem: str, step: int, suffix: str) -> Path:
+    """run_dir/STEM-before-step-N.SUFFIX, or .2, .3, ... before the suffix where that is taken."""
+    target = run_dir / f"{stem}-before-step-{step}{suffix}"
+    count = 1
+    while target.exists():
+        count += 1
+        target = run_dir / f"{stem}-before-step-{step}.{count}{suffix}"
+    return target
+
+
 def keep_earlier_config(run_dir: Path, step: int) -> Path:
     """Copy the run's config.yaml to config-before-step-N.yaml (N: the step resumed from; a free name)."""
-    target = run_dir / f"config-before-step-{step}.yaml"
-    suffix = 1
-    while target.exists():
-        suffix += 1
-        target = run_dir / f"config-before-step-{step}.{suffix}.yaml"
+    target = _free_name(run_dir, "config", step, ".yaml")
     shutil.copy2(run_dir / "config.yaml", target)
+    return target
+
+
+def keep_earlier_metrics(run_dir: Path) -> Path:
+    """Move a metrics.jsonl that is not this run's to metrics-before-step-0.jsonl (a free name): a run starting
+    afresh rewinds its log to step 0, which would drop every record of it. A rename: a log of gigabytes is not
+    copied, and a kill meanwhile leaves it under one name or the other."""
+    target = _free_name(run_dir, "metrics", 0, ".jsonl")
+    os.replace(run_dir / "metrics.jsonl", target)
     return target

@@ -37,7 +37,7 @@ from optimus.train.hardware import cpu_speed, device_peak_flops
 from optimus.train.host_memory import reuse_freed_host_memory
 from optimus.train.memory_fit import check_memory_fits
 from optimus.train.precision import Precision, agree_on_precision, choose_precision
-from optimus.train.resume_settings import changed_settings, keep_earlier_config
+from optimus.train.resume_settings import changed_settings, keep_earlier_config, keep_earlier_metrics
 from optimus.train.state import LoaderState, ModelState, OptimizerState, ProgressState, RNGState
 from optimus.train.step import StepResult, train_step
 
@@ -223,16 +223,23 @@ class Trainer:
         self.checkpoints.load(self.resume_step, state)
 
     def _keep_earlier_settings(self) -> None:
-        """Before config.yaml is rewritten: keep the earlier one where a resume changed settings, or where a folder
-        without a checkpoint held another config.yaml, and say so."""
+        """Before config.yaml is rewritten and metrics.jsonl rewound: keep the earlier config.yaml where a resume
+        changed settings, and where a folder without a checkpoint held another run's (or no config.yaml) keep both
+        its config.yaml and its metrics.jsonl, and say so."""
         saved = self.run_dir / "config.yaml"
-        if not saved.is_file():
-            return
         if self.resume_step is None:  # no checkpoint: a run that stopped before its first, or a folder of the user's
-            if saved.read_bytes() != config_yaml(self.requested_config).encode():  # (e.g. the very file being trained)
+            foreign = not saved.is_file() or saved.read_bytes() != config_yaml(self.requested_config).encode()
+            if saved.is_file() and foreign:  # (e.g. the very file being trained)
                 kept = keep_earlier_config(self.run_dir, 0)
                 self._say(f"run.dir held a config.yaml unlike this run's (and no checkpoint): it is kept as "
                           f"{kept.name}", warning=True)
+            metrics = self.run_dir / "metrics.jsonl"
+            if foreign and metrics.is_file() and metrics.stat().st_size:
+                kept = keep_earlier_metrics(self.run_dir)
+                self._say(f"run.dir held a metrics.jsonl of another run (and no checkpoint): it is kept as "
+                          f"{kept.name}", warning=True)
+            return
+        if not saved.is_file():
             return
         changed = changed_settings(saved, self.requested_config)
         if changed:

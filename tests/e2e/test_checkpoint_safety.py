@@ -102,6 +102,31 @@ def test_a_config_yaml_in_a_fresh_run_dir_is_kept_not_overwritten(two_checkpoint
     assert (run / "config-before-step-0.yaml").read_text() == mine
 
 
+def test_a_metrics_log_in_a_run_dir_without_this_runs_config_is_kept(two_checkpoints, tmp_path, capsys):
+    """A folder holding another run's metrics.jsonl and no checkpoint (its checkpoints deleted, or a folder of the
+    user's): starting afresh rewound the log to step 0, dropping every record. It is kept, and said; a run restarted
+    before its first checkpoint (its own config.yaml) still rewinds its own log instead."""
+    cfg, _ = copy_run(two_checkpoints, tmp_path)
+    run = tmp_path / "other"
+    run.mkdir()
+    theirs = '{"step": 1, "loss": 9.5}\n{"step": 2, "loss": 9.25}\n'
+    (run / "metrics.jsonl").write_text(theirs)
+    argv = ["train", str(cfg), f"--run.dir={run}", "--train.max_steps=1", "--train.ckpt_every=100",
+            "--train.log_every=1", "--no-progress"]
+    assert main(argv) == 0
+    assert "run.dir held a metrics.jsonl of another run (and no checkpoint): it is kept as " \
+        "metrics-before-step-0.jsonl" in capsys.readouterr().err
+    assert (run / "metrics-before-step-0.jsonl").read_text() == theirs
+    assert [step for step, _ in losses(run)] == [1]
+
+    for name in run.iterdir():  # keep config.yaml (now this run's) and the new log only: a restart, no checkpoint
+        if name.name not in ("config.yaml", "metrics.jsonl"):
+            shutil.rmtree(name) if name.is_dir() else name.unlink()
+    assert main(argv) == 0
+    assert "metrics.jsonl of another run" not in capsys.readouterr().err
+    assert [step for step, _ in losses(run)] == [1] and not list(run.glob("metrics-before-*"))
+
+
 def test_resume_with_changed_settings_keeps_the_earlier_config_and_says_so(two_checkpoints, tmp_path, capsys):
     cfg, run = copy_run(two_checkpoints, tmp_path)
     assert main(["train", str(cfg), f"--run.dir={run}", "--train.max_steps=5", "--no-progress"]) == 0

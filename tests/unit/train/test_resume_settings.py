@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from optimus.config import build_config, save_config
-from optimus.train.resume_settings import changed_settings, keep_earlier_config
+from optimus.train.resume_settings import changed_settings, keep_earlier_config, keep_earlier_metrics
 
 
 def test_only_settings_that_change_what_steps_compute_are_listed(tmp_path):
@@ -32,3 +32,14 @@ def test_earlier_configs_are_kept_under_free_names(tmp_path):
     second = keep_earlier_config(tmp_path, 4)
     assert first.name == "config-before-step-4.yaml" and second.name == "config-before-step-4.2.yaml"
     assert first.read_text() == "a: 1\n" and second.read_text() == "a: 2\n"
+
+
+def test_an_earlier_metrics_log_is_moved_aside_under_a_free_name(tmp_path):
+    """Moved, not copied (a log may be gigabytes): the run then starts a new metrics.jsonl."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    first = keep_earlier_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7}\n')
+    second = keep_earlier_metrics(tmp_path)
+    assert first.name == "metrics-before-step-0.jsonl" and second.name == "metrics-before-step-0.2.jsonl"
+    assert first.read_text() == '{"step": 3}\n' and second.read_text() == '{"step": 7}\n'
+    assert not (tmp_path / "metrics.jsonl").exists()
