@@ -86,5 +86,10 @@ def agree_on_precision(precision: Precision, device: torch.device) -> Precision:
     dtype = "bf16" if bool(choice.item()) else "fp32"
     if dtype == precision.dtype:
         return precision
+    warning = None
+    if dtype == "bf16":  # this rank emulates bf16 (a CPU without its units): the job runs at this rank's pace
+        warning = (f"warning: rank {dist.get_rank()} trains in bf16, rank 0's choice for train.dtype=auto, without "
+                   f"native bf16 here ({precision.reason}): its matmuls run slower than fp32 and every rank waits "
+                   "for it; set train.dtype=fp32 for this job")
     return Precision(dtype, precision.requested, f"rank 0's choice, which every rank takes; this rank read "
-                                                 f"{precision.dtype}: {precision.reason}")
+                                                 f"{precision.dtype}: {precision.reason}", warning)

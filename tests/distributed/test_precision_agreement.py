@@ -10,25 +10,33 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _agreed(rank: int, world: int, read: list[str], requested: str) -> str:
+def _agreed(rank: int, world: int, read: list[str], requested: str) -> tuple[str, str | None]:
     import torch
 
     from optimus.train.precision import Precision, agree_on_precision
 
-    return agree_on_precision(Precision(read[rank], requested, "a probe"), torch.device("cpu")).dtype
+    agreed = agree_on_precision(Precision(read[rank], requested, "a probe"), torch.device("cpu"))
+    return agreed.dtype, agreed.warning
 
 
 @pytest.mark.parametrize("read", [["fp32", "bf16"], ["bf16", "fp32"]])
 def test_every_rank_takes_rank_0s_reading_of_auto(read):
-    assert run_distributed(_agreed, 2, read, "auto") == [read[0], read[0]]
+    (first, _), (second, warning) = run_distributed(_agreed, 2, read, "auto")
+    assert first == second == read[0]
+    # a rank made to emulate bf16 says so (it sets the job's pace); one made to run fp32 loses nothing
+    assert (warning is not None) == (read[0] == "bf16")
+    if warning:
+        assert warning.startswith("warning: rank 1 trains in bf16, rank 0's choice") and "train.dtype=fp32" in warning
 
 
 def test_an_explicit_dtype_is_left_as_each_rank_has_it():
     """(one config gives every rank the same explicit dtype: nothing to agree on, nothing exchanged)"""
-    assert run_distributed(_agreed, 2, ["fp32", "bf16"], "bf16") == ["fp32", "bf16"]
+    assert [dtype for dtype, _ in run_distributed(_agreed, 2, ["fp32", "bf16"], "bf16")] == ["fp32", "bf16"]
 
 
-def _trainer_precision(rank: int, world: int, run_dir: str) -> tuple[str, str]:
+def _trainer_precision(rank: int, world: int, run_dir: str, rank_0_reads: str) -> tuple[str, str, str]:
+    import contextlib
+    import io
     import os
 
     from optimus.train import trainer as trainer_module
@@ -36,14 +44,22 @@ def _trainer_precision(rank: int, world: int, run_dir: str) -> tuple[str, str]:
     from tests.helpers.runs import small_moe_trainer_config
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    # rank 1 reads its CPU as a native-bf16 one, rank 0 not (a probe either side of the line)
+    # the ranks read their CPUs either side of the line (rank 1 the other way from rank 0)
+    other = {"fp32": "bf16", "bf16": "fp32"}[rank_0_reads]
     trainer_module.choose_precision = lambda requested, device, cpu=None: Precision(
-        "bf16" if rank == 1 else "fp32", requested, "a probe")
+        rank_0_reads if rank == 0 else other, requested, "a probe")
     config = small_moe_trainer_config(run_dir, 1, {"dp_shard": 2})
     config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "auto"})})
-    trainer = trainer_module.Trainer(config, progress_bar=False)
-    return trainer.precision.dtype, trainer.config.train.dtype
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        trainer = trainer_module.Trainer(config, progress_bar=False)
+    return trainer.precision.dtype, trainer.config.train.dtype, said.getvalue()
 
 
-def test_the_trainer_trains_every_rank_in_rank_0s_choice(tmp_path):
-    assert run_distributed(_trainer_precision, 2, str(tmp_path / "run")) == [("fp32", "fp32")] * 2
+@pytest.mark.parametrize("rank_0_reads", ["fp32", "bf16"])
+def test_the_trainer_trains_every_rank_in_rank_0s_choice(tmp_path, rank_0_reads):
+    """And rank 1, made to emulate bf16, says so itself (rank 0 does not know): one line, its own."""
+    ranks = run_distributed(_trainer_precision, 2, str(tmp_path / "run"), rank_0_reads)
+    assert [(dtype, trained) for dtype, trained, _ in ranks] == [(rank_0_reads, rank_0_reads)] * 2
+    warned = [line for line in ranks[1][2].splitlines() if line.startswith("warning: rank 1 trains in bf16")]
+    assert len(warned) == (rank_0_reads == "bf16") and "warning: rank" not in ranks[0][2]
