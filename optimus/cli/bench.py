@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optimus.cli.errors import EXIT_BAD_INPUT
+from optimus.cli.errors import BENCH_PROG_VARIABLE, EXIT_BAD_INPUT
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 USAGE = "optimus bench [NAME [the script's own arguments...]]"
@@ -131,6 +131,7 @@ def run_bench(argv: list[str], folder: Path | None = None) -> int:
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder.parent), environment.get("PYTHONPATH")]))
     for variable, value in chosen.environment.items():
         environment.setdefault(variable, value)
+    environment[BENCH_PROG_VARIABLE] = f"{chosen.path.name}:optimus bench {name}"
     try:
         code = subprocess.run([*chosen.command(), *args], cwd=folder.parent, env=environment).returncode
     except KeyboardInterrupt:

@@ -24,8 +24,23 @@ class OneLineErrorParser(argparse.ArgumentParser):
     code 2, naming where the usage is, instead of the usage block before the line. The `optimus` verbs' parsers
     are this class (add_subparsers makes them of the parent's class), and so are the benchmarks' own."""
 
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("prog") is None and not args:
+            kwargs["prog"] = _bench_prog()
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, usage_error_line(self.prog, message) + "\n")
+
+
+# Set by `optimus bench NAME` for the script it runs ("file.py:optimus bench NAME"), so that the script's refusals
+# name the command the user typed; read only by that very script (anything it starts inherits the variable).
+BENCH_PROG_VARIABLE = "OPTIMUS_BENCH_PROG"
+
+
+def _bench_prog() -> str | None:
+    script, _, prog = os.environ.get(BENCH_PROG_VARIABLE, "").partition(":")
+    return prog if prog and script == Path(sys.argv[0]).name else None
 
 
 def usage_error_line(prog: str, message: str) -> str:

@@ -5,12 +5,14 @@ line and exit 2."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from optimus.cli import main
 from optimus.cli.bench import CHECKOUT, find_benchmarks, run_bench
+from optimus.cli.errors import BENCH_PROG_VARIABLE, OneLineErrorParser
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -107,8 +109,21 @@ def test_a_benchmarks_bad_flag_is_one_line(capfd):
     usage block before it."""
     assert main(["bench", "plan_published", "--no-such-flag"]) == 2
     err = capfd.readouterr().err.strip()
-    assert err == ("plan_published.py: error: unrecognized arguments: --no-such-flag "
-                   "(usage: plan_published.py --help)"), err
+    assert err == ("optimus bench plan_published: error: unrecognized arguments: --no-such-flag "
+                   "(usage: optimus bench plan_published --help)"), err
+
+
+def test_a_benchmark_run_as_a_script_names_itself(monkeypatch, capsys):
+    """Run directly, a script names its file; the variable `optimus bench` sets names the verb only for the script
+    it ran, not for a program that script starts."""
+    monkeypatch.setattr(sys, "argv", ["benchmarks/plan_published.py"])
+    monkeypatch.delenv(BENCH_PROG_VARIABLE, raising=False)
+    assert OneLineErrorParser().prog == "plan_published.py"
+    monkeypatch.setenv(BENCH_PROG_VARIABLE, "moe_layer.py:optimus bench moe_layer")
+    assert OneLineErrorParser().prog == "plan_published.py"
+    monkeypatch.setenv(BENCH_PROG_VARIABLE, "plan_published.py:optimus bench plan_published")
+    assert OneLineErrorParser().prog == "optimus bench plan_published"
+    assert OneLineErrorParser(prog="optimus").prog == "optimus"
 
 
 def test_every_benchmark_parses_its_flags_with_the_one_line_parser():
