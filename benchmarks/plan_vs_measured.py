@@ -453,7 +453,8 @@ def predicted_memory_bytes(layout, routing_imbalance: float | dict[int, float] =
 def calibrated_entry(layout, cache_file: Path, cpu_cache, threads: int = 1) -> dict:
     """This host's machine entry with the op classes timed at this layout's shapes and threads (as `optimus plan
     --calibrate` does) and the cores' share now (others may be using them)."""
-    from optimus.plan.calibrate import calibrate_op_classes, measure_share
+    from optimus.plan.calibrate import calibrate_op_classes
+    from optimus.plan.calibrate_collectives import measure_share
     from optimus.plan.here import machine
 
     entry = machine(cache_file, cpu_cache)
@@ -501,7 +502,7 @@ def with_collectives(entry: dict, collectives: dict | None) -> dict:
 def job_collectives(ranks: int, cached: dict) -> dict:
     """The cached gloo table with the rows of a job of `ranks` timed again now: the whole job, the pairs timed
     inside it (COLLECTIVE_SUBGROUPS), its alpha-beta fit and its sync after compute; other job sizes as cached."""
-    from optimus.plan.calibrate import COLLECTIVE_SUBGROUPS, measure_collectives
+    from optimus.plan.calibrate_collectives import COLLECTIVE_SUBGROUPS, measure_collectives
 
     fresh = measure_collectives(worlds=(ranks,), subgroups=tuple(s for s in COLLECTIVE_SUBGROUPS if s[1] == ranks))
     kept = [row for row in cached.get("rows", []) if row.get("job", row["ranks"]) != ranks]

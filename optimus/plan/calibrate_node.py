@@ -12,8 +12,9 @@ node with another software stack, clock or power cap reaches its own. Timed here
     op_overhead    a chain of tiny autograd operators, timed to the device's end: the host's time per operator,
                    what a run of small kernels leaves the device idle for
     intra-node     NCCL/RCCL (XCCL) all-reduce, all-gather, reduce-scatter and all-to-all over the node's devices
-                   (up to devices_per_node), 64 KiB to 256 MiB, fitted to comms.py's ring (calibrate.fit_alpha_beta):
-                   intra_node_latency_us and intra_node_gb_s; a node of one device keeps the cluster's
+                   (up to devices_per_node), 64 KiB to 256 MiB, fitted to comms.py's ring
+                   (calibrate_collectives.fit_alpha_beta): intra_node_latency_us and intra_node_gb_s; a node of one
+                   device keeps the cluster's
     memory_gb      what the device reports (an "80 GB" H100 holds 79.2 GiB)
 The rest (devices per node, network, power, PUE, carbon) is the cluster's as given. Every device is used by forked
 children (optimus/parallel/local_ranks.py): this process opens no device context.
@@ -32,9 +33,11 @@ import torch
 
 from optimus.config import Config, ConfigError
 from optimus.parallel.local_ranks import run_on_local_ranks
-from optimus.plan.calibrate import COLLECTIVES, _time_collectives, best_time, fit_alpha_beta, measure_op_classes
+from optimus.plan.calibrate import measure_op_classes
+from optimus.plan.calibrate_collectives import COLLECTIVES, _time_collectives, fit_alpha_beta
 from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
+from optimus.plan.timing import best_time
 from optimus.train.hardware import LocalAccelerators
 
 # NCCL switches from its latency-bound to its bandwidth-bound algorithms between these; the largest is a

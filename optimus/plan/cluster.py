@@ -49,13 +49,13 @@ class Cluster:
     # of a core, per rank, when every rank computes: cores / ranks where ranks outnumber cores (`here`), else 1;
     # a rank that waits then gives its core to the others
     core_share: float = 1.0
-    # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}} (optimus/plan/calibrate.py); the
-    # presets model theirs (optimus/plan/comms.py)
+    # `here`: timed collectives, {op: {group size: [[bytes, seconds], ...]}}
+    # (optimus/plan/calibrate_collectives.py); the presets model theirs (optimus/plan/comms.py)
     measured_collectives: dict[str, dict[tuple[int, int, bool], list]] | None = None
     # `here`: what a timed collective costs beyond its table's back-to-back call when a step reaches it after compute
-    # (the ranks arrive apart, the more the longer they computed: optimus/plan/calibrate.py), as ((seconds of
-    # compute before it, seconds a call), ...); and the seconds a call in effect, which step_time sets from the
-    # layout's compute between its collectives (comms.py adds it to every timed call). Modelled links: none
+    # (the ranks arrive apart, the more the longer they computed: optimus/plan/calibrate_collectives.py), as
+    # ((seconds of compute before it, seconds a call), ...); and the seconds a call in effect, which step_time sets
+    # from the layout's compute between its collectives (comms.py adds it to every timed call). Modelled links: none
     collective_sync: tuple[tuple[float, float], ...] = ()
     collective_sync_s: float = 0.0
     # the devices are host CPUs (`here`): the loss head runs the chunked CPU kernel, not F.cross_entropy
@@ -103,7 +103,7 @@ class Cluster:
 
 
 def cluster_names() -> list[str]:
-    """The presets shipped with the package (plus `here`, this machine, measured: optimus/plan/calibrate.py)."""
+    """The presets shipped with the package (plus `here`, this machine, measured: optimus/plan/here.py)."""
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 

@@ -21,16 +21,16 @@ Algorithms (what NCCL/RCCL/oneCCL pick for large messages, and the cheaper of th
 Every step of a ring pays the latency of its link (alpha per hop).
 
 Measured instead of modelled: a cluster that carries a table of timed collectives (`here`: gloo over loopback,
-optimus/plan/calibrate.py) answers an on-node collective from that table, interpolated in log-log between the
-timed sizes (linear in bytes past the largest). A group smaller than the job is read from the rows timed beside
-the job's other ranks computing where those ranks compute meanwhile, and from those timed with every group
-communicating at once where they are in collectives of their own: beside a pipeline's other stages the first,
-else the second. (Where ranks outnumber cores, stop 36 weighed the two by the share of the step the others compute,
-since time slicing breaks the ranks' lockstep; the sync below prices that drift since stop 38, and with both the
-4-rank rows of benchmarks/plan_vs_measured.py read high: BENCHMARKS.md, stop 38.) Gloo's algorithms
-differ per operation (its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow
-down once a message leaves the cache, which no single alpha-beta pair fits. A step reaches its collectives after
-compute, its ranks apart, which the back-to-back calls of the table do not: each timed call adds the link's `sync`
+optimus/plan/calibrate_collectives.py) answers an on-node collective from that table, interpolated in log-log
+between the timed sizes (linear in bytes past the largest). A group smaller than the job is read from the rows timed
+beside the job's other ranks computing where those ranks compute meanwhile, and from those timed with every group
+communicating at once where they are in collectives of their own: beside a pipeline's other stages the first, else
+the second. (Where ranks outnumber cores, stop 36 weighed the two by the share of the step the others compute, since
+time slicing breaks the ranks' lockstep; the sync below prices that drift since stop 38, and with both the 4-rank
+rows of benchmarks/plan_vs_measured.py read high: BENCHMARKS.md, stop 38.) Gloo's algorithms differ per operation
+(its reduce-scatter of 64 MiB took twice its all-reduce's time on the 2-core EPYC) and slow down once a message
+leaves the cache, which no single alpha-beta pair fits. A step reaches its collectives after compute, its ranks
+apart, which the back-to-back calls of the table do not: each timed call adds the link's `sync`
 (Cluster.collective_sync_s, which step_time sets; tensor parallelism's calls pay it at the compute before each
 instead: block_collectives.TensorParallelGaps).
 """

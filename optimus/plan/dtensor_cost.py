@@ -78,7 +78,7 @@ def _time_one_block(rank: int, world: int, model_config: dict[str, Any], batch: 
 
     from optimus.models.transformer import build_model
     from optimus.parallel.tensor_parallel import apply_tensor_parallel
-    from optimus.plan.calibrate import CountOps  # here, not at the top: calibrate imports this module
+    from optimus.plan.timing import CountOps
 
     config = ModelConfig(**model_config)
     dt = torch.float32 if dtype == "fp32" else torch.bfloat16

@@ -12,7 +12,7 @@ What is measured (once, then cached per host in a JSON file whose path the CLI p
     collectives             gloo over loopback: 2, 3 and 4 forked ranks, and the pairs of 4 ranks (both at once, and
                             one while the other computes); the mean time per call over bursts of back-to-back
                             calls (what a step pays): a table, and alpha (per hop) and beta (per rank) fitted by
-                            least squares to comms.py's ring formulas (optimus/plan/calibrate.py)
+                            least squares to comms.py's ring formulas (optimus/plan/calibrate_collectives.py)
     op-class efficiencies   only after `optimus plan --calibrate` (else the CPU defaults below)
     host load               the one-minute load average as the measuring began: a plan from timings taken while
                             other tasks filled the cores says so (busy_note) and asks for a calibration when quiet
@@ -164,7 +164,7 @@ def copy_bandwidth(threads: int, repeats: int = 5) -> float:
 def fresh_page_cost(repeats: int = 5) -> float:
     """Seconds per byte that writing a freshly allocated COPY_ELEMENTS tensor takes beyond writing a reused one
     (one thread; best of `repeats` each): the kernel's page faults and zeroing, 0 where the allocator reuses."""
-    from optimus.plan.calibrate import best_time
+    from optimus.plan.timing import best_time
 
     reuse_freed_host_memory()  # the allocator a training process has (train/host_memory.py)
     before = torch.get_num_threads()
@@ -204,7 +204,7 @@ def write_cache(path: Path, entry: dict[str, Any]) -> None:
 def measure_machine(cpu_cache: tuple[Path | None, str] = (None, "")) -> dict[str, Any]:
     """Peaks (one thread), bandwidth, memory, the cores' share and the gloo collectives of this machine (a minute or
     two on 2 cores, most of it the collectives of each job size)."""
-    from optimus.plan.calibrate import measure_collectives, measure_share
+    from optimus.plan.calibrate_collectives import measure_collectives, measure_share
     from optimus.train.precision import choose_precision
 
     load = host_load()  # before our own probes add to it
@@ -243,7 +243,8 @@ def machine(cache_file: Path, cpu_cache: tuple[Path | None, str] = (None, ""), r
         entry["machine"] = measure_machine(cpu_cache)
         write_cache(cache_file, entry)
     else:  # a cache from before a measurement was added or changed: take that one again
-        from optimus.plan.calibrate import COLLECTIVE_TIMING, COLLECTIVE_WORLDS, measure_collectives, measure_share
+        from optimus.plan.calibrate_collectives import (COLLECTIVE_TIMING, COLLECTIVE_WORLDS, measure_collectives,
+                                                        measure_share)
 
         measured, updated = entry["machine"], False
         if measured.get("host_memory") != HOST_MEMORY:  # fresh pages timed before the trainer reused freed memory

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from optimus.plan.calibrate import COLLECTIVE_TIMING
+from optimus.plan.calibrate_collectives import COLLECTIVE_TIMING
 from optimus.plan.here import HOST_MEMORY, host_key
 
 SMALL_MODEL = "--model.n_layers=1,--model.d_model=64,--model.ffn_hidden=128,--model.expert_ffn_hidden=64"
@@ -39,12 +39,12 @@ def _check(rows, names):
 
 @pytest.mark.slow  # calibrates and trains for real: ~50 s on a 2-core AVX2 CPU (faked runs check the rest)
 def test_one_layout_two_steps(load_benchmark, machine_cache, tmp_path, monkeypatch):
-    from optimus.plan import calibrate
+    from optimus.plan import calibrate_collectives
 
     # the cores' share timed for 0.1 s per world instead of 1 s (~7 s of CPU less); the benchmark still measures
     # it and reads it through, and test_plan_calibrate checks what measure_share returns
-    share = calibrate.measure_share
-    monkeypatch.setattr(calibrate, "measure_share", lambda: share(seconds=0.1, samples=1))
+    share = calibrate_collectives.measure_share
+    monkeypatch.setattr(calibrate_collectives, "measure_share", lambda: share(seconds=0.1, samples=1))
     script = load_benchmark("plan_vs_measured")
     out = tmp_path / "out.json"
     assert script.main(["--only", "dense-1", "--steps", "2", "--warmup", "1", "--repeats", "1", f"--model={SMALL_MODEL}",
@@ -114,12 +114,12 @@ def test_without_memory_runs_memory_is_the_timed_runs_resident_set(load_benchmar
 def test_a_row_timed_with_its_own_table_is_priced_on_it(load_benchmark, machine_cache, monkeypatch):
     """--row-tables: the job size's collectives are timed again for the row (the other job sizes' rows kept as
     cached), the row is priced on that table, and keeps it; slower collectives price the same layout slower."""
-    from optimus.plan import calibrate
+    from optimus.plan import calibrate_collectives
 
     script = load_benchmark("plan_vs_measured")
     lone = [{"rank": r, "growth": 1, "allocator_peak": 100} for r in range(2)]
     fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}
-    cached_rows = [{"op": op, "ranks": 2, "bytes": b, "seconds": b / 1e9} for op in calibrate.COLLECTIVES
+    cached_rows = [{"op": op, "ranks": 2, "bytes": b, "seconds": b / 1e9} for op in calibrate_collectives.COLLECTIVES
                    for b in (4096, 64 * 2**20)]
     pair_in_four = {"op": "all_gather", "ranks": 2, "job": 4, "others": "compute", "bytes": 4096, "seconds": 1e-3}
     cache = json.loads(machine_cache.read_text())
@@ -134,7 +134,7 @@ def test_a_row_timed_with_its_own_table_is_priced_on_it(load_benchmark, machine_
         rows = [{**row, "seconds": row["seconds"] * slow} for row in cached_rows]
         return {"rows": rows, "fits": {"2": {**fit, "beta_gb_s": 0.1}}, "sync_after_compute": {"2": [[0.01, 5e-3]]}}
 
-    monkeypatch.setattr(calibrate, "measure_collectives", measure_collectives)
+    monkeypatch.setattr(calibrate_collectives, "measure_collectives", measure_collectives)
     rows = {}
     for own in (False, True):
         _fake_runs(script, monkeypatch, timed=[([1.0], lone, 1.0, [])], memory=[([4.0], lone, 9.0, [])])

@@ -24,7 +24,7 @@ from tests.helpers.cli import run_in_process as in_process
 
 def _machine(memory_gib: float) -> dict:
     """A `here` cache entry as current code writes it (an older one is partly re-measured: a minute of gloo)."""
-    from optimus.plan.calibrate import COLLECTIVE_TIMING
+    from optimus.plan.calibrate_collectives import COLLECTIVE_TIMING
     from optimus.plan.here import HOST_MEMORY
 
     fit = {"alpha_us": 200.0, "beta_gb_s": 1.0, "worst_relative_error": 0.1}

@@ -1,4 +1,4 @@
-"""--calibrate's pieces: the alpha-beta least-squares fit, the op-class timings, the `here` cluster built from them."""
+"""--calibrate's pieces: the op-class timings, the `here` cluster built from them and the timed collectives."""
 
 from __future__ import annotations
 
@@ -8,28 +8,13 @@ from pathlib import Path
 import pytest
 
 from optimus.config import load_config
-from optimus.plan.calibrate import (COLLECTIVE_TIMING, COLLECTIVES, OPTIMIZER_ELEMENTS, fit_alpha_beta,
-                                    measure_op_classes)
+from optimus.plan.calibrate import OPTIMIZER_ELEMENTS, measure_op_classes
+from optimus.plan.calibrate_collectives import COLLECTIVE_TIMING, COLLECTIVES
 from optimus.plan.efficiency import Efficiency
 from optimus.plan.here import CPU_DEFAULT_EFFICIENCY, here_cluster, rank_threads
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-
-
-def test_least_squares_recovers_alpha_and_beta_of_the_ring_model():
-    alpha, beta = 150e-6, 0.8e9
-    rows = []
-    for g in (2, 4):
-        for nbytes in (4096, 65536, 1 << 20, 8 << 20):
-            for op in COLLECTIVES:
-                factor = 2 if op == "all_reduce" else 1
-                seconds = factor * ((g - 1) * alpha + (g - 1) / g * nbytes / beta)
-                rows.append({"op": op, "ranks": g, "bytes": nbytes, "seconds": seconds * (1.03 if nbytes == 4096 else 1)})
-    fit = fit_alpha_beta(rows)
-    assert fit["alpha_us"] == pytest.approx(150, rel=0.05)
-    assert fit["beta_gb_s"] == pytest.approx(0.8, rel=0.05)
-    assert 0.0 < fit["worst_relative_error"] < 0.05
 
 
 def test_op_classes_are_timed_at_the_model_shapes_and_read_as_fractions_of_peak():
@@ -211,86 +196,44 @@ def test_measured_share_of_the_cores_replaces_the_idle_assumption():
 def test_every_job_size_the_tests_run_is_timed_and_an_older_cache_gets_the_missing_share(tmp_path, monkeypatch):
     """1-4 ranks: a 3-rank job reads its own collectives and share, not 4 ranks' rescaled; a cache whose share
     was measured for fewer job sizes has it measured again once, its collectives kept."""
-    from optimus.plan import calibrate, here
+    from optimus.plan import calibrate_collectives
+    from optimus.plan import here
 
-    assert calibrate.COLLECTIVE_WORLDS == (2, 3, 4)
+    assert calibrate_collectives.COLLECTIVE_WORLDS == (2, 3, 4)
     fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
-    timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate.COLLECTIVE_TIMING}
+    timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate_collectives.COLLECTIVE_TIMING}
     old = {"cpu": "c", "cores": 2, "fresh_page_s_per_byte": 0.0, "host_memory": here.HOST_MEMORY,
            "fp32_flops_all_cores": 1.0, "collectives": timed, "share": {"1": 1.0, "2": 0.9, "4": 0.45}}
     here.write_cache(tmp_path / "plan_here.json", {"machine": old})
     shares = {"1": 1.0, "2": 0.9, "3": 0.6, "4": 0.45}
-    monkeypatch.setattr(calibrate, "measure_share", lambda: shares)
-    monkeypatch.setattr(calibrate, "measure_collectives", lambda: pytest.fail("collectives timed again"))
+    monkeypatch.setattr(calibrate_collectives, "measure_share", lambda: shares)
+    monkeypatch.setattr(calibrate_collectives, "measure_collectives", lambda: pytest.fail("collectives timed again"))
     entry = here.machine(tmp_path / "plan_here.json")
     assert entry["machine"]["share"] == shares and entry["machine"]["collectives"] == timed
-    monkeypatch.setattr(calibrate, "measure_share", lambda: pytest.fail("share measured again"))
+    monkeypatch.setattr(calibrate_collectives, "measure_share", lambda: pytest.fail("share measured again"))
     here.machine(tmp_path / "plan_here.json")
-
-
-def test_share_is_measured_with_forked_processes_running_at_once():
-    from optimus.plan.calibrate import measure_share
-
-    shares = measure_share(worlds=(2,), seconds=0.1, samples=1)
-    assert set(shares) == {"1", "2"} and all(0 < v <= 1 for v in shares.values())
-
-
-def test_share_never_exceeds_what_the_cores_allow(monkeypatch):
-    """A disturbed single-rank sample inflates the ratio (4 ranks on 2 cores read 0.72 once): the share is capped
-    at cores / ranks."""
-    from optimus.plan import calibrate
-
-    monkeypatch.setattr(calibrate, "sustained_matmul_rate", lambda seconds: 1.0)
-    monkeypatch.setattr(calibrate, "run_on_local_ranks", lambda fn, world, seconds, timeout: [0.72] * world)
-    monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: {0, 1})
-    shares = calibrate.measure_share((2, 4), seconds=0.0, samples=1)
-    assert shares == {"2": 0.72, "4": 0.5, "1": 1.0}
 
 
 def test_a_cache_timed_before_bursts_has_its_collectives_timed_again(tmp_path, monkeypatch):
     """The table once held the fastest single call after a barrier (a 1 MiB all-gather: 0.40 ms, where a step pays
     1.56 ms a call): a cache without the sustained timing is re-timed once, the rest of it kept; so are fresh
     pages timed before the trainer kept freed memory for reuse."""
-    from optimus.plan import calibrate, here
+    from optimus.plan import calibrate_collectives
+    from optimus.plan import here
 
     fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
     old = {"cpu": "c", "cores": 2, "fresh_page_s_per_byte": 1e-10, "collectives": {"rows": [], "fits": {"2": fit}}}
     here.write_cache(tmp_path / "plan_here.json", {"machine": old})
-    timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate.COLLECTIVE_TIMING}
-    monkeypatch.setattr(calibrate, "measure_collectives", lambda: timed)
+    timed = {"rows": [], "fits": {"2": fit}, "timing": calibrate_collectives.COLLECTIVE_TIMING}
+    monkeypatch.setattr(calibrate_collectives, "measure_collectives", lambda: timed)
     monkeypatch.setattr(here, "fresh_page_cost", lambda: 0.0)  # the old cache's was timed without the trainer's reuse
     entry = here.machine(tmp_path / "plan_here.json")
     assert entry["machine"]["collectives"] == timed and entry["machine"]["fresh_page_s_per_byte"] == 0.0
     assert entry["machine"]["host_memory"] == here.HOST_MEMORY and entry["machine"]["cores"] == 2
     assert here.read_cache(tmp_path / "plan_here.json")["machine"]["collectives"] == timed
-    monkeypatch.setattr(calibrate, "measure_collectives", lambda: pytest.fail("timed again"))
+    monkeypatch.setattr(calibrate_collectives, "measure_collectives", lambda: pytest.fail("timed again"))
     monkeypatch.setattr(here, "fresh_page_cost", lambda: pytest.fail("fresh pages timed again"))
     here.machine(tmp_path / "plan_here.json")
-
-
-def test_collectives_are_timed_in_bursts_of_back_to_back_calls(tmp_path, monkeypatch):
-    import uuid
-
-    from optimus.plan.calibrate import burst_calls, measure_collectives
-    from optimus.train import host_memory
-
-    # each timed rank (forked: the patch is inherited) keeps freed memory for reuse, as a training process does
-    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: (tmp_path / uuid.uuid4().hex).touch())
-    assert burst_calls(4096) == 8 and burst_calls(8 << 20) == 4 and burst_calls(64 << 20) == 2
-    table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2, subgroups=((2, 4, "collectives"),
-                                                                                   (2, 4, "compute")), sync_samples=1)
-    assert table["timing"] == COLLECTIVE_TIMING and set(table["fits"]) == {"2"}
-    # and what a call reached after 10 and 40 ms of compute costs beyond a back-to-back one, per job size
-    assert set(table["sync_after_compute"]) == {"2"}
-    assert [chunk for chunk, _ in table["sync_after_compute"]["2"]] == [0.01, 0.04]
-    assert all(extra >= 0 for _, extra in table["sync_after_compute"]["2"])
-    whole = [r for r in table["rows"] if "job" not in r]
-    assert {r["op"] for r in whole} == set(COLLECTIVES) and all(r["ranks"] == 2 for r in whole)
-    for others in ("collectives", "compute"):  # the two pairs of a 4-rank job at once; one while the other computes
-        pairs = [r for r in table["rows"] if r.get("others") == others]
-        assert {r["op"] for r in pairs} == set(COLLECTIVES) and all(r["ranks"] == 2 and r["job"] == 4 for r in pairs)
-    assert all(r["seconds"] > 0 for r in table["rows"])
-    assert len(list(tmp_path.iterdir())) == 2 + 4 + 4  # every rank of the job of 2 and of both 4-rank jobs
 
 
 def test_a_pair_inside_a_larger_job_is_priced_from_the_pairs_timed_in_that_job():

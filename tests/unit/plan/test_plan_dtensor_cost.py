@@ -23,7 +23,7 @@ def _count_dtensor_ops(rank: int, world: int, config_name: str, layers: int) -> 
 
     from optimus.models.transformer import build_model
     from optimus.parallel.tensor_parallel import apply_tensor_parallel
-    from optimus.plan.calibrate import CountOps
+    from optimus.plan.timing import CountOps
 
     config = load_config(CONFIGS / config_name, ["--train.dtype=fp32", f"--model.n_layers={layers}",
                                                  "--model.vocab_size=512"])

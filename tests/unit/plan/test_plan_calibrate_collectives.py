@@ -1,0 +1,67 @@
+"""The collectives `optimus plan --calibrate` times on forked gloo ranks, the cores' share each rank gets, and the
+alpha-beta fit of comms.py's ring formulas to them."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimus.plan.calibrate_collectives import COLLECTIVE_TIMING, COLLECTIVES, fit_alpha_beta
+
+
+def test_least_squares_recovers_alpha_and_beta_of_the_ring_model():
+    alpha, beta = 150e-6, 0.8e9
+    rows = []
+    for g in (2, 4):
+        for nbytes in (4096, 65536, 1 << 20, 8 << 20):
+            for op in COLLECTIVES:
+                factor = 2 if op == "all_reduce" else 1
+                seconds = factor * ((g - 1) * alpha + (g - 1) / g * nbytes / beta)
+                rows.append({"op": op, "ranks": g, "bytes": nbytes, "seconds": seconds * (1.03 if nbytes == 4096 else 1)})
+    fit = fit_alpha_beta(rows)
+    assert fit["alpha_us"] == pytest.approx(150, rel=0.05)
+    assert fit["beta_gb_s"] == pytest.approx(0.8, rel=0.05)
+    assert 0.0 < fit["worst_relative_error"] < 0.05
+
+
+def test_share_is_measured_with_forked_processes_running_at_once():
+    from optimus.plan.calibrate_collectives import measure_share
+
+    shares = measure_share(worlds=(2,), seconds=0.1, samples=1)
+    assert set(shares) == {"1", "2"} and all(0 < v <= 1 for v in shares.values())
+
+
+def test_share_never_exceeds_what_the_cores_allow(monkeypatch):
+    """A disturbed single-rank sample inflates the ratio (4 ranks on 2 cores read 0.72 once): the share is capped
+    at cores / ranks."""
+    from optimus.plan import calibrate_collectives
+
+    monkeypatch.setattr(calibrate_collectives, "sustained_matmul_rate", lambda seconds: 1.0)
+    monkeypatch.setattr(calibrate_collectives, "run_on_local_ranks", lambda fn, world, seconds, timeout: [0.72] * world)
+    monkeypatch.setattr(calibrate_collectives.os, "sched_getaffinity", lambda pid: {0, 1})
+    shares = calibrate_collectives.measure_share((2, 4), seconds=0.0, samples=1)
+    assert shares == {"2": 0.72, "4": 0.5, "1": 1.0}
+
+
+def test_collectives_are_timed_in_bursts_of_back_to_back_calls(tmp_path, monkeypatch):
+    import uuid
+
+    from optimus.plan.calibrate_collectives import burst_calls, measure_collectives
+    from optimus.train import host_memory
+
+    # each timed rank (forked: the patch is inherited) keeps freed memory for reuse, as a training process does
+    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: (tmp_path / uuid.uuid4().hex).touch())
+    assert burst_calls(4096) == 8 and burst_calls(8 << 20) == 4 and burst_calls(64 << 20) == 2
+    table = measure_collectives(worlds=(2,), sizes=(4096,), repeats=2, subgroups=((2, 4, "collectives"),
+                                                                                   (2, 4, "compute")), sync_samples=1)
+    assert table["timing"] == COLLECTIVE_TIMING and set(table["fits"]) == {"2"}
+    # and what a call reached after 10 and 40 ms of compute costs beyond a back-to-back one, per job size
+    assert set(table["sync_after_compute"]) == {"2"}
+    assert [chunk for chunk, _ in table["sync_after_compute"]["2"]] == [0.01, 0.04]
+    assert all(extra >= 0 for _, extra in table["sync_after_compute"]["2"])
+    whole = [r for r in table["rows"] if "job" not in r]
+    assert {r["op"] for r in whole} == set(COLLECTIVES) and all(r["ranks"] == 2 for r in whole)
+    for others in ("collectives", "compute"):  # the two pairs of a 4-rank job at once; one while the other computes
+        pairs = [r for r in table["rows"] if r.get("others") == others]
+        assert {r["op"] for r in pairs} == set(COLLECTIVES) and all(r["ranks"] == 2 and r["job"] == 4 for r in pairs)
+    assert all(r["seconds"] > 0 for r in table["rows"])
+    assert len(list(tmp_path.iterdir())) == 2 + 4 + 4  # every rank of the job of 2 and of both 4-rank jobs
