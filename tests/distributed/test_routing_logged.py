@@ -34,7 +34,11 @@ def test_expert_parallel_run_logs_the_busiest_ranks_share_of_its_logged_counts(t
     run_distributed(_train_two_steps, 2, str(tmp_path), str(small_token_dir), timeout=90)
     steps = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
     assert len(steps) == 2
+    # tokens seen by the job, not by one rank: each step's global batch is 2 ranks x 2 sequences x 32 tokens
+    assert [row["tokens_seen"] for row in steps] == [128, 256]
     for row in steps:
+        # the global batch's routing summed over the ranks: each layer routes 128 tokens x top 2 copies
+        assert torch.tensor(row["expert_counts"]).sum(dim=1).tolist() == [256, 256]
         shares = busiest_block_share(torch.tensor(row["expert_counts"]), 2)  # ep 2: two blocks of 2 experts
         assert row["expert_rank_load_mean"] == pytest.approx(shares.mean().item(), abs=1e-4)
         assert row["expert_rank_load_max"] == pytest.approx(shares.max().item(), abs=1e-4)

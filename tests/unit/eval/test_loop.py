@@ -33,8 +33,10 @@ def test_tensor_parallel_eval_pads_to_the_tp_degree(monkeypatch):
 
     monkeypatch.setattr("optimus.eval.loop.evaluate_tasks", fake_evaluate_tasks)
     monkeypatch.setattr("optimus.data.sources.load_tokenizer", lambda name: "tokenizer")
-    train = SimpleNamespace(eval_tasks=["copa"], seq_len=64, eval_tasks_limit=3, micro_batch_size=2, dtype="fp32")
+    train = SimpleNamespace(eval_tasks=["copa"], seq_len=64, eval_tasks_limit=3, micro_batch_size=2, dtype="bf16")
     config = SimpleNamespace(train=train, data=SimpleNamespace(tokenizer="olmoe"))
     result = downstream_accuracies(torch.nn.Linear(2, 2), config, torch.device("cpu"), _Mesh(tp=4))
     assert result == {"copa": {"acc": 1.0, "acc_norm": 0.5, "n": 3}}
     assert calls[0]["pad_multiple"] == 4 and calls[0]["group"] is None
+    # the run's own window, micro-batch and dtype (scored under bf16 autocast as the model trains, not in fp32)
+    assert (calls[0]["max_len"], calls[0]["limit"], calls[0]["batch_size"], calls[0]["dtype"]) == (64, 3, 2, "bf16")

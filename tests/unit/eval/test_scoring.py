@@ -116,3 +116,27 @@ def test_a_tie_goes_to_the_lowest_index_choice(monkeypatch):
         scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"t": [question]}, torch.device("cpu"),
                                  max_len=16)
         assert scores["t"].acc == expected and scores["t"].acc_norm == expected
+
+
+def test_a_continuation_longer_than_the_window_scores_its_last_tokens():
+    """max_len 3: of the continuation [6, 7, 20, 9, 10, 12] the last three are scored, each given the three tokens
+    before it: 20 -> 9 (a miss), 9 -> 10 (a hit), 10 -> 12 (a miss)."""
+    model = SuccessorModel(10.0)
+    logprobs = torch.log_softmax(10.0 * torch.nn.functional.one_hot(torch.tensor(1), VOCAB).float(), -1)
+    hit, miss = logprobs[1].item(), logprobs[2].item()
+    got = continuation_logliks(model, [([5], [6, 7, 20, 9, 10, 12])], torch.device("cpu"), max_len=3)
+    assert got == [pytest.approx(hit + 2 * miss)]
+
+
+def test_the_model_scores_in_eval_mode():
+    """Dropout or any train-only behaviour must be off while scoring (and the mode restored after)."""
+    modes = []
+
+    class Recording(SuccessorModel):
+        def forward(self, input_ids):
+            modes.append(self.training)
+            return super().forward(input_ids)
+
+    model = Recording(10.0).train()
+    continuation_logliks(model, [([1, 2], [3])], torch.device("cpu"), max_len=8)
+    assert modes == [False] and model.training

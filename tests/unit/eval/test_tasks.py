@@ -62,3 +62,27 @@ def test_the_gold_answer_is_each_questions_own_label():
             if row["doc_id"] < _UNCONDITIONED_DOC_ID:
                 labels.setdefault(row["doc_id"], int(row["label"]))
     assert [q.gold for q in questions] == list(labels.values())[:50]
+
+
+def test_choices_are_read_in_their_idx_order_whatever_the_file_order(tmp_path, monkeypatch):
+    """A question's choices are its requests sorted by idx, and the gold label indexes that order; OLMo's
+    unconditioned copies (doc_id offset by 1,000,000) are left out."""
+    import gzip
+    import json
+
+    from optimus.eval import tasks
+
+    def row(doc_id, idx, continuation, label):
+        return {"doc_id": doc_id, "idx": idx, "label": label,
+                "request": {"context": f"Q{doc_id}:", "continuation": continuation}}
+
+    rows = [row(0, 2, " c", 1), row(0, 0, " a", 1), row(0, 1, " b", 1), row(1, 1, " y", 0), row(1, 0, " x", 0),
+            row(1_000_000, 0, " a", 1)]
+    folder = tmp_path / "arc_easy" / "rc_0shot"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "requests.jsonl.gz", "wt", encoding="utf-8") as out:
+        out.writelines(json.dumps(r) + "\n" for r in rows)
+    monkeypatch.setattr(tasks, "_tasks_dir", lambda: tmp_path)
+    first, second = load_task("arc_easy")
+    assert first.continuations == (" a", " b", " c") and first.gold == 1 and first.contexts == ("Q0:",) * 3
+    assert second.continuations == (" x", " y") and second.gold == 0

@@ -45,22 +45,26 @@ def test_build_model_is_seeded_and_unseeded_follows_the_global_generator():
     torch.manual_seed(11)
     e = build_model(config).state_dict()
     assert all(torch.equal(d[k], e[k]) for k in d)
+    torch.manual_seed(12)  # another global seed, other weights: the seed drawn is not a constant
+    assert not torch.equal(build_model(config).state_dict()["embed.weight"], d["embed.weight"])
     # output projections are scaled down with depth; norms start at one
     model = build_model(config, seed=0)
     assert model.initial_std("layers.0.attn.o_proj.weight") < model.initial_std("layers.0.attn.q_proj.weight")
     assert torch.equal(model.layers["0"].attn_norm.weight, torch.ones(config.d_model))
 
 
+@pytest.mark.parametrize("preset", ["mula-tiny-moe", "mula-tiny-dense"])
 @pytest.mark.parametrize("n_layers", [2, 8])
-def test_output_projections_start_at_init_std_over_the_root_of_twice_the_depth(n_layers):
-    """GPT-2's residual scaling, as a built model's weights show it: every block's attention and expert output
-    projection drawn at init_std / sqrt(2 L), its other matrices at init_std, its norms at one."""
-    config = get_preset("mula-tiny-moe").model_copy(update={"n_layers": n_layers, "vocab_size": 512})
+def test_output_projections_start_at_init_std_over_the_root_of_twice_the_depth(n_layers, preset):
+    """GPT-2's residual scaling, as a built model's weights show it: every block's attention output projection and
+    its MLP's (the experts' w_down, a dense block's down_proj) drawn at init_std / sqrt(2 L), its other matrices at
+    init_std, its norms at one."""
+    config = get_preset(preset).model_copy(update={"n_layers": n_layers, "vocab_size": 512})
     model = build_model(config, seed=0)
     scaled = config.init_std / math.sqrt(2 * n_layers)
     for name, param in model.named_parameters():
         want = (None if name.endswith("norm.weight")
-                else scaled if name.endswith(("o_proj.weight", "w_down")) else config.init_std)
+                else scaled if name.endswith(("o_proj.weight", "w_down", "down_proj.weight")) else config.init_std)
         if want is None:
             assert model.initial_std(name) is None and torch.equal(param, torch.ones_like(param)), name
             continue

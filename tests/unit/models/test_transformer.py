@@ -128,3 +128,29 @@ def test_reference_and_fast_experts_give_same_gradients():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_router_terms_are_means_over_the_layers_and_counts_are_per_layer_in_order():
+    """The model's aux and z-loss are each the mean of the layers' own (a layer's z-loss: the mean squared log-sum-exp
+    of its router logits; its aux: E * sum_e f_e * P_e), and expert_counts row l is layer l's routing, read here from
+    each router's own outputs."""
+    config = TINY_MOE.model_copy(update={"n_layers": 3})
+    model = build_model(config, seed=4)
+    routed = []
+    for block in model.layers.values():
+        block.mlp.router.register_forward_hook(lambda module, args, out: routed.append(out))
+    ids = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids[:, :-1], ids[:, 1:])
+    assert len(routed) == config.n_layers
+    z, aux, counts = [], [], []
+    for logits, probs, _, top in routed:
+        z.append(logits.double().exp().sum(dim=1).log().pow(2).mean())
+        count = torch.bincount(top.flatten(), minlength=config.n_experts)
+        aux.append(config.n_experts * (count.double() / top.shape[0] * probs.double().mean(dim=0)).sum())
+        counts.append(count)
+    # fp32 against float64 sums: a relative 1e-5 is ~100 ulps of headroom
+    torch.testing.assert_close(out.z_loss.double(), torch.stack(z).mean(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.aux_loss.double(), torch.stack(aux).mean(), rtol=1e-5, atol=0)
+    assert torch.equal(out.expert_counts, torch.stack(counts))
+    assert not torch.equal(counts[0], counts[-1])  # the layers route differently, so their order shows

@@ -65,3 +65,18 @@ def test_rejects_bad_input():
         grouped_mm(torch.zeros(2, 4), torch.zeros(1, 5, 4), torch.tensor([2]))
     with pytest.raises(ValueError, match="16 bytes"):
         grouped_mm(torch.zeros(2, 3), torch.zeros(1, 3, 3), torch.tensor([2]), impl="torch")
+
+
+def test_torch_grouped_mm_needs_16_byte_row_strides():
+    """torch._grouped_mm's rule: every stride but the unit one a multiple of 16 bytes. A bf16 row of 4 columns is 8
+    bytes (refused, as in fp32 a row of 3); 8 bf16 or 4 fp32 columns are 16 bytes (accepted)."""
+    from optimus.ops._device import torch_grouped_mm_accepts
+
+    bf16 = torch.bfloat16
+    assert torch_grouped_mm_accepts(torch.zeros(2, 8, dtype=bf16), torch.zeros(1, 8, 8, dtype=bf16))
+    assert torch_grouped_mm_accepts(torch.zeros(2, 4), torch.zeros(1, 4, 4))
+    assert torch_grouped_mm_accepts(torch.zeros(1, 4, dtype=bf16))  # one row: its stride never steps
+    for columns in (4, 12):  # 8 and 24 bytes
+        assert not torch_grouped_mm_accepts(torch.zeros(2, columns, dtype=bf16))
+    with pytest.raises(ValueError, match="16 bytes"):
+        grouped_mm(torch.zeros(2, 4, dtype=bf16), torch.zeros(1, 4, 4, dtype=bf16), torch.tensor([2]), impl="torch")

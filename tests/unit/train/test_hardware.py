@@ -125,3 +125,34 @@ def test_bf16_probe_never_grows_to_a_size_that_would_take_minutes(monkeypatch):
                         (4e10 if size == 256 else 2e11))
     assert hardware.measure_cpu_speed().bf16_flops == 2e11
     assert (torch.bfloat16, 2048) in sizes
+
+
+def test_a_cpu_whose_bf16_matches_fp32_reads_mfu_against_its_bf16_rate():
+    even = CpuSpeed(fp32_flops=150e9, bf16_flops=150e9, capability="AVX512", bf16_flags=True)
+    peak, source = device_peak_flops(torch.device("cpu"), "bf16", even)
+    assert peak == 150e9 and source.startswith("measured CPU bf16 matmul") and "emulated" not in source
+
+
+def test_a_cached_emulated_bf16_rate_is_not_probed_again(tmp_path, monkeypatch):
+    """Each start re-probes the fp32 peak (one 1024 matmul); bf16 only where it is native: an emulated 1024 bf16
+    matmul takes seconds, and its rate is no peak anyone reads."""
+    monkeypatch.setattr(hardware, "measure_cpu_speed", lambda: AVX2_ONLY)
+    cache = tmp_path / "cpu_speed.json"
+    cpu_speed(cache, "")
+    probed = []
+    monkeypatch.setattr(hardware, "best_matmul_rate", lambda dtype, *args, **kwargs: probed.append(dtype) or 1.0)
+    assert cpu_speed(cache, "") == AVX2_ONLY
+    assert probed == [torch.float32]
+    probed.clear()
+    monkeypatch.setattr(hardware, "measure_cpu_speed", lambda: NATIVE)
+    cpu_speed(cache, "", remeasure=True)
+    cpu_speed(cache, "")
+    assert probed == [torch.float32, torch.bfloat16]
+
+
+def test_a_starved_fp32_probe_reads_as_the_floor_per_thread(monkeypatch):
+    """A probe that met busy cores (here: 1 MFLOP/s) is raised to 1 GFLOP/s per thread, which any SIMD core beats."""
+    monkeypatch.setattr(hardware, "best_matmul_rate", lambda *args, **kwargs: 1e6)
+    speed = hardware.measure_cpu_speed()
+    assert speed.fp32_flops == hardware.CPU_FP32_FLOOR_PER_THREAD * torch.get_num_threads()
+    assert speed.bf16_flops == 1e6  # bf16 is not floored: an emulated rate is what it is

@@ -90,3 +90,11 @@ def test_a_logger_without_its_package_is_one_line_and_exit_2(tmp_path, small_tok
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("optimus")]
     assert len(err) == 1 and f"needs the {package} package" in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_expert_load_scalars_are_each_layers_counts_over_its_even_share():
+    """Layer 0: 6 of 8 copies on expert 0 of 4 (even share 2: 3.0x), none on experts 2 and 3 (0.0x); layer 1 even."""
+    scalars = step_scalars({"step": 1, "loss": 2.0, "expert_counts": [[6, 2, 0, 0], [2, 2, 2, 2]]})
+    assert scalars["expert_load/layer0/max"] == 3.0 and scalars["expert_load/layer0/min"] == 0.0
+    assert scalars["expert_load/layer1/max"] == scalars["expert_load/layer1/min"] == 1.0
+    assert scalars["train/loss"] == 2.0

@@ -113,3 +113,46 @@ def test_an_accelerator_offers_its_free_memory_not_its_total(monkeypatch):
     assert available_bytes(torch.device("cuda", 0), 1) == 3 * gib
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("no")))
     assert available_bytes(torch.device("cuda", 0), 1) is None  # a backend that cannot tell: no check
+
+
+def test_a_peak_equal_to_the_memory_fits(tmp_path, small_token_dir, monkeypatch):
+    """Refused only when the peak exceeds what the rank has."""
+    config, dims = layout(tmp_path, small_token_dir)
+    predicted = predicted_peak_bytes(config, dims, CPU)
+    monkeypatch.setattr(memory_fit, "available_bytes", lambda device, ranks: predicted)
+    assert check_memory_fits(config, dims, CPU, 1) == predicted
+
+
+def test_the_largest_fitting_candidate_is_found_at_either_end():
+    fits_up_to = lambda limit: (lambda m: m <= limit)  # noqa: E731
+    candidates = [1, 2, 3, 4, 6, 8, 12]
+    assert [memory_fit._largest_fitting(candidates, fits_up_to(limit)) for limit in (0, 1, 5, 11, 12, 99)] == [
+        None, 1, 4, 8, 12, 12]
+    assert memory_fit._largest_fitting([], fits_up_to(99)) is None
+
+
+def test_fully_checkpointed_activations_are_not_suggested_again(tmp_path, small_token_dir, monkeypatch):
+    config, dims = layout(tmp_path, small_token_dir, micro_batch_size=1, global_batch_size=1,
+                          activation_checkpointing="full")
+    monkeypatch.setattr(memory_fit, "available_bytes", lambda device, ranks: 1024.0)
+    with pytest.raises(MemoryFitError) as refused:
+        check_memory_fits(config, dims, CPU, 1)
+    assert "lower train.seq_len, shard over more ranks" in str(refused.value)
+    assert "activation_checkpointing" not in str(refused.value)
+
+
+def test_under_pipeline_parallelism_no_micro_batch_is_suggested(tmp_path, small_token_dir, monkeypatch):
+    """A pipeline schedule constrains the micro-batches (at least pp of them): the memory knobs are named instead,
+    even where a smaller micro-batch would fit."""
+    raw = tiny_run_config(tmp_path / "run", small_token_dir, model=dict(n_layers=2), parallel=dict(pp=2),
+                          train=dict(micro_batch_size=4, global_batch_size=16))
+    resolved = validate_layout(build_config(raw), 2)
+    config, dims = resolved.config, resolved.dims
+    one = config.model_copy(update={"train": config.train.model_copy(update={"micro_batch_size": 1})})
+    room = predicted_peak_bytes(one, dims, CPU)  # micro-batches of 1 would fit, of 4 not
+    assert room < predicted_peak_bytes(config, dims, CPU)
+    monkeypatch.setattr(memory_fit, "available_bytes", lambda device, ranks: room)
+    with pytest.raises(MemoryFitError) as refused:
+        check_memory_fits(config, dims, CPU, 2)
+    assert "lower train.micro_batch_size or train.seq_len" in str(refused.value)
+    assert "set train.micro_batch_size=" not in str(refused.value)

@@ -69,3 +69,11 @@ def test_the_cpu_peak_is_the_resident_set_in_bytes():
     peak, what = peak_memory_bytes(torch.device("cpu"))
     assert what == "peak RSS" and peak >= block.numel() * block.element_size()
     assert peak < 64 * 1024**3  # bytes, not KiB counted as bytes x 1024 again
+
+
+def test_the_even_share_divides_by_the_experts_not_the_layers():
+    """One layer of four experts, all 8 copies on expert 0: an even split gives each expert 2, so 4.0x and 0.0x."""
+    from optimus.train.metrics import expert_load_summary
+
+    summary = expert_load_summary(torch.tensor([[8, 0, 0, 0]]))
+    assert summary == {"expert_load_max": pytest.approx(4.0), "expert_load_min": pytest.approx(0.0)}

@@ -71,3 +71,10 @@ def test_the_probe_on_this_cpu_agrees_with_its_measured_rates():
     assert chosen.dtype == ("bf16" if speed.bf16_flags and speed.bf16_flops >= speed.fp32_flops else "fp32")
     assert speed.fp32_flops >= 1e9 * torch.get_num_threads()  # the sanity floor
     assert best_matmul_rate(torch.float32, 64, 0.0, min_repeats=1) > 0
+
+
+def test_bf16_as_fast_as_fp32_counts_as_native():
+    """"Not slower than fp32": a CPU with the bf16 units whose bf16 matmul rate equals its fp32 rate trains in bf16."""
+    even = CpuSpeed(fp32_flops=150e9, bf16_flops=150e9, capability="AVX512", bf16_flags=True)
+    assert native_bf16(CPU, even)[0] is True
+    assert choose_precision("auto", CPU, even).dtype == "bf16"

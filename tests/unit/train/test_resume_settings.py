@@ -43,3 +43,10 @@ def test_an_earlier_metrics_log_is_moved_aside_under_a_free_name(tmp_path):
     assert first.name == "metrics-before-step-0.jsonl" and second.name == "metrics-before-step-0.2.jsonl"
     assert first.read_text() == '{"step": 3}\n' and second.read_text() == '{"step": 7}\n'
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_new_seed_or_dtype_is_a_changed_setting(tmp_path):
+    """The seed picks the data order and the initial weights, the dtype what every step computes in."""
+    save_config(build_config({"train": {"seed": 1, "dtype": "fp32"}}), tmp_path / "config.yaml")
+    changed = changed_settings(tmp_path / "config.yaml", build_config({"train": {"seed": 2, "dtype": "bf16"}}))
+    assert changed == ["train.dtype: 'fp32' -> 'bf16'", "train.seed: 1 -> 2"]

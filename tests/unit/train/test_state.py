@@ -29,3 +29,15 @@ def test_the_global_generator_draws_after_a_resume_what_it_would_have_drawn(tmp_
     torch.manual_seed(99)  # a fresh process seeds again before it resumes
     manager.load(1, {"rng": RNGState()})
     assert torch.equal(torch.rand(8), expected)
+
+
+def test_progress_comes_back_with_its_tokens_seen(tmp_path):
+    from optimus.train.state import ProgressState
+
+    progress = ProgressState()
+    progress.step, progress.tokens_seen = 7, 3 * 2**40  # past 2^32: a long run's count
+    manager = CheckpointManager(tmp_path)
+    manager.save(7, {"progress": progress}, {"contents": ["progress"]})
+    restored = ProgressState()
+    manager.load(7, {"progress": restored})
+    assert (restored.step, restored.tokens_seen) == (7, 3 * 2**40)
