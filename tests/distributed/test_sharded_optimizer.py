@@ -574,3 +574,45 @@ def test_zero1_bf16_checkpoint_resumes_under_fsdp_from_its_fp32_masters(tmp_path
     assert any(not torch.equal(loaded[n], loaded[n].bfloat16().float()) for n in NAMES)
 
 
+
+
+def _groups_clip_and_lr(rank: int, world: int, config) -> dict:
+    import torch
+
+    from optimus.optim.build import param_groups, set_lr
+    from optimus.optim.sharded import ShardedOptimizer
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.parallelize import build_parallel_model
+    from tests.helpers import parity
+
+    dims = ParallelDims(dp_shard=config.parallel.dp_shard, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    model = build_parallel_model(config, dims, mesh, torch.device("cpu"))
+    optimizer = ShardedOptimizer(model, config.optim, model.zero_plan)
+    wanted = {id(p): g["weight_decay"] for g in param_groups(model, config.optim.weight_decay) for p in g["params"]}
+    decay_kept = all(optimizer._group_of[id(slot.master)]["weight_decay"] == wanted[id(slot.param)]
+                     for slot, _ in optimizer._slots.values())
+    kinds = sorted({g["weight_decay"] for g in optimizer.param_groups})
+    inputs, labels = parity.global_batches(config, 1)[0]
+    share = slice(rank * len(inputs) // world, (rank + 1) * len(inputs) // world)
+    model(inputs[share], labels=labels[share]).loss.backward()
+    norm = optimizer.clip_grad_norm_(0.0)  # 0: no clipping, the norm only
+    shards = [bucket.grad_shard.clone() for bucket in optimizer.buckets]
+    again = optimizer.clip_grad_norm_(norm * 100)  # far above the norm: torch caps the coefficient at 1
+    unchanged = all(torch.equal(before, bucket.grad_shard) for before, bucket in zip(shards, optimizer.buckets))
+    set_lr(optimizer, 0.125)
+    return {"decay_kept": decay_kept, "kinds": kinds, "norm": norm, "again": again, "unchanged": unchanged,
+            "lrs": [g["lr"] for g in optimizer.param_groups]}
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero2"])
+def test_decay_groups_clip_cap_and_learning_rate_reach_every_shard(mode):
+    """Each master keeps its parameter's weight decay (norms, biases and embeddings none: optim/build.py), a clip
+    threshold above the norm (or 0) leaves the gradients as they are instead of scaling them up, and the learning
+    rate the trainer sets reaches every group. (The parity tests' gradients always exceed their threshold and both
+    sides share the decay rule, so neither shows a swapped group or an uncapped coefficient.)"""
+    config = tiny_config(parallel=dict(dp_shard=2, shard_mode=mode), optim=dict(weight_decay=0.1))
+    for out in run_distributed(_groups_clip_and_lr, 2, config):
+        assert out["decay_kept"] and out["kinds"] == [0.0, 0.1]
+        assert out["unchanged"] and out["again"] == pytest.approx(out["norm"], rel=1e-6) and out["norm"] > 0
+        assert out["lrs"] == [0.125] * len(out["lrs"])
