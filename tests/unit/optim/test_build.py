@@ -1,4 +1,5 @@
-"""build_optimizer's AdamW kernel: fused wherever torch has the kernel for the parameters' device."""
+"""build_optimizer: its parameter groups (what decays, in a fixed order), the learning rate in each, and its AdamW kernel
+(fused wherever torch has the kernel for the parameters' device)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,31 @@ def test_matrices_decay_and_norms_biases_and_embeddings_do_not():
         assert all(decay_of[name] == 0.1 for name in decay_of if name not in kept)
         assert any("experts" in name for name in decay_of if name not in kept) == moe
         assert any(name.endswith("lm_head.weight") for name in decay_of if name not in kept)
+
+
+def test_a_wrapped_models_embeddings_do_not_decay_and_the_decay_group_comes_first():
+    """A wrapper (torch.compile's `_orig_mod.`, a pipeline stage's module) prefixes every name: its embedding is still
+    an embedding. And the group order is fixed, decay first, whatever order the parameters come in: a checkpoint's
+    optimizer state is matched to the groups by position."""
+    from optimus.optim.build import param_groups
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)  # registered first: the no-decay group meets its parameter first
+            self.proj = torch.nn.Linear(4, 4, bias=False)
+
+    model = torch.nn.Module()
+    model.inner = Wrapper()
+    groups = param_groups(model, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert groups[0]["params"] == [model.inner.proj.weight] and groups[1]["params"] == [model.inner.embed.weight]
+
+
+def test_the_learning_rate_reaches_every_group():
+    from optimus.optim.build import set_lr
+
+    optimizer = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]},
+                                   {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}])
+    set_lr(optimizer, 0.25)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.25, 0.25]
