@@ -1,5 +1,5 @@
-"""build_optimizer: its parameter groups (what decays, in a fixed order), the learning rate in each, and its AdamW kernel
-(fused wherever torch has the kernel for the parameters' device)."""
+"""build_optimizer: its parameter groups (what decays, in a fixed order), the learning rate in each, and its
+AdamW kernel (fused wherever torch has the kernel for the parameters' device)."""
 
 from __future__ import annotations
 
