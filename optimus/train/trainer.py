@@ -222,7 +222,14 @@ class Trainer:
         meta = self.checkpoints.read_meta(self.resume_step)
         # An imported checkpoint holds weights only; everything else starts fresh.
         state = {key: value for key, value in self.state.items() if key in meta.get("contents", self.state)}
+        # The checkpoint brings the moments and step counts; the optimizer's settings (weight decay, betas, eps)
+        # stay this run's config's, which loading replaces with the saved groups': a resume with a changed weight
+        # decay, said by _keep_earlier_settings, went on with the old one. (The learning rate is set every step.)
+        settings = [{key: value for key, value in group.items() if key != "params"}
+                    for group in self.optimizer.param_groups]
         self.checkpoints.load(self.resume_step, state)
+        for group, kept in zip(self.optimizer.param_groups, settings):
+            group.update(kept)
 
     def _keep_earlier_settings(self) -> None:
         """Before config.yaml is rewritten and metrics.jsonl rewound: keep the earlier config.yaml where a resume

@@ -5,6 +5,7 @@ a rerun of a finished run reports its held-out loss."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from optimus.config import build_config
 from optimus.train.callbacks.base import Callback
@@ -51,3 +52,25 @@ def test_a_rerun_of_a_finished_run_trains_nothing_and_reports_the_same_held_out_
     again = Trainer(build_config(raw), callbacks=[], progress_bar=False).fit()
     assert (again.step, again.resumed_from) == (1, 1)
     assert first.heldout_loss is not None and again.heldout_loss == pytest.approx(first.heldout_loss, rel=1e-6)
+
+
+def test_a_resume_trains_with_this_runs_optimizer_settings_and_the_checkpoints_moments(tmp_path, small_token_dir):
+    """A run resumed with another weight decay, betas or eps (the trainer says which changed) trains with those: the
+    checkpoint brings each parameter's moments and step count, not the settings it was saved with. Loading alone
+    restores the saved groups' settings (the checkpoint round-trips them exactly: test_safe_loading), so a changed
+    weight decay was said and silently not applied."""
+    raw = tiny_run_config(tmp_path / "run", small_token_dir, train=dict(max_steps=1))
+    raw["optim"] = dict(weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8)
+    first = Trainer(build_config(raw), callbacks=[], progress_bar=False)
+    first.fit()
+    moments = {name: first.optimizer.state[param]["exp_avg"].clone() for name, param in first.model.named_parameters()}
+    raw["train"]["max_steps"] = 2
+    raw["optim"] = dict(weight_decay=0.2, betas=[0.8, 0.99], eps=1e-6)
+    resumed = Trainer(build_config(raw), callbacks=[], progress_bar=False)
+    resumed._restore()
+    assert resumed.resume_step == 1
+    assert sorted(group["weight_decay"] for group in resumed.optimizer.param_groups) == [0.0, 0.2]
+    assert all(tuple(group["betas"]) == (0.8, 0.99) and group["eps"] == 1e-6
+               for group in resumed.optimizer.param_groups)
+    for name, param in resumed.model.named_parameters():  # and the moments are the checkpoint's
+        assert torch.equal(resumed.optimizer.state[param]["exp_avg"], moments[name]), name
