@@ -16,7 +16,8 @@ def test_least_squares_recovers_alpha_and_beta_of_the_ring_model():
             for op in COLLECTIVES:
                 factor = 2 if op == "all_reduce" else 1
                 seconds = factor * ((g - 1) * alpha + (g - 1) / g * nbytes / beta)
-                rows.append({"op": op, "ranks": g, "bytes": nbytes, "seconds": seconds * (1.03 if nbytes == 4096 else 1)})
+                noisy = seconds * (1.03 if nbytes == 4096 else 1)
+                rows.append({"op": op, "ranks": g, "bytes": nbytes, "seconds": noisy})
     fit = fit_alpha_beta(rows)
     assert fit["alpha_us"] == pytest.approx(150, rel=0.05)
     assert fit["beta_gb_s"] == pytest.approx(0.8, rel=0.05)
