@@ -1,5 +1,5 @@
 """ParallelDims: layouts the model or the sequence length cannot take are refused in one line (check_model); the
-mesh's flattened groups span the ranks they are named for (build_mesh)."""
+mesh's flattened groups span the ranks they are named for (build_mesh); expert_dp and has_data_parallel by hand."""
 
 from __future__ import annotations
 
@@ -54,3 +54,15 @@ def test_the_flattened_groups_span_the_ranks_they_are_named_for(parallel, world,
 
     for rank in (0, world - 1):
         assert run_forked(_group_sizes, parallel, world, rank) == sizes
+
+
+def test_expert_data_parallelism_and_data_parallelism_by_hand():
+    """Ranks holding the same experts: dp_replicate x dp_shard / ep (the ep ranks of a dp_shard group split the
+    experts, so they are not replicas of each other); the batch is shared only where dp > 1 (tp or pp alone: no
+    data parallelism to shard or average over)."""
+    assert ParallelDims(dp_shard=4, ep=2, world_size=4).expert_dp == 2
+    assert ParallelDims(dp_replicate=2, dp_shard=2, ep=2, tp=2, world_size=8).expert_dp == 2
+    assert ParallelDims(dp_shard=2, world_size=2).expert_dp == 2
+    assert not ParallelDims(tp=2, world_size=2).has_data_parallel
+    assert not ParallelDims(pp=2, world_size=2).has_data_parallel
+    assert ParallelDims(dp_replicate=2, world_size=2).has_data_parallel
