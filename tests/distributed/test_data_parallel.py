@@ -119,6 +119,7 @@ def _root_gathers_per_step(rank: int, world: int, config) -> dict:
         loss = model(tokens, labels=tokens).loss
         states["root after forward"] = isinstance(model.embed.weight, DTensor)
         states["first block after forward"] = isinstance(model.layers["0"].attn_norm.weight, DTensor)
+        states["last block after forward"] = isinstance(model.layers["1"].attn_norm.weight, DTensor)
         loss.backward()
         states["root after backward"] = isinstance(model.embed.weight, DTensor)
     return {"gathers_per_step": len(gathers) / 2, **states}
@@ -126,12 +127,13 @@ def _root_gathers_per_step(rank: int, world: int, config) -> dict:
 
 def test_fsdp_root_stays_gathered_from_forward_to_backward():
     """The root's weights (embedding, final norm, LM head) are the forward's last and the backward's first:
-    one all-gather a step, not a reshard after forward and a second gather for the backward."""
+    one all-gather a step, not a reshard after forward and a second gather for the backward. The last block's
+    backward comes right after the head's: it stays gathered too (the earlier blocks are resharded)."""
     from tests.helpers.distributed import run_distributed
 
     for result in run_distributed(_root_gathers_per_step, 2, tiny_config()):
         assert result == {"gathers_per_step": 1.0, "root after forward": False, "first block after forward": True,
-                          "root after backward": True}
+                          "last block after forward": False, "root after backward": True}
 
 
 @pytest.mark.slow  # every rank compiles each block (inductor): about two minutes on 2 cores

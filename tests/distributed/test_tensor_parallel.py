@@ -155,3 +155,39 @@ def test_tp_backward_reduces_each_input_gradient_once_and_the_norms_together():
     for rank in out:
         assert rank["full_activation_all_reduces"] == 0
         assert rank["partial"] >= 3 and rank["reductions_after"] == 1  # norms of 2 blocks + the final one
+
+
+def _reduced_partial_gradients(rank: int, world: int) -> dict:
+    """Two parameters on a 2-D (1, world) mesh, Partial over its second dim: one Replicate there (summed flattened
+    with the others like it), one Shard(0) there (redistributed: each rank keeps its rows of the sum). Every rank's
+    partial gradient is (rank + 1) x base. The gradients after reduce_partial_gradients: placements, this rank's
+    part and the whole."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from optimus.parallel.partial_grads import reduce_partial_gradients
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    base = torch.arange(12.0).view(4, 3)
+    params = {kind: nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Replicate(), placement]))
+              for kind, placement in (("replicated", Replicate()), ("sharded", Shard(0)))}
+    for param in params.values():
+        param.grad = DTensor.from_local(base * (rank + 1), mesh, [Replicate(), Partial()], shape=(4, 3), stride=(3, 1))
+    reduce_partial_gradients(list(params.values()))
+    return {kind: (tuple(p.grad.placements) == tuple(p.placements), p.grad.to_local().clone(), p.grad.full_tensor())
+            for kind, p in params.items()}
+
+
+def test_partial_gradients_are_summed_over_the_mesh_dim_they_are_partial_on_and_placed_as_their_parameters():
+    """The norms' gradients are Partial over tp on a 1-D mesh in the layouts above; here the general case
+    reduce_partial_gradients states: Partial on a mesh's second dim, and a parameter sharded there (not summed
+    flattened with the replicated ones: redistributed, so each rank keeps its own rows of the sum)."""
+    base = torch.arange(12.0).view(4, 3)
+    want = base * sum(r + 1 for r in range(2))  # the ranks' partial gradients, summed
+    for rank, out in enumerate(run_distributed(_reduced_partial_gradients, 2)):
+        for kind, (placed, local, whole) in out.items():
+            assert placed, kind
+            assert torch.equal(whole, want), kind  # small integers: exact in fp32
+        assert torch.equal(out["replicated"][1], want)
+        assert torch.equal(out["sharded"][1], want[2 * rank:2 * rank + 2])

@@ -192,7 +192,10 @@ def _widest_logits(rank: int, world: int, config, chunk_rows: int) -> dict:
         model(inputs, labels).loss.backward()
     with VocabWideOutputs() as asking, torch.no_grad():
         model(inputs)
-    return {"training": training.shapes, "logits": asking.shapes}
+    model.lm_head.chunk_rows = 100 * inputs.numel()  # a chunk larger than the tokens: buffers of the tokens' rows
+    with VocabWideOutputs() as one_chunk:
+        model(inputs, labels).loss.backward()
+    return {"training": training.shapes, "logits": asking.shapes, "one chunk": one_chunk.shapes}
 
 
 def test_no_rank_holds_full_vocabulary_logits_in_the_loss_path():
@@ -206,3 +209,6 @@ def test_no_rank_holds_full_vocabulary_logits_in_the_loss_path():
         assert sum(1 for shape in seen["training"] if shape[0] == chunk_rows) >= tokens // chunk_rows
         # asking for logits gathers them: the detector sees full rows then (so it can fail)
         assert any(shape[-1] == vocab for shape in seen["logits"]), seen["logits"]
+        # chunk_rows is a bound, not a size: fewer tokens than a chunk get buffers of their rows only, not
+        # [chunk_rows, V/tp] ones whatever the batch
+        assert seen["one chunk"] and all(shape[0] <= tokens for shape in seen["one chunk"]), seen["one chunk"]

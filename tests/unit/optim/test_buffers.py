@@ -46,3 +46,18 @@ def test_a_buckets_gathered_rows_and_its_own_segment_lie_side_by_side_without_ov
         rows_end = rows.data_ptr() + rows.numel() * rows.element_size()
         assert own.data_ptr() >= rows_end
         assert own.data_ptr() + own.numel() * own.element_size() <= buffers.data_ptr(0) + buffers.nbytes[0]
+
+
+def test_a_buffer_sized_for_2_byte_elements_still_views_whole_as_fp32():
+    """Buckets take turns over a buffer; one packing fp32 (a one-rank bucket) views the whole buffer as fp32, even
+    one sized for bf16 gradients: 2 x (ranks + 1) x segment bytes, not a multiple of 4 when (ranks + 1) x segment is
+    odd, is rounded up."""
+    import torch
+
+    from optimus.optim.buffers import BucketBuffers
+
+    for ranks, segment in ((2, 777), (4, 1), (2, 2)):
+        (nbytes,) = buffer_nbytes([(ranks, segment)], 2, accumulates=False, reduce_width=2)
+        assert nbytes >= 2 * (ranks + 1) * segment and nbytes % 4 == 0, (ranks, segment, nbytes)
+        rows, own = BucketBuffers([nbytes], torch.device("cpu")).views(0, 1, nbytes // 8, torch.float32)
+        assert rows.numel() == own.numel() == nbytes // 8

@@ -66,3 +66,10 @@ def test_the_learning_rate_reaches_every_group():
                                    {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}])
     set_lr(optimizer, 0.25)
     assert [g["lr"] for g in optimizer.param_groups] == [0.25, 0.25]
+
+
+def test_a_mix_of_devices_with_one_torch_does_not_fuse_gets_foreach():
+    """fused=True needs the kernel on every parameter's device: one it lacks (meta here) and AdamW would refuse it."""
+    mixed = [{"params": [torch.nn.Parameter(torch.zeros(2))]},
+             {"params": [torch.nn.Parameter(torch.zeros(2, device="meta"))]}]
+    assert adamw_kernel(mixed) == {"foreach": True}

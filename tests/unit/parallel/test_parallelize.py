@@ -70,6 +70,22 @@ def test_selective_ops_recomputes_no_matmul_nor_the_experts_grouped_gemms():
     assert ops_level["aten.rsqrt.default"] > plain.get("aten.rsqrt.default", 0)  # the norms are recomputed
 
 
+def test_selective_ops_keeps_integer_all_gathers_and_replays_those_of_activations():
+    """The op-level policy's one exception (parallelize._ops_policy): an all-gather of activations is replayed (its
+    output is ep (tp) x this rank's rows), an integer one (the routing's expert ids and token counts: few numbers,
+    and a host read each exchange) is kept; the EP exchanges and reduce-scatters are kept whatever they carry."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import optimus.parallel.collective_ops  # noqa: F401 (registers the optimus:: collectives)
+    from optimus.parallel.parallelize import _ops_policy
+
+    ops, ints, floats = torch.ops.optimus, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2)
+    assert _ops_policy(None, ops.all_gather_rows.default, ints, "group") == CheckpointPolicy.MUST_SAVE
+    assert _ops_policy(None, ops.all_gather_rows.default, floats, "group") == CheckpointPolicy.PREFER_RECOMPUTE
+    for op in (ops.all_to_all_rows.default, ops.reduce_scatter_rows.default):
+        assert _ops_policy(None, op, floats, "group") == CheckpointPolicy.MUST_SAVE
+
+
 MASKS = [["moe"], ["attention", "norms"], ["attention", "moe", "norms"], ["mlp", "norms"]]
 
 
