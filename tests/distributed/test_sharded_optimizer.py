@@ -580,15 +580,9 @@ def _groups_clip_and_lr(rank: int, world: int, config) -> dict:
     import torch
 
     from optimus.optim.build import param_groups, set_lr
-    from optimus.optim.sharded import ShardedOptimizer
-    from optimus.parallel.mesh import ParallelDims
-    from optimus.parallel.parallelize import build_parallel_model
     from tests.helpers import parity
 
-    dims = ParallelDims(dp_shard=config.parallel.dp_shard, world_size=world)
-    mesh = dims.build_mesh("cpu")
-    model = build_parallel_model(config, dims, mesh, torch.device("cpu"))
-    optimizer = ShardedOptimizer(model, config.optim, model.zero_plan)
+    model, optimizer = _zero_optimizer(world, config)
     wanted = {id(p): g["weight_decay"] for g in param_groups(model, config.optim.weight_decay) for p in g["params"]}
     decay_kept = all(optimizer._group_of[id(slot.master)]["weight_decay"] == wanted[id(slot.param)]
                      for slot, _ in optimizer._slots.values())
