@@ -21,8 +21,10 @@
 #    process, within the CPU parity tests' tolerances (steps layouts-2, layouts-4, layouts-8).
 # 8. where optuna is installed, `optimus tune` on this GPU: two real trials of mula-tiny-moe, priced and pruned as
 #    the preset of the GPU's kind with its own memory (optimus/plan/tune.py trial_cluster).
-# 9. `optimus plan --calibrate` on the preset of the GPU's kind: Mula-7B-A1B's op classes on this GPU and the
-#    collectives over its GPUs, written as OUT_DIR/calibrated.yaml beside the preset's figures (calibrate_node.py).
+# 9. `optimus plan --calibrate` on the preset of the GPU's kind: Mula-7B-A1B's op classes on this GPU (by their
+#    kernels' time, at 4 sequences a micro-batch as step 3's steps run) and the collectives over its GPUs, written
+#    as OUT_DIR/calibrated.yaml beside the preset's figures (calibrate_node.py); then every step stored in
+#    benchmarks/gpu_measured.json for this kind of GPU priced on that file (plan_gpu.py --stored --cluster).
 # Each step's log and JSON go to OUT_DIR; a failing step is reported and the others still run.
 #
 # The Python used is $PYTHON (default python3); it needs torch with CUDA, triton, transformers,
@@ -79,7 +81,10 @@ preset=$("$PYTHON" -c "import torch; from optimus.plan.tune import accelerator_p
 print(p(torch.cuda.get_device_name(0)) or '')" 2>/dev/null)
 if [ -n "$preset" ]; then
     step calibrate "$PYTHON" -m optimus plan configs/mula-7b-a1b.yaml --cluster "$preset" --devices 8 --calibrate \
-        --calibrated-cluster "$OUT/calibrated.yaml" --overwrite --json "$OUT/plan_calibrated.json" --top 5
+        --calibrated-cluster "$OUT/calibrated.yaml" --overwrite --json "$OUT/plan_calibrated.json" --top 5 \
+        --train.micro_batch_size=4
+    step calibrated-vs-stored "$PYTHON" benchmarks/plan_gpu.py --stored --cluster "$OUT/calibrated.yaml" \
+        --json "$OUT/plan_gpu_calibrated.json"
 else
     echo "=== calibrate: no cluster preset for this GPU: skipped"
 fi

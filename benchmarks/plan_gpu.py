@@ -167,15 +167,22 @@ def run_case(name: str, cluster: str, steps: int, warmup: int, more: list[str] =
             "losses": measured["losses"], "build_s": measured["build_s"], "wall_s": measured["wall_s"]}
 
 
-def stored_rows(path: Path = STORED) -> list[dict]:
-    """Every step measured on a GPU (gpu_measured.json) beside what the planner predicts for it now."""
+def stored_rows(path: Path = STORED, cluster: str | None = None) -> list[dict]:
+    """Every step measured on a GPU (gpu_measured.json) beside what the planner predicts for it now, on the
+    cluster each run was measured on (its preset) or on `cluster` (a preset's name or a cluster file, such as a
+    node's own calibration: `optimus plan --calibrate --cluster h200 --calibrated-cluster FILE`)."""
+    from optimus.plan.cluster import load_cluster
+
     gib = 1024**3
     rows = []
+    device = load_cluster(cluster).device if cluster else ""
     for run in json.loads(Path(path).read_text())["runs"]:
+        if device not in run["device"]:  # a cluster file of one device kind prices that kind's runs alone
+            continue
         for measured in run["rows"]:
             config_path, overrides = case_overrides(measured["case"], 5, 3, measured["overrides"])
-            predicted = predict(config_path, overrides, run["cluster"])
-            rows.append({**measured, "device": run["device"], "cluster": run["cluster"], "date": run["date"],
+            predicted = predict(config_path, overrides, cluster or run["cluster"])
+            rows.append({**measured, "device": run["device"], "cluster": cluster or run["cluster"], "date": run["date"],
                          "predicted_step_s": predicted["step_s"],
                          "step_error": predicted["step_s"] / measured["measured_step_s"] - 1,
                          "predicted_memory_gib": predicted["memory_bytes"] / gib,
@@ -183,14 +190,15 @@ def stored_rows(path: Path = STORED) -> list[dict]:
     return rows
 
 
-def print_stored(path: Path, json_path: str) -> int:
+def print_stored(path: Path, json_path: str, cluster: str | None = None) -> int:
     """The table of stored_rows, its accuracy, and the JSON."""
     try:
-        rows = stored_rows(path)
+        rows = stored_rows(path, cluster)
     except (OSError, ValueError, KeyError, TypeError) as error:  # no file, not JSON, or not runs of measured rows
         raise SystemExit(f"plan_gpu: --stored {path}: not a file of GPU measurements like benchmarks/"
                          f"gpu_measured.json ({type(error).__name__}: {error})") from None
-    print(f"steps measured on GPUs ({path}), priced by the planner as it is now (presets alone)")
+    print(f"steps measured on GPUs ({path}), priced by the planner as it is now "
+          f"({'on ' + cluster if cluster else 'presets alone'})")
     print(f"{'device':<22} {'case':<26} {'':<8} {'measured s':>10} {'predicted s':>11} {'error':>7} "
           f"{'meas GiB':>9} {'pred GiB':>9} {'error':>7}")
     for row in rows:
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                              "runs nothing, needs no GPU")
     args = parser.parse_args(argv)
     if args.stored is not None:
-        return print_stored(Path(args.stored), args.json)
+        return print_stored(Path(args.stored), args.json, args.cluster)
     device_name, cluster, names = selected_cases(args, "plan_gpu")
     print(f"{device_name}: predicted from the '{cluster}' preset alone (no calibration)")
     print(f"{'case':<26} {'measured s':>10} {'predicted s':>11} {'error':>7} {'meas GiB':>9} {'pred GiB':>9} "

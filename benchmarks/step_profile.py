@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from optimus.cli.errors import OneLineErrorParser  # noqa: E402
+from optimus.plan.timing import device_kernels  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import machine_info, write_json  # noqa: E402
@@ -136,11 +137,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
             trainer.fit()
         del trainer
     events = profiler.events() or []
-    # the GPU timeline also carries annotations spanning kernels (ProfilerStep*, Optimizer.step#AdamW.step):
-    # not kernels, and they would count those kernels twice
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("ProfilerStep", "optimus."))
-               and "#" not in e.name]
+    kernels = device_kernels(events, torch.autograd.DeviceType.CUDA)  # the timeline's annotations left out
     seconds: dict[str, float] = {}  # per op class
     top: dict[str, float] = {}  # per kernel name
     for kernel in kernels:

@@ -152,8 +152,7 @@ def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
     found = probe_local_accelerators()
     check_devices(cluster, found, args.cluster)
     config = validate_layout(config).config  # the micro-batch timed: the configured layout's (one rank when none)
-    what = (f"{Path(args.config).name}: {config.train.micro_batch_size} x {config.train.seq_len} tokens a "
-            f"micro-batch")
+    what = f"{Path(args.config).name}: {config.train.micro_batch_size} x {config.train.seq_len} tokens a micro-batch"
     print(f"calibrating {cluster.name} on this node's {found.count} {found.name} (op classes at {what}; "
           f"collectives over {min(found.count, cluster.devices_per_node)} devices): a few minutes", flush=True)
     try:
@@ -164,6 +163,11 @@ def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
                          f"{last}); nothing was written") from None
     write_calibrated(path, calibrated_cluster_text(cluster, measured, found, what))
     print("\n".join(describe_node(cluster, measured)))
+    # one H200's kernels ran Mula-7B-A1B's projections at 0.60 of peak and its experts at 0.28 at 1 x 2,048 tokens,
+    # at 0.70 and 0.48 at 4 x 2,048 (BENCHMARKS.md, stop 58): one micro-batch's rates do not hold for all
+    print(f"note: timed at {config.train.micro_batch_size} x {config.train.seq_len} tokens a micro-batch; layouts at "
+          "other micro-batches are priced at these rates (a GPU's kernels run faster at larger ones): "
+          "--train.micro_batch_size=N calibrates at another")
     print(f"calibration written to {path}: plan on it with --cluster {path}")
     return load_cluster(str(path))
 

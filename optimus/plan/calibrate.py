@@ -37,7 +37,7 @@ from optimus.config import Config
 from optimus.plan.dtensor_cost import measure_dtensor_overhead
 from optimus.plan.efficiency import OPTIMIZER_MAX, Efficiency
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
-from optimus.plan.timing import CountOps, best_time
+from optimus.plan.timing import CountOps, best_time, device_seconds
 
 # the optimizer's state for this many parameters (master, gradient, two moments: 128 MiB in fp32) is far past any
 # last-level cache, as a model's is; its rate per byte was flat from 4 to 30 million on a 2-core EPYC
@@ -69,7 +69,7 @@ def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS, device: torch.dev
     def step() -> None:
         clip_gradients(params, 1.0)
         optimizer.step()
-    return {"seconds": best_time(step, 3, device),
+    return {"seconds": device_seconds(step, 3, device),
             "bytes": float(sum(p.numel() for p in params) * OPTIMIZER_BYTES_PER_ELEMENT)}
 
 
@@ -100,7 +100,7 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
         return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_(grad)
 
     def timed(fn: Callable[[], None], repeats: int = COMPUTE_REPEATS) -> float:
-        return best_time(fn, repeats, device)
+        return device_seconds(fn, repeats, device)  # on an accelerator its kernels' time: the host's is op_overhead
 
     x = tensor(tokens, h)
     measured: dict[str, Any] = {}
@@ -166,7 +166,8 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
 
     with CountOps() as counter:
         chain()
-    measured["op_overhead"] = {"seconds": timed(chain, 5), "operators": counter.count}
+    # the host's time, to the end of the device's work (what runs of small kernels leave the device idle for)
+    measured["op_overhead"] = {"seconds": best_time(chain, 5, device), "operators": counter.count}
     # what tp's DTensors add per operator: one block under tp on a one-rank mesh vs plain (a forked rank)
     measured["dtensor_overhead"] = (measure_dtensor_overhead(config, dtype) if time_dtensor else
                                     {"us_per_operator": 0.0, "not timed": "the host dispatches ahead of the device"})
@@ -209,7 +210,7 @@ def measure_buffer_copies(dtype: torch.dtype, reduce_dtype: torch.dtype, device:
         torch.split_with_sizes_copy(flat, sizes, out=back)
         torch._chunk_cat(tensors, 0, 2, out=reduce_input)
     width, reduce_width = flat.element_size(), reduce_input.element_size()
-    return {"seconds": best_time(copies, COMPUTE_REPEATS, device),
+    return {"seconds": device_seconds(copies, COMPUTE_REPEATS, device),
             "bytes": elements * (4 * width + width + reduce_width)}
 
 

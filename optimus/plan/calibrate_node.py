@@ -5,7 +5,8 @@ A preset's efficiencies come from profiled steps on one machine under one torch 
 node with another software stack, clock or power cap reaches its own. Timed here, on the node's devices:
     op classes     calibrate.measure_op_classes at the planned model's shapes on device 0, each as a fraction of
                    the cluster's peak FLOP/s (the datasheet's, or its file's peak_tflops) or of its HBM bandwidth,
-                   on the same counts step_time charges
+                   on the same counts step_time charges, each by its kernels' time (timing.kernel_time, as the
+                   presets were read off profiled steps: the host's dispatch is op_overhead's)
     memory_bound   the norm, SwiGLU and residual block compiled (fused kernels: the count memory_bound is read on)
                    and eager: eager_memory_traffic is the eager time over the compiled (1 where torch.compile cannot
                    build here, memory_bound then being the eager block's)
@@ -37,7 +38,7 @@ from optimus.plan.calibrate import measure_op_classes
 from optimus.plan.calibrate_collectives import COLLECTIVES, _time_collectives, fit_alpha_beta
 from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
-from optimus.plan.timing import best_time
+from optimus.plan.timing import device_seconds
 from optimus.train.hardware import LocalAccelerators
 
 # NCCL switches from its latency-bound to its bandwidth-bound algorithms between these; the largest is a
@@ -94,7 +95,7 @@ def _compiled_block(config: Config, dt: torch.dtype, device: torch.device) -> di
     def run() -> None:
         block(x, gate, up, res).backward()
     try:
-        return {"seconds": best_time(run, 6, device)}
+        return {"seconds": device_seconds(run, 6, device)}
     except Exception as err:  # noqa: BLE001 - no compiler toolchain, an unsupported device: eager it is
         return {"not timed": f"torch.compile failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 

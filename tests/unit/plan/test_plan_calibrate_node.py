@@ -140,6 +140,7 @@ def test_the_cli_writes_the_calibrated_cluster_plans_on_it_and_keeps_it(monkeypa
     code, out, err = _in_process(capsys, *args)
     assert code == 0, err
     assert "calibrating h100 on this node's 2 NVIDIA H100 80GB HBM3" in out
+    assert "note: timed at 8 x 64 tokens a micro-batch; layouts at other micro-batches are priced at these" in out
     assert "calibration written to h100-calibrated.yaml: plan on it with --cluster h100-calibrated.yaml" in out
     assert "valid layouts of 8 h100-calibrated devices (" in out.split("calibration written")[1]  # planned on it
     written = (tmp_path / "h100-calibrated.yaml").read_text()
@@ -167,3 +168,4 @@ def test_a_measurement_that_fails_on_the_node_is_one_line_and_writes_nothing(mon
     assert ("calibrating h100 on this node failed (rank 0 of 1 failed: torch.OutOfMemoryError: CUDA out of memory. "
             "Tried to allocate 3.2 GiB); nothing was written") in err
     assert not list(tmp_path.iterdir())
+

@@ -40,3 +40,60 @@ def test_operators_are_counted_as_dispatched():
     with timing.CountOps() as counter:
         (a + 1).mul(2).sum()
     assert counter.count == 3
+
+
+def _event(name: str, kind, micros: float, annotation: bool = False):
+    span = types.SimpleNamespace(elapsed_us=lambda: micros)
+    return types.SimpleNamespace(name=name, device_type=kind, time_range=span, is_user_annotation=annotation)
+
+
+def test_device_kernels_leave_out_the_timelines_annotations():
+    """Annotations span kernels on the device timeline (a step, the optimizer's step, a user range): counting them
+    would count their kernels twice; host events are not the device's."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [_event("ampere_bf16_gemm", cuda, 10), _event("Memcpy DtoD", cuda, 2), _event("aten::mm", cpu, 50),
+              _event("ProfilerStep#3", cuda, 40), _event("Optimizer.step#AdamW.step", cuda, 30),
+              _event("optimus.forward", cuda, 20), _event("my range", cuda, 9, annotation=True)]
+    assert [e.name for e in timing.device_kernels(events, cuda)] == ["ampere_bf16_gemm", "Memcpy DtoD"]
+
+
+def test_kernel_time_is_the_fastest_calls_summed_kernels(monkeypatch):
+    """Each timed call's kernels are summed (the host's dispatch and the synchronize's round trip are not the
+    device's work); the fastest call counts, after an untimed one."""
+    cuda = torch.autograd.DeviceType.CUDA
+    calls = iter([[30.0, 40.0], [10.0, 5.0], [12.0, 4.0]])  # each profiled call's kernels, us
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            self.kernels = [_event("gemm", cuda, us) for us in next(calls)] + [_event("aten::mm", "cpu", 500)]
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return self.kernels
+    ran = []
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(timing, "synchronizer", lambda device: lambda: None)
+    seconds = timing.kernel_time(lambda: ran.append(1), 3, torch.device("cuda"))
+    assert abs(seconds - 15e-6) < 1e-12 and len(ran) == 4
+
+
+def test_device_seconds_falls_back_to_the_clock(monkeypatch):
+    """No kernels seen (no CUPTI) or the CPU: the fastest call to the end of the device's work."""
+    monkeypatch.setattr(timing, "kernel_time", lambda fn, repeats, device: None)
+    monkeypatch.setattr(timing, "best_time", lambda fn, repeats, device=None: 7.0)
+    assert timing.device_seconds(lambda: None, 2, torch.device("cuda")) == 7.0
+    assert timing.device_seconds(lambda: None, 2, None) == 7.0
+    monkeypatch.setattr(timing, "kernel_time", lambda fn, repeats, device: 3.0)
+    assert timing.device_seconds(lambda: None, 2, torch.device("cuda")) == 3.0
+    assert timing.device_seconds(lambda: None, 2, torch.device("cpu")) == 7.0
+
+
+def test_kernel_time_sums_nothing_on_the_cpu():
+    """A CPU's profiled events nest (an aten op inside another): there are no kernels to sum."""
+    assert timing.kernel_time(lambda: None, 1, torch.device("cpu")) is None
