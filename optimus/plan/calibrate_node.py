@@ -34,7 +34,7 @@ import torch
 
 from optimus.config import Config, ConfigError
 from optimus.parallel.local_ranks import run_on_local_ranks
-from optimus.plan.calibrate import measure_op_classes
+from optimus.plan.calibrate import measure_op_classes, memory_bound_block, memory_bound_call
 from optimus.plan.calibrate_collectives import COLLECTIVES, _time_collectives, fit_alpha_beta
 from optimus.plan.cluster import Cluster
 from optimus.plan.efficiency import Efficiency
@@ -77,25 +77,16 @@ def _device_op_classes(rank: int, world: int, device_type: str, config: Config, 
 def _compiled_block(config: Config, dt: torch.dtype, device: torch.device) -> dict[str, Any]:
     """measure_op_classes' memory-bound block (a norm, SwiGLU's product, a residual add) under torch.compile,
     forward and backward: {"seconds"}, or {"not timed": why} where compiling fails here."""
-    import torch.nn.functional as F
-
     from optimus.models.layers import RMSNorm
 
     m = config.model
     tokens = (config.train.micro_batch_size or 1) * config.train.seq_len
     h, f = m.d_model, (m.ffn_hidden or 4 * m.d_model)
     norm = RMSNorm(h).to(device=device, dtype=dt)
-    x, gate, up, res = ((torch.randn(tokens, n, device=device) * 0.02).to(dt).requires_grad_()
-                        for n in (h, f, f, h))
-
-    @torch.compile(fullgraph=True)
-    def block(a, g, u, r):
-        return norm(a).sum() + (F.silu(g) * u).sum() + (a + r).sum()
-
-    def run() -> None:
-        block(x, gate, up, res).backward()
+    inputs = tuple((torch.randn(tokens, n, device=device) * 0.02).to(dt).requires_grad_() for n in (h, f, f, h))
     try:
-        return {"seconds": device_seconds(run, 6, device)}
+        block = torch.compile(memory_bound_block(norm), fullgraph=True)
+        return {"seconds": device_seconds(memory_bound_call(block, inputs, writes_outputs=True), 6, device)}
     except Exception as err:  # noqa: BLE001 - no compiler toolchain, an unsupported device: eager it is
         return {"not timed": f"torch.compile failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 

@@ -83,11 +83,11 @@ def test_every_step_measured_on_a_gpu_stays_within_the_issues_bands():
 
 def test_the_h200s_own_calibration_prices_its_steps_as_the_preset_does():
     """An H200's node calibration (benchmarks/gpu_calibrated_h200.yaml, from microbenchmarks by their kernels' time,
-    none of the steps) prices only that kind's 11 stored steps: within 10% on average (5.2% when it was written,
-    the preset fitted to profiled steps 5.8%), and the memory as the preset's own."""
+    none of the steps) prices only that kind's 11 stored steps, each within issue 11's 15% (8.6% on average and
+    11.6% at most when it was written; the preset, fitted to profiled steps, 5.8%), the memory as the preset does."""
     calibrated = stored_rows(cluster=str(Path(__file__).resolve().parents[2] / "benchmarks/gpu_calibrated_h200.yaml"))
     assert len(calibrated) == 11 and all(r["device"] == "NVIDIA H200" for r in calibrated)
-    assert sum(abs(r["step_error"]) for r in calibrated) / 11 < 0.10
+    assert all(abs(r["step_error"]) <= 0.15 for r in calibrated), [r["step_error"] for r in calibrated]
     preset = [r for r in stored_rows() if r["device"] == "NVIDIA H200"]
     assert [r["predicted_memory_gib"] for r in calibrated] == [r["predicted_memory_gib"] for r in preset]
 

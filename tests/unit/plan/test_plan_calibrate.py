@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from optimus.config import load_config
 from optimus.plan.calibrate import OPTIMIZER_ELEMENTS, measure_op_classes
@@ -408,3 +409,24 @@ def test_tensor_parallel_calls_after_a_few_operators_pay_less_than_at_the_mean_c
     between = (plain.step_s - sum(plain.parts[p] for p in COLLECTIVE_PARTS)) / collectives
     timed = step_time(*args, cluster, None, layout.batch.micro_batches)
     assert plain.step_s < timed.step_s < plain.step_s + sync_after_compute(points, between) * collectives
+
+
+def test_the_memory_bound_block_takes_each_outputs_gradient_or_a_sum():
+    """On an accelerator each output is written and its own gradient read back (what memory_bound_bytes counts; a
+    compiled sum would skip both); on the CPU the outputs are summed, as `here`'s calibrations were timed."""
+    from optimus.models.layers import RMSNorm
+    from optimus.plan.calibrate import memory_bound_block, memory_bound_call
+
+    def inputs():
+        torch.manual_seed(0)
+        return tuple(torch.randn(6, n, requires_grad=True) for n in (4, 8, 8, 4))
+    block = memory_bound_block(RMSNorm(4))
+    whole = inputs()
+    torch.manual_seed(1)
+    expected = [torch.randn(6, 4), torch.randn(6, 8), torch.randn(6, 4)]  # the gradients memory_bound_call draws
+    torch.manual_seed(1)
+    memory_bound_call(block, whole, writes_outputs=True)()
+    assert torch.equal(whole[3].grad, expected[2])  # the residual's input gets its output's gradient
+    summed = inputs()
+    memory_bound_call(block, summed, writes_outputs=False)()
+    assert torch.equal(summed[3].grad, torch.ones(6, 4))
