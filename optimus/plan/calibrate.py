@@ -68,7 +68,7 @@ def memory_bound_call(block: Callable[..., tuple[torch.Tensor, ...]], inputs: tu
     as a model's norms, SwiGLU and residuals do (the bytes step_time.memory_bound_bytes counts); else the outputs
     summed into one scalar, as the CPU calibrations that priced `here`'s layouts were timed. Summed, a compiled
     block skips those writes and reads, some 40% of the count: one H200 read it at 0.96-1.0 of HBM's bandwidth,
-    over the 0.86 a plain copy reaches there (2026-11-30)."""
+    over the ~0.9 a plain copy reaches there (2026-11-30)."""
     if not writes_outputs:
         def summed() -> None:
             a, b, c = block(*inputs)

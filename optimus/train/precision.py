@@ -9,7 +9,7 @@ An explicit `bf16` on such a device still runs, with one warning that states the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,9 @@ class Precision:
     requested: str
     reason: str
     warning: str | None = None  # set when an explicit bf16 will run slowly here
+    # the warning is this rank's alone to give (its device reads unlike rank 0's, which says its own): a rank other
+    # than 0 prints it
+    own_warning: bool = False
 
     def describe(self) -> str:
         """One log line: the choice and its reason."""
@@ -74,15 +77,25 @@ def agree_on_precision(precision: Precision, device: torch.device) -> Precision:
     """Every rank of a job trains in rank 0's dtype. `auto` is each rank's own reading of its device, and on a CPU
     that reading is a timing: ranks whose bf16 and fp32 rates are close, one whose probe met a busy core, or nodes of
     different CPU kinds could read it either way, and ranks in different dtypes would exchange gradients that do not
-    match. An explicit dtype is the same on every rank already (one config), so nothing is exchanged for it."""
+    match. An explicit dtype is the same on every rank already (one config); for an explicit bf16 a rank without
+    bf16 units where rank 0 has them is told to say so itself (rank 0's own warning covers the ranks like it)."""
     import torch.distributed as dist
 
-    if precision.requested != "auto" or not (dist.is_available() and dist.is_initialized()):
+    if precision.requested == "fp32" or not (dist.is_available() and dist.is_initialized()):
         return precision
     if dist.get_world_size() == 1:
         return precision
-    choice = torch.tensor([precision.dtype == "bf16"], dtype=torch.int32, device=device)  # NCCL sends device tensors
+    # rank 0's reading (NCCL sends device tensors): its choice for auto, whether it warned for an explicit bf16
+    read = precision.dtype == "bf16" if precision.requested == "auto" else precision.warning is not None
+    choice = torch.tensor([read], dtype=torch.int32, device=device)
     dist.broadcast(choice, src=0)
+    if precision.requested != "auto":
+        if precision.warning is None or bool(choice.item()):
+            return precision
+        return replace(precision, own_warning=True, warning=(
+            f"warning: rank {dist.get_rank()} has no native bf16, unlike rank 0, yet train.dtype=bf16 "
+            f"({precision.reason}): its matmuls run slower than fp32 and every rank waits for it; use "
+            "train.dtype=fp32 (or auto) for this job"))
     dtype = "bf16" if bool(choice.item()) else "fp32"
     if dtype == precision.dtype:
         return precision
@@ -92,4 +105,4 @@ def agree_on_precision(precision: Precision, device: torch.device) -> Precision:
                    f"native bf16 here ({precision.reason}): its matmuls run slower than fp32 and every rank waits "
                    "for it; set train.dtype=fp32 for this job")
     return Precision(dtype, precision.requested, f"rank 0's choice, which every rank takes; this rank read "
-                                                 f"{precision.dtype}: {precision.reason}", warning)
+                                                 f"{precision.dtype}: {precision.reason}", warning, warning is not None)

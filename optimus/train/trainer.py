@@ -196,8 +196,8 @@ class Trainer:
             cache_file, kernel_env = cpu_speed_cache()
             cpu = cpu_speed(cache_file, kernel_env)
         precision = agree_on_precision(choose_precision(requested, self.device, cpu), self.device)
-        if precision.warning and not self.is_rank0 and requested == "auto":  # (rank 0 says its own; this one
-            print(precision.warning, file=sys.stderr, flush=True)  # read its device unlike rank 0)
+        if precision.own_warning and not self.is_rank0:  # (rank 0 says its own; this one read its device unlike it)
+            print(precision.warning, file=sys.stderr, flush=True)
         peak, source = device_peak_flops(self.device, precision.dtype, cpu)
         return precision, peak, source
 

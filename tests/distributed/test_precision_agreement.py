@@ -30,8 +30,29 @@ def test_every_rank_takes_rank_0s_reading_of_auto(read):
 
 
 def test_an_explicit_dtype_is_left_as_each_rank_has_it():
-    """(one config gives every rank the same explicit dtype: nothing to agree on, nothing exchanged)"""
+    """(one config gives every rank the same explicit dtype: nothing to agree on)"""
     assert [dtype for dtype, _ in run_distributed(_agreed, 2, ["fp32", "bf16"], "bf16")] == ["fp32", "bf16"]
+
+
+def _explicit_bf16(rank: int, world: int, native: list[bool]) -> tuple[str | None, bool]:
+    import torch
+
+    from optimus.train.precision import Precision, agree_on_precision
+
+    warning = None if native[rank] else "warning: train.dtype=bf16 on a device without native bf16 (x)"
+    agreed = agree_on_precision(Precision("bf16", "bf16", "a probe", warning), torch.device("cpu"))
+    return agreed.warning, agreed.own_warning
+
+
+@pytest.mark.parametrize("native", [[True, False], [False, False], [False, True], [True, True]])
+def test_an_explicit_bf16_on_a_rank_without_its_units_unlike_rank_0_is_that_ranks_to_say(native):
+    """Rank 0 says its own warning (for the ranks like it); rank 1 without bf16 units where rank 0 has them says
+    its own, naming itself, once."""
+    (first, first_own), (second, second_own) = run_distributed(_explicit_bf16, 2, native)
+    assert (first is None) == native[0] and not first_own
+    assert second_own == (native[0] and not native[1]) and (second is None) == native[1]
+    if second_own:
+        assert second.startswith("warning: rank 1 has no native bf16, unlike rank 0, yet train.dtype=bf16")
 
 
 def _trainer_precision(rank: int, world: int, run_dir: str, rank_0_reads: str) -> tuple[str, str, str]:
@@ -63,3 +84,29 @@ def test_the_trainer_trains_every_rank_in_rank_0s_choice(tmp_path, rank_0_reads)
     assert [(dtype, trained) for dtype, trained, _ in ranks] == [(rank_0_reads, rank_0_reads)] * 2
     warned = [line for line in ranks[1][2].splitlines() if line.startswith("warning: rank 1 trains in bf16")]
     assert len(warned) == (rank_0_reads == "bf16") and "warning: rank" not in ranks[0][2]
+
+
+def _trainer_explicit_bf16(rank: int, world: int, run_dir: str) -> str:
+    import contextlib
+    import io
+    import os
+
+    from optimus.train import trainer as trainer_module
+    from optimus.train.precision import Precision
+    from tests.helpers.runs import small_moe_trainer_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    trainer_module.choose_precision = lambda requested, device, cpu=None: Precision(  # rank 1 lacks bf16 units
+        "bf16", requested, "a probe", None if rank == 0 else "warning: train.dtype=bf16 on a device without ...")
+    config = small_moe_trainer_config(run_dir, 1, {"dp_shard": 2})
+    config = config.model_copy(update={"train": config.train.model_copy(update={"dtype": "bf16"})})
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        trainer_module.Trainer(config, progress_bar=False)
+    return said.getvalue()
+
+
+def test_the_trainers_rank_without_bf16_units_says_so_under_an_explicit_bf16(tmp_path):
+    said = run_distributed(_trainer_explicit_bf16, 2, str(tmp_path / "run"))
+    assert [line for line in said[1].splitlines() if line.startswith("warning: rank 1 has no native bf16")]
+    assert "warning" not in said[0]
