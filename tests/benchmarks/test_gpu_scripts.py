@@ -92,6 +92,12 @@ def test_the_h200s_own_calibration_prices_its_steps_as_the_preset_does():
     assert [r["predicted_memory_gib"] for r in calibrated] == [r["predicted_memory_gib"] for r in preset]
 
 
+def test_a_cluster_that_does_not_load_is_named_not_the_stored_file(tmp_path):
+    with pytest.raises(SystemExit, match=r"plan_gpu: --cluster nowhere.yaml: cluster file 'nowhere.yaml' not found"):
+        main(["--stored", "--cluster", "nowhere.yaml", "--json", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_file_that_is_not_gpu_measurements_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"runs": [{"rows": [{}]}]}')
