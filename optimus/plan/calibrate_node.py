@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from optimus.atomic_write import write_text_whole
 from optimus.config import Config, ConfigError
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.calibrate import measure_op_classes, memory_bound_block, memory_bound_call
@@ -198,9 +199,7 @@ def _number(value: float) -> str:
 
 
 def write_calibrated(path: Path, text: str) -> None:
-    """Write the cluster file whole (a half-written one never stands at `path`)."""
+    """Write the cluster file whole (a half-written one never stands at `path`, nor a temporary file beside it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
+    write_text_whole(path, text)
 

@@ -304,3 +304,39 @@ def test_the_disk_full_note_appears_only_when_free_space_is_below_a_checkpoint(t
         with pytest.raises(CheckpointError) as err:
             manager.save(2, make_state()[3], {"model": {}})
         assert ("the disk is full" in str(err.value)) == full, (free, str(err.value))
+
+
+@pytest.mark.parametrize("text", ['{"format": 3, "files": {"meta.json": {"bytes": 2, "blake2b": "ab"}}}',
+                                  '{"meta.json": "12"}', '{"meta.json": 1.5}'])
+def test_a_manifest_of_another_format_or_with_sizes_that_are_not_whole_numbers_is_refused(tmp_path, text):
+    """Neither this format nor the older sizes-only one (name -> whole number of bytes): not read as sizes."""
+    from optimus.checkpoint.integrity import ManifestError
+
+    (tmp_path / "COMMITTED").write_text(text)
+    with pytest.raises(ManifestError, match="^COMMITTED is not a manifest Optimus wrote$"):
+        read_manifest(tmp_path)
+
+
+def test_a_manifest_name_with_a_folder_in_it_is_refused_even_where_that_file_matches(tmp_path):
+    """COMMITTED lists the step folder's own files: a listed path into a subfolder (or out of the folder) is not one
+    of them, though a file there has the recorded size and hash."""
+    import hashlib
+
+    from optimus.checkpoint.integrity import FileRecord, check_files
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.bin").write_bytes(b"abc")
+    record = FileRecord(3, hashlib.blake2b(b"abc", digest_size=32).hexdigest())
+    assert check_files(tmp_path, {"sub/a.bin": record}) == "COMMITTED lists 'sub/a.bin', which is not a file name"
+
+
+def test_a_manifest_never_lists_itself_even_when_sealed_again(tmp_path):
+    """COMMITTED changes as it is written: listed in itself, its own recorded size and hash would be stale at
+    once and the checkpoint would check as damaged. Sealing a folder a second time lists the data files only."""
+    from optimus.checkpoint.integrity import check_files, seal
+
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    seal(tmp_path)
+    seal(tmp_path)
+    records = read_manifest(tmp_path)
+    assert set(records) == {"a.bin"} and check_files(tmp_path, records) is None

@@ -132,3 +132,52 @@ def test_every_benchmark_parses_its_flags_with_the_one_line_parser():
     scripts = [b.path for b in find_benchmarks(REPO / "benchmarks").values() if b.path.suffix == ".py"]
     plain = [path.name for path in scripts if "argparse.ArgumentParser(" in path.read_text()]
     assert scripts and not plain, plain
+
+
+def test_a_long_first_sentence_is_cut_at_a_word_within_the_limit():
+    """The listing's summary is at most `longest` characters with its "..." counted: 31 words of 4 letters fill
+    154 of the 157 kept, the 32nd would end past them."""
+    from optimus.cli.bench import _first_sentence
+
+    summary = _first_sentence(" ".join(["abcd"] * 50))
+    assert summary == " ".join(["abcd"] * 31) + "..." and len(summary) == 157
+
+
+def test_a_shell_script_is_named_by_its_file_too(checkout: Path, capfd):
+    """`optimus bench kernels.sh` is the script of that file, as `reporter.py` is."""
+    assert run_bench(["kernels.sh", "go"], folder=checkout) == 0
+    assert capfd.readouterr().out.splitlines()[-1] == "shell go"
+
+
+def test_the_script_is_told_the_verb_by_its_benchmarks_name_however_it_was_typed(checkout: Path, capfd):
+    """Typed with its file's suffix, the script's refusals still name `optimus bench NAME`, which the listing
+    shows and which runs it again."""
+    (checkout / "prog.py").write_text('"""Says the name its refusals give."""\nimport os\n'
+                                      f'print(os.environ["{BENCH_PROG_VARIABLE}"])\n')
+    assert run_bench(["prog.py"], folder=checkout) == 0
+    assert capfd.readouterr().out.strip() == "prog.py:optimus bench prog"
+
+
+def test_dash_h_lists_the_benchmarks_as_help_does(checkout: Path, capsys):
+    assert run_bench(["-h"], folder=checkout) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: optimus bench ") and "  reporter  Reports its arguments" in out
+
+
+def test_the_listing_aligns_the_summaries_after_the_longest_name(checkout: Path, capsys):
+    assert run_bench([], folder=checkout) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == ["  reporter  Reports its arguments, folder and environment",
+                         "  kernels   Kernel checks on a GPU"]
+
+
+def test_an_interrupted_benchmark_is_one_line_and_exit_130(checkout: Path, monkeypatch, capsys):
+    """Ctrl-C while a script runs ends the verb as a shell reports SIGINT (128 + 2), with one line, no traceback."""
+    from optimus.cli import bench
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.subprocess, "run", interrupted)
+    assert run_bench(["reporter"], folder=checkout) == 130
+    assert capsys.readouterr().err == "optimus bench reporter: interrupted\n"

@@ -161,3 +161,19 @@ def test_a_quiet_rank_waits_twice_its_start_up_until_the_ranks_have_met(monkeypa
     monkeypatch.setitem(sys.modules, "torch.distributed", SimpleNamespace(is_available=lambda: True,
                                                                           is_initialized=lambda: True))
     assert cli_main._quiet_rank_delay() == 3.0
+
+
+def test_a_chaos_harness_that_cannot_run_is_one_line(monkeypatch, capsys):
+    """ChaosError (too few steps for the faults asked, a stage that timed out) is bad input like the others: one
+    line and exit code 2, not a RuntimeError's traceback."""
+    from optimus.resilience.chaos import ChaosError
+
+    cli_main = importlib.import_module("optimus.cli.main")
+
+    def cannot_run(args, overrides):
+        raise ChaosError("10 faults need at least 24 training steps: raise --train.max_steps")
+
+    monkeypatch.setattr(cli_main, "cmd_info", cannot_run)
+    assert main(["info"]) == 2
+    assert capsys.readouterr().err == ("optimus info: error: 10 faults need at least 24 training steps: raise "
+                                       "--train.max_steps\n")

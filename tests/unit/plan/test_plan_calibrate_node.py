@@ -169,3 +169,89 @@ def test_a_measurement_that_fails_on_the_node_is_one_line_and_writes_nothing(mon
             "Tried to allocate 3.2 GiB); nothing was written") in err
     assert not list(tmp_path.iterdir())
 
+
+
+@pytest.mark.parametrize("eager_s, traffic_bytes, memory_bound, eager_traffic", [
+    (3.0, 2 * 3350e9, 1.0, 3.0),  # read at twice HBM's bandwidth (the count over-counts a fused kernel): 1 at most
+    (0.5, 1675e9, 0.5, 1.0),  # eager faster than compiled (a compiler that fused badly): no traffic below 1
+])
+def test_the_compiled_blocks_time_sets_memory_bound_and_the_eager_traffic_within_their_bounds(
+        monkeypatch, eager_s, traffic_bytes, memory_bound, eager_traffic):
+    """memory_bound is the block's byte count over the compiled time, a fraction of the h100's 3,350 GB/s capped at
+    1; eager_memory_traffic the eager time over the compiled, at least 1 (the node's forked ranks are a stand-in
+    that returns what device 0 timed: 1 s compiled)."""
+    timed = {"memory_bound": {"seconds": eager_s, "bytes": traffic_bytes},
+             "memory_bound_compiled": {"seconds": 1.0}}
+
+    def device_0(fn, world, *args, **kwargs):
+        return [{"efficiency": {"memory_bound": 0.123, "eager_memory_traffic": 9.0}, "timed": timed}]
+
+    monkeypatch.setattr(calibrate_node, "run_on_local_ranks", device_0)
+    one = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 1, 79.19)
+    measured = measure_node(_config(), load_cluster("h100"), one, device_type="cpu", **SMALL)
+    assert measured["efficiency"] == {"memory_bound": pytest.approx(memory_bound),
+                                      "eager_memory_traffic": pytest.approx(eager_traffic)}
+    assert measured["link"] is None and measured["ranks"] == 1
+
+
+def test_the_compiled_block_is_timed_on_a_micro_batchs_tokens_writing_its_outputs(monkeypatch):
+    """The block runs on what one micro-batch feeds it (micro_batch_size x seq_len = 2 x 64 tokens) at the model's
+    widths, its outputs written and their gradients read, as memory_bound_bytes counts them. (The compiler is a
+    stand-in: only the shapes and the call are checked.)"""
+    import torch
+
+    config = _config()
+    seen = {}
+
+    def call(block, inputs, writes_outputs):
+        seen.update(shapes=[tuple(t.shape) for t in inputs], writes_outputs=writes_outputs)
+        return lambda: None
+
+    monkeypatch.setattr(calibrate_node.torch, "compile", lambda fn, fullgraph: fn)
+    monkeypatch.setattr(calibrate_node, "memory_bound_call", call)
+    monkeypatch.setattr(calibrate_node, "device_seconds", lambda fn, repeats, device: 0.25)
+    assert calibrate_node._compiled_block(config, torch.float32, torch.device("cpu")) == {"seconds": 0.25}
+    # the mula-tiny-moe preset: d_model 256, SwiGLU's hidden width 1024
+    assert seen == {"shapes": [(128, 256), (128, 1024), (128, 1024), (128, 256)], "writes_outputs": True}
+
+
+def test_the_link_is_timed_over_at_most_a_clusters_node_of_devices(monkeypatch):
+    """A machine of more devices than the cluster's node (4 here, a 2-device node asked for) times its collectives
+    over one node's worth, the link the cluster file describes. (The forked ranks are stand-ins.)"""
+    from dataclasses import replace
+
+    worlds = []
+
+    def ranks(fn, world, *args, **kwargs):
+        worlds.append(world)
+        if fn is calibrate_node._device_op_classes:
+            return [{"efficiency": {}, "timed": {"memory_bound_compiled": {"not timed": "compile_block off"}}}]
+        return [[{"op": "all_reduce", "bytes": 4096, "ranks": world, "seconds": 1e-5}]] * world
+
+    monkeypatch.setattr(calibrate_node, "run_on_local_ranks", ranks)
+    monkeypatch.setattr(calibrate_node, "fit_alpha_beta", lambda rows: {"alpha_us": 5.0, "beta_gb_s": 100.0})
+    four = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 4, 79.19)
+    measured = measure_node(_config(), replace(load_cluster("h100"), devices_per_node=2), four, device_type="cpu",
+                            **SMALL)
+    assert worlds == [1, 2] and measured["ranks"] == 2 and measured["link"]["alpha_us"] == 5.0
+
+
+def test_the_largest_messages_times_name_a_mebibyte_in_mib():
+    """1 MiB is named "1 MiB", not "1024 KiB"; below it in KiB; each collective's time at that size in ms."""
+    rows = [{"op": "all_gather", "bytes": 2**20, "seconds": 0.0015},
+            {"op": "all_reduce", "bytes": 2**20, "seconds": 0.002},
+            {"op": "all_reduce", "bytes": 65536, "seconds": 0.0001}]
+    assert calibrate_node._largest(rows, 2**20) == "1 MiB: all_reduce 2 ms, all_gather 1.5 ms"
+    assert calibrate_node._largest(rows, 65536) == "64 KiB: all_reduce 0.1 ms"
+
+
+def test_a_calibrated_file_that_cannot_be_written_leaves_nothing_beside_it(tmp_path, monkeypatch):
+    """(the rename fails: neither the file nor a temporary one stands in the folder)"""
+    import os
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        calibrate_node.write_calibrated(tmp_path / "h100-calibrated.yaml", "name: x\n")
+    assert not list(tmp_path.iterdir())

@@ -322,3 +322,40 @@ def test_a_layouts_routing_price_is_its_fuller_stages():
         "pp_schedule=1f1b", "ep_dispatch=all_to_all"]), routing=routing)
     kept, paced = layout_imbalance(routing, found.config, found.dims())
     assert kept[0] > kept[1] and found.moe_imbalance == (kept[0], paced)
+
+
+def test_a_pool_worker_prices_its_search_itself(monkeypatch):
+    """A daemonic process (a multiprocessing pool's own worker, as a search run from one is) may not start
+    processes: however large its search, it prices the layouts itself."""
+    import types
+
+    from optimus.plan import search
+
+    monkeypatch.setattr(search.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(search.multiprocessing, "current_process", lambda: types.SimpleNamespace(daemon=True))
+    assert search.pricing_workers(10**6) == 1
+
+
+def test_the_largest_machine_planned_is_refused_one_device_past_it(monkeypatch):
+    """--devices past MAX_DEVICES is refused before any layout is enumerated, from the first device too many
+    (MAX_DEVICES lowered to 15 here, so that 16 H100s, two whole nodes, are that device)."""
+    from optimus.config import ConfigError
+    from optimus.plan import search
+
+    monkeypatch.setattr(search, "MAX_DEVICES", 15)
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--model.n_layers=2"])
+    with pytest.raises(ConfigError, match="--devices 16 is more than the 15 devices the planner searches"):
+        plan(config, load_cluster("h100"), 16)
+
+
+def test_layouts_that_fit_come_first_however_fast_the_others_are_predicted():
+    """The ranking puts every fitting layout (fastest first) before any that does not fit, though a layout too large
+    for the memory (no activation checkpointing, a larger micro-batch) is predicted faster than fitting ones."""
+    from dataclasses import replace
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--model.n_layers=2", "--train.seq_len=64"])
+    out = plan(config, replace(load_cluster("h100"), devices_per_node=2, memory_gb=0.5), 2)
+    fitting, too_large = [c for c in out if c.fits], [c for c in out if not c.fits]
+    assert fitting and too_large and min(c.step_s for c in too_large) < max(c.step_s for c in fitting)
+    assert out == fitting + too_large
+    assert [c.step_s for c in fitting] == sorted(c.step_s for c in fitting)

@@ -97,3 +97,37 @@ def test_device_seconds_falls_back_to_the_clock(monkeypatch):
 def test_kernel_time_sums_nothing_on_the_cpu():
     """A CPU's profiled events nest (an aten op inside another): there are no kernels to sum."""
     assert timing.kernel_time(lambda: None, 1, torch.device("cpu")) is None
+
+
+def test_kernel_time_is_none_where_the_profiler_sees_no_device_kernel(monkeypatch):
+    """No CUPTI (or a profiler that records only the host): no kernel of the device in a call's events means no
+    kernel time, so device_seconds falls back to the clock, not to an infinite or zero time."""
+    cuda = torch.autograd.DeviceType.CUDA
+
+    class HostOnlyProfile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [_event("aten::mm", torch.autograd.DeviceType.CPU, 500), _event("ProfilerStep#1", cuda, 40)]
+    monkeypatch.setattr(torch.profiler, "profile", HostOnlyProfile)
+    monkeypatch.setattr(timing, "synchronizer", lambda device: lambda: None)
+    assert timing.kernel_time(lambda: None, 3, torch.device("cuda")) is None
+
+
+def test_kernel_time_neither_calls_nor_profiles_on_the_cpu():
+    """A CPU's profiled ops nest (aten::linear over aten::addmm), so their times cannot be summed as kernels: the
+    CPU is refused before `fn` runs at all, even where the profiler would record its operators."""
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        torch.ones(8).add(1)
+
+    assert timing.kernel_time(work, 2, torch.device("cpu")) is None and calls == []

@@ -286,3 +286,72 @@ def test_a_layout_suggested_again_is_not_run_again_but_recorded_as_its_first_mea
         else:
             assert r["status"] == "ok"
             first[r["key"]] = r
+
+
+def _fake_launcher(folder: Path, rates: list[float], code: int = 0, err: str = "") -> list[str]:
+    """A stand-in for srun: logs one step a rate (steps 1, 2, ...) as the trainer would, says `err` on stderr and
+    exits with `code`."""
+    import stat
+
+    lines = "".join(json.dumps({"step": i + 1, "tokens_per_s": r}) + "\\n" for i, r in enumerate(rates))
+    launcher = folder / "fake-srun"
+    launcher.write_text('#!/bin/sh\nfor a in "$@"; do case $a in --run.dir=*) d=${a#--run.dir=};; esac; done\n'
+                        f"mkdir -p \"$d\" && printf '{lines}' > \"$d/metrics.jsonl\"\n"
+                        f"echo '{err}' >&2\nexit {code}\n")
+    launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
+    return [str(launcher)]
+
+
+def test_a_trials_rate_is_the_median_of_its_measured_steps_and_each_steps_time_is_kept(tmp_path):
+    """One slow or fast step does not decide a trial: its rate is the median of the steps after the warm-up, its
+    step time the batch's tokens at that rate, and every measured step's time is recorded."""
+    from optimus.plan.search import plan
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    candidate = plan(config, _cluster(64), 2)[0]
+    tokens = candidate.config.train.global_batch_size * candidate.config.train.seq_len
+    launcher = _fake_launcher(tmp_path, [10.0, 100.0, 400.0, 200.0])  # step 1 the warm-up
+    result = run_trial("c.yaml", [], candidate, 2, 3, 1, {}, 60.0, launcher=launcher, work_dir=tmp_path)
+    assert (result.status, result.tokens_per_s) == ("ok", 200.0)
+    assert result.step_s == pytest.approx(tokens / 200.0)
+    assert result.steps == pytest.approx([tokens / 100.0, tokens / 400.0, tokens / 200.0])
+
+
+def test_a_trial_that_fails_after_logging_steps_is_a_failure_naming_its_last_error(tmp_path):
+    """A run that logged steps and then crashed (out of memory at the last step, say) did not measure the layout:
+    its exit code decides, and the status is the run's last error line."""
+    from optimus.plan.search import plan
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+    candidate = plan(config, _cluster(64), 2)[0]
+    launcher = _fake_launcher(tmp_path, [10.0, 100.0], code=1, err="RuntimeError: out of memory")
+    result = run_trial("c.yaml", [], candidate, 2, 1, 1, {}, 60.0, launcher=launcher, work_dir=tmp_path)
+    assert (result.status, result.tokens_per_s) == ("failed: RuntimeError: out of memory", 0.0)
+
+
+@pytest.mark.parametrize("launcher, ranks", [("mpirun -np 8 -nolocal", 8), ("mpirun -np", None),
+                                             ("mpiexec -n $RANKS", None)])
+def test_a_launcher_flag_without_a_count_says_nothing_of_the_ranks(launcher, ranks):
+    """A flag that only begins like the count's (-nolocal after -np 8) is not a count; a count flag with no value
+    (the last word) or an unexpanded one counts no ranks: the check against --ranks is skipped, not failed."""
+    assert launcher_ranks(launcher.split()) == ranks
+
+
+def test_overwrite_lets_a_search_replace_the_earlier_one_and_its_best(tmp_path):
+    """Without --overwrite an earlier search in --out is refused; with it the earlier best.yaml is removed before
+    the first trial, so it never stands beside trials it did not come from."""
+    from optimus.plan.tune import check_tune_out
+
+    (tmp_path / "best.yaml").write_text("earlier search\n")
+    with pytest.raises(ConfigError, match="already holds an earlier search \\(best.yaml\\)"):
+        check_tune_out(tmp_path)
+    check_tune_out(tmp_path, overwrite=True)
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        assert not (tmp_path / "best.yaml").exists()
+        return TrialRun("ok", 100.0, 5.12, [5.12])
+
+    tune(config, "unused.yaml", [], _cluster(64), 2, 1, tmp_path, {}, runner=fake_run, say=lambda line: None,
+         overwrite=True)
+    assert not (tmp_path / "best.yaml").exists()

@@ -121,6 +121,7 @@ def test_a_log_with_nothing_to_drop_is_left_untouched(tmp_path):
 WRONGLY_TYPED = [
     '{"loss": 1.0}',  # no step
     '{"step": "3", "loss": 1.0}',
+    '{"step": true, "loss": 1.0}',  # a bool is not a whole-number step
     '{"step": 3, "loss": "abc"}',
     '{"step": 3, "loss": null}',
     '{"step": 3, "eval_loss": "x"}',
@@ -128,6 +129,7 @@ WRONGLY_TYPED = [
     '{"step": 3, "checkpoint_save_s": "x"}',
     '{"step": 3, "downstream": 5}',
     '{"step": 3, "downstream": {"piqa": {"acc": "high", "acc_norm": 0.5}}}',
+    '{"step": 3, "downstream": {"piqa": {"acc": 0.5}}}',  # no acc_norm
     '{"step": 3, "loss": 1.0, "memory_peak_gib": "big"}',
     '{"step": 3, "loss": 1.0, "expert_counts": "many"}',
 ]
@@ -155,3 +157,42 @@ def test_loss_plot_and_report_read_around_wrongly_typed_records(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
     write_report(tmp_path)
     assert "loss" in (tmp_path / "report.html").read_text()
+
+
+def test_a_whole_last_line_that_is_not_an_object_is_damage_not_a_torn_write(tmp_path, capsys):
+    """Only a last line cut short (not JSON) is a torn write: a whole JSON list there is an edit, warned of."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{STEP_2}\n[1, 2]\n")
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipped 1 unreadable line(s) (line 3 is a JSON list, not an object)" in err
+
+
+def test_the_last_records_with_a_field_leave_out_wrongly_typed_ones(tmp_path):
+    """What read_metrics skips as damage (a step that is not a whole number) last_records skips too."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "expert_counts": [[s]]}) for s in (1, 2, 3)]
+    lines.insert(1, json.dumps({"step": "9", "expert_counts": [[9]]}))
+    path.write_text("\n".join(lines) + "\n")
+    assert [r["step"] for r in last_records(path, 10, '"expert_counts"')] == [1, 2, 3]
+
+
+def test_a_log_whose_every_record_is_dropped_is_emptied(tmp_path):
+    """Every record after the step resumed from (the dropped tail starts at the first byte): the log is cut to
+    nothing, not left whole."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{json.dumps({'step': 3})}\n{json.dumps({'step': 4})}\n")
+    rewind_metrics(path, 2)
+    assert path.read_bytes() == b""
+
+
+def test_a_copied_log_ends_its_last_kept_record_with_a_newline(tmp_path):
+    """An unordered log is rewound by copying its kept lines: a last record that lacked its newline gets one, so
+    the next step's record starts a line of its own."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f"{STEP_1}\n{json.dumps({'step': 3})}\n{STEP_2}")
+    logger = JsonlMetrics(path)
+    logger.on_train_start(start_step=2, max_steps=4)
+    logger.on_step_end(3, {"step": 3, "loss": 8.0})
+    logger.on_train_end(3)
+    assert path.read_text() == f"{STEP_1}\n{STEP_2}\n" + json.dumps({"step": 3, "loss": 8.0}) + "\n"

@@ -78,3 +78,48 @@ def test_bf16_as_fast_as_fp32_counts_as_native():
     even = CpuSpeed(fp32_flops=150e9, bf16_flops=150e9, capability="AVX512", bf16_flags=True)
     assert native_bf16(CPU, even)[0] is True
     assert choose_precision("auto", CPU, even).dtype == "bf16"
+
+
+def test_a_fast_bf16_rate_without_the_bf16_units_is_not_native():
+    """The rate alone does not make bf16 native: without AVX512-BF16 or AMX (a probe that met a busy fp32 run, or
+    an emulation that caught up on a tiny matmul) auto stays fp32, where a real run would emulate bf16."""
+    no_units = CpuSpeed(fp32_flops=100e9, bf16_flops=120e9, capability="AVX2", bf16_flags=False)
+    assert native_bf16(CPU, no_units)[0] is False
+    assert choose_precision("auto", CPU, no_units).dtype == "fp32"
+
+
+def test_an_xpu_is_bf16_unless_its_runtime_says_otherwise(monkeypatch):
+    """Intel's data-center GPUs have bf16 matrix units: a torch whose xpu module cannot say (no
+    is_bf16_supported) trains in bf16 there; one that says no trains in fp32."""
+    import types
+
+    name = "Intel(R) Data Center GPU Max 1550"
+    monkeypatch.setattr(torch, "xpu", types.SimpleNamespace(get_device_name=lambda device=None: name))
+    chosen = choose_precision("auto", torch.device("xpu", 0))
+    assert chosen.dtype == "bf16" and name in chosen.reason
+    monkeypatch.setattr(torch, "xpu", types.SimpleNamespace(get_device_name=lambda device=None: name,
+                                                            is_bf16_supported=lambda: False))
+    assert choose_precision("auto", torch.device("xpu", 0)).dtype == "fp32"
+
+
+def _as_rank_of_two(monkeypatch, rank: int, rank_0_reads_bf16: bool) -> None:
+    """torch.distributed as one rank of two sees it: its broadcast hands back rank 0's reading."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src=0, **kwargs: tensor.fill_(int(rank_0_reads_bf16)))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("speed", [SAPPHIRE_RAPIDS, AVX2_ONLY], ids=["bf16", "fp32"])
+def test_a_rank_that_reads_auto_as_rank_0_does_keeps_its_own_reading(monkeypatch, rank, speed):
+    """Where this rank's reading of auto is rank 0's, nothing is overridden: same dtype, its own reason, and no
+    warning (a bf16 rank that has the units is not told it emulates them)."""
+    from optimus.train.precision import agree_on_precision
+
+    own = choose_precision("auto", CPU, speed)
+    _as_rank_of_two(monkeypatch, rank, rank_0_reads_bf16=own.dtype == "bf16")
+    assert agree_on_precision(own, CPU) == own

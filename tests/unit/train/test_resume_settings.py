@@ -50,3 +50,48 @@ def test_a_new_seed_or_dtype_is_a_changed_setting(tmp_path):
     save_config(build_config({"train": {"seed": 1, "dtype": "fp32"}}), tmp_path / "config.yaml")
     changed = changed_settings(tmp_path / "config.yaml", build_config({"train": {"seed": 2, "dtype": "bf16"}}))
     assert changed == ["train.dtype: 'fp32' -> 'bf16'", "train.seed: 1 -> 2"]
+
+
+def test_an_earlier_config_that_is_not_a_mapping_compares_with_nothing(tmp_path):
+    """An emptied config.yaml (YAML's null) or a list is readable YAML but no settings: nothing to compare."""
+    for text in ("", "- 1\n- 2\n"):
+        (tmp_path / "config.yaml").write_text(text)
+        assert changed_settings(tmp_path / "config.yaml", build_config({})) == []
+
+
+def test_a_setting_the_earlier_config_did_not_record_is_listed(tmp_path):
+    """A key the earlier file lacks (written before the setting existed, or edited out) is not assumed unchanged:
+    it is listed as None before."""
+    import yaml
+
+    config = build_config({"optim": {"lr": 1e-3}})
+    save_config(config, tmp_path / "config.yaml")
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del raw["optim"]["lr"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    assert changed_settings(tmp_path / "config.yaml", config) == ["optim.lr: None -> 0.001"]
+
+
+def test_a_third_earlier_config_of_one_step_gets_the_next_free_name(tmp_path):
+    """Resumed from the same step three times: each earlier config is kept, none overwritten."""
+    kept = []
+    for text in ("a: 1\n", "a: 2\n", "a: 3\n"):
+        (tmp_path / "config.yaml").write_text(text)
+        kept.append(keep_earlier_config(tmp_path, 4))
+    assert [p.name for p in kept] == ["config-before-step-4.yaml", "config-before-step-4.2.yaml",
+                                      "config-before-step-4.3.yaml"]
+    assert [p.read_text() for p in kept] == ["a: 1\n", "a: 2\n", "a: 3\n"]
+
+
+def test_an_earlier_train_section_that_is_not_a_mapping_reads_as_unset(tmp_path):
+    """A damaged `train:` (a scalar where the section was) is compared as if its keys were absent, not a crash."""
+    import yaml
+
+    config = build_config({"train": {"seq_len": 64, "global_batch_size": 8, "seed": 1, "dtype": "fp32"}})
+    save_config(config, tmp_path / "config.yaml")
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    raw["train"] = "damaged"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    assert changed_settings(tmp_path / "config.yaml", config) == [
+        "train.dtype: None -> 'fp32'", "train.global_batch_size: None -> 8", "train.seed: None -> 1",
+        "train.seq_len: None -> 64"]
