@@ -66,3 +66,48 @@ def test_collectives_are_timed_in_bursts_of_back_to_back_calls(tmp_path, monkeyp
         assert {r["op"] for r in pairs} == set(COLLECTIVES) and all(r["ranks"] == 2 and r["job"] == 4 for r in pairs)
     assert all(r["seconds"] > 0 for r in table["rows"])
     assert len(list(tmp_path.iterdir())) == 2 + 4 + 4  # every rank of the job of 2 and of both 4-rank jobs
+
+
+def test_a_lone_ranks_share_is_capped_at_a_whole_core(monkeypatch):
+    """The one-rank share compares a second matmul sample with the first: a faster second sample (the first
+    disturbed) still gives one rank at most its whole core, 1.0."""
+    from optimus.plan import calibrate_collectives
+
+    rates = iter([1.0, 1.5])
+    monkeypatch.setattr(calibrate_collectives, "sustained_matmul_rate", lambda seconds: next(rates))
+    monkeypatch.setattr(calibrate_collectives.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert calibrate_collectives.measure_share((), seconds=0.0, samples=1) == {"1": 1.0}
+
+
+def test_a_fit_without_latency_keeps_alpha_at_its_floor_of_a_tenth_of_a_microsecond():
+    """Rows that follow the ring model with no latency at all fit alpha to zero, which the fit floors at 0.1 us
+    (1e-7 s, so that no collective is priced free or negative), and recover beta."""
+    rows = [{"op": op, "ranks": g, "bytes": nbytes,
+             "seconds": (2 if op == "all_reduce" else 1) * (g - 1) / g * nbytes / 1e9}
+            for g in (2, 4) for nbytes in (4096, 1 << 20) for op in COLLECTIVES]
+    fit = fit_alpha_beta(rows)
+    assert fit["alpha_us"] == pytest.approx(0.1) and fit["beta_gb_s"] == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_message_smaller_than_the_group_still_moves_an_element_a_rank():
+    """Each timed message holds at least one element per member (a 4-byte size over a pair: 2 elements, 8 bytes),
+    so no collective is timed empty."""
+    from optimus.parallel.local_ranks import run_on_local_ranks
+    from optimus.plan.calibrate_collectives import _time_collectives
+
+    rows = run_on_local_ranks(_time_collectives, 2, (4,), 1, timeout=120.0)[0]
+    assert {r["op"] for r in rows} == set(COLLECTIVES) and all(r["bytes"] == 8 for r in rows)
+
+
+def test_the_fits_worst_relative_error_is_its_largest_over_the_rows():
+    """worst_relative_error: the largest |predicted - measured| / measured over the rows, predicted by the ring
+    model (g - 1) alpha + (g - 1) / g x S / beta (twice that for all-reduce) at the fitted alpha and beta."""
+    rows = [{"op": op, "ranks": g, "bytes": nbytes, "seconds": (2 if op == "all_reduce" else 1) *
+             ((g - 1) * 1e-4 + (g - 1) / g * nbytes / 1e9) * (1.2 if nbytes == 4096 and g == 2 else 1)}
+            for g in (2, 4) for nbytes in (4096, 1 << 20, 8 << 20) for op in COLLECTIVES]
+    fit = fit_alpha_beta(rows)
+    alpha, beta = fit["alpha_us"] * 1e-6, fit["beta_gb_s"] * 1e9
+    errors = [abs((2 if r["op"] == "all_reduce" else 1) * ((r["ranks"] - 1) * alpha + (r["ranks"] - 1) / r["ranks"] *
+                                                            r["bytes"] / beta) - r["seconds"]) / r["seconds"]
+              for r in rows]
+    assert fit["worst_relative_error"] == pytest.approx(max(errors)) and max(errors) > 2 * min(errors)

@@ -74,3 +74,29 @@ def test_under_a_pipeline_only_groups_within_a_stage_read_the_rows_timed_beside_
     dims, host = ParallelDims(pp=2, dp_shard=2, world_size=4), _measured(table)
     assert all_reduce_time(group_link(dims, ("pp",), host), 4096) == pytest.approx(0.001)
     assert all_reduce_time(group_link(dims, ("dp_shard_mod_ep", "ep"), host), 4096) == pytest.approx(0.003)
+
+
+def test_a_group_between_two_timed_sizes_reads_the_larger_one():
+    """Equally near two timed group sizes (2 and 4 for a group of 3), the larger group's rows price it, scaled by
+    the ring's share (2/3 over 3/4)."""
+    table = {"all_gather": {(2, 3, False): [[2**20, 0.001]], (4, 3, False): [[2**20, 0.004]]}}
+    link = group_link(ParallelDims(dp_shard=3, world_size=3), ("dp_shard_mod_ep", "ep"), _measured(table, 3))
+    assert ring_time(link, 2**20) == pytest.approx(0.004 * (2 / 3) / (3 / 4))
+
+
+def test_a_single_member_group_all_reduces_nothing_even_with_a_timed_table():
+    """A group of one moves no bytes: no call, 0 s, whatever a table of timed collectives holds."""
+    table = {"all_reduce": {(1, 1, False): [[4096, 0.001]]}}
+    link = group_link(ParallelDims(world_size=1), ("dp_shard_mod_ep", "ep"), _measured(table, 1))
+    assert all_reduce_time(link, 4096) == 0.0
+
+
+def test_a_sync_below_the_first_timed_compute_grows_from_nothing_and_stays_at_the_last_past_them():
+    """sync_after_compute: linear from 0 s at no compute to the first timed point, linear between points (given in
+    any order), the last point's value past them."""
+    from optimus.plan.comms import sync_after_compute
+
+    points = ((0.04, 0.003), (0.01, 0.001))
+    assert sync_after_compute(points, 0.005) == pytest.approx(0.0005)
+    assert sync_after_compute(points, 0.025) == pytest.approx(0.002)
+    assert sync_after_compute(points, 1.0) == pytest.approx(0.003)

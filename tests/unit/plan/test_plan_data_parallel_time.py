@@ -203,3 +203,85 @@ def test_a_deferred_reduce_scatter_copies_in_gradients_accumulated_in_the_reduce
     stage = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
     once = _time(["--parallel.dp_shard=2", "--parallel.defer_grad_sync=all"])
     assert once.copies_step == pytest.approx((4 + 4) * stage / HBM, rel=1e-9)
+
+
+def test_without_ep_the_experts_fresh_pages_count_with_their_blocks_buffer():
+    """fsdp_fresh_bytes: without ep a block's experts travel in its own all-gather and reduce-scatter, so the
+    block's buffer (2 x 64 x 64 dense rows + 4 x 64 x 64 expert rows = 20,480 fp32 elements, 81,920 B) reaches a
+    81,920 B threshold although neither part would alone; each of 2 blocks gathers 1.5 times a micro-batch and
+    reduces once (its 40,960 B output shard stays under the threshold); no weight copied out is that large."""
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.plan.data_parallel_time import fsdp_fresh_bytes
+    from optimus.plan.memory import TensorShape
+
+    block = (TensorShape((64, 64), 0, False, "block"), TensorShape((4, 64, 64), 0, True, "block"))
+    shape = ModelShape(n_layers=2, block_tp_split=4096, block_replicated=0, block_attention=0, block_experts=16384,
+                       embedding=0, head=0, tensors=block)
+    gathers, reduces = fsdp_fresh_bytes(shape, ParallelDims(dp_shard=2, world_size=2), 4, 81920, 2, (1.5, 1.0))
+    assert (gathers, reduces) == (2 * 1.5 * 81920, 2 * 81920)
+
+
+def test_under_pp_a_stage_holds_the_larger_of_the_embedding_and_the_head():
+    """_Stage under pp: the root a rank holds is the larger of the first stage's embedding and the last's head; with
+    a 60,000 embedding and a 6,000 head, zero1 at pp 2 over 2 data-parallel ranks updates half of 2 blocks x 1,010
+    + 60,000 = 62,020 elements: 31,010."""
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=2",
+                                                             "--train.global_batch_size=8", "--parallel.pp=2",
+                                                             "--parallel.dp_shard=2", "--parallel.shard_mode=zero1"])
+    layout = validate_layout(config, 4)
+    shape = ModelShape(n_layers=4, block_tp_split=1000, block_replicated=10, block_attention=400, block_experts=0,
+                       embedding=60000, head=6000, tensors=())
+    assert data_parallel_time(layout.config, layout.dims, shape, _toy(), 2, 1, 0.0, HBM, HBM).owned == 31010
+
+
+def test_hsdp_all_reduces_each_units_reduced_shard_not_the_whole_unit():
+    """HSDP 2 x 2: each unit's gradients, reduce-scattered over its dp_shard pair, are all-reduced over
+    dp_replicate as a shard: half the unit's fp32 bytes. On a latency-free 100 GB/s link an all-reduce of B bytes
+    over a pair takes 2 x 1/2 x B / beta, so the last backward's all-reduces take 4 x (blocks + root) / 2 / 100 GB/s."""
+    from dataclasses import replace
+
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=2",
+                                                             "--train.global_batch_size=16",
+                                                             "--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+                                                             "--parallel.grad_reduce_dtype=fp32"])
+    layout = validate_layout(config, 4)
+    shape, dims = ModelShape.of(layout.config), layout.dims
+    cluster = replace(_toy(), intra_node_latency_us=0.0)
+    hsdp = data_parallel_time(layout.config, dims, shape, cluster, shape.n_layers, layout.batch.micro_batches, 0.0,
+                              HBM, HBM)
+    elements = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    assert hsdp.last_backward == pytest.approx(4 * elements / 2 / 100e9, rel=1e-9)
+
+
+def test_the_ep_aware_zero_modes_sum_no_shard_over_ep():
+    """zero1 at dp_shard 2 = ep 2, EP-aware: the non-expert gradients are reduce-scattered and the parameters
+    gathered over all of dp (a pair), one call each per 40M-element bucket, and nothing more; the experts' group
+    (expert_dp) is one rank. On latency-only links (5 us a hop) that is 2 x buckets x 5 us after the last backward:
+    no all-reduce over ep, which only the EP-unaware baseline runs."""
+    import math
+    from dataclasses import replace
+
+    from optimus.optim.sharded import DEFAULT_BUCKET_NUMEL
+
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.dtype=bf16", "--train.micro_batch_size=2",
+                                                           "--train.global_batch_size=8", "--parallel.dp_shard=2",
+                                                           "--parallel.ep=2", "--parallel.shard_mode=zero1",
+                                                           "--parallel.ep_aware=true"])
+    layout = validate_layout(config, 2)
+    shape, dims = ModelShape.of(layout.config), layout.dims
+    latency_only = replace(_toy(), intra_node_gb_s=math.inf)
+    zero1 = data_parallel_time(layout.config, dims, shape, latency_only, shape.n_layers, layout.batch.micro_batches,
+                               0.0, HBM, HBM)
+    dense = shape.n_layers * (shape.block_tp_split + shape.block_replicated) + shape.embedding + shape.head
+    assert max(shape.embedding, shape.head) <= DEFAULT_BUCKET_NUMEL  # no parameter in a bucket of its own
+    assert zero1.step_sync == pytest.approx(2 * math.ceil(dense / DEFAULT_BUCKET_NUMEL) * 5e-6, rel=1e-9)
+
+
+def test_a_zero2_sum_on_one_rank_adds_fp32_buffers_whatever_the_reduce_dtype():
+    """_zero_sum_bytes: over several ranks a later reduction's sum reads the fp32 shard (4 B) and the landed output
+    (the reduce dtype's, 2 B under bf16) and writes the shard (4 B) for each owned element; on one rank nothing is
+    reduced and both addends are fp32: 12 B an element, bf16 reduction or not."""
+    from optimus.plan.data_parallel_time import _zero_sum_bytes
+
+    assert _zero_sum_bytes(1000, 1, 2) == 12 * 1000
+    assert _zero_sum_bytes(1000, 2, 2) == pytest.approx((4 + 2 + 4) * 1000 / 2)

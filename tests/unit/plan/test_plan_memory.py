@@ -179,3 +179,13 @@ def test_the_zero_buffers_cut_the_non_expert_bucket_over_the_ranks_that_own_its_
     stage_memory(config, dims, SHAPE, 0)
     memory._zero_buffers.cache_clear()
     assert layouts == [[(dense_ranks, -(-7540 // dense_ranks)), (2, 800)]]
+
+
+def test_the_peak_is_the_first_stages_where_the_embedding_outweighs_the_head():
+    """pp 2 with a 100M-element embedding and a 6,000 head: the first stage holds 2 x 1,010 + 100,000,000 fp32
+    parameters (with their gradients and moments, far more than the last stage's head and logits), so the peak is
+    the first stage's: 4 x 100,002,020 B of parameters."""
+    config, dims = _layout("mula-tiny-dense.yaml", "--parallel.dp_shard=4", "--parallel.pp=2",
+                           "--parallel.shard_mode=zero1", "--train.dtype=fp32")
+    peak = peak_stage_memory(config, dims, replace(DENSE, embedding=100_000_000))
+    assert peak["parameters"] == 4 * 100_002_020

@@ -119,3 +119,69 @@ def test_a_gemm_class_takes_at_least_its_weights_three_passes_over_hbm_of_the_sh
     attention = 128 * 12 * layers * m.d_model * 128 / 2 / (0.5 * cluster.peak_flops("fp32"))
     per_micro_batch = 3 * 4 * dense / hbm + 3 * 4 * experts / hbm + attention
     assert priced.parts["compute"] == pytest.approx(layout.batch.micro_batches * per_micro_batch, rel=1e-9)
+
+
+def test_selective_recompute_of_the_moe_runs_its_router_and_experts_forward_again():
+    """Selective checkpointing over the MoE feed-forward (recompute=[moe]) runs a third of the MLP class's training
+    FLOPs (the block's non-attention matrices and its norms and router) and a third of the active experts' (6 x
+    experts x top_k / n_experts a token) again; nothing of attention."""
+    moe = ["--train.micro_batch_size=8", "--train.seq_len=4096", "--train.dtype=fp32", "--train.global_batch_size=8"]
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", [*moe, "--train.activation_checkpointing=none"])
+    layout = validate_layout(config, 1)
+    shape, m = ModelShape.of(layout.config), layout.config.model
+
+    def compute(*overrides: str) -> float:
+        priced = validate_layout(load_config(CONFIGS / "mula-tiny-moe.yaml", [*moe, *overrides]), 1)
+        return step_time(priced.config, priced.dims, shape, _toy(), HALF, 1).parts["compute"]
+    layers = shape.n_layers
+    mlp = 6 * layers * (shape.block_tp_split - shape.block_attention + shape.block_replicated)
+    experts = 6 * layers * shape.block_experts * m.top_k / m.n_experts
+    seconds_per_flop = 8 * 4096 / (0.5 * _toy().peak_flops("fp32"))
+    again = compute("--train.activation_checkpointing=selective", "--train.recompute=[moe]") - \
+        compute("--train.activation_checkpointing=none")
+    assert again == pytest.approx((mlp + experts) / 3 * seconds_per_flop, rel=1e-6)
+
+
+def test_each_recomputed_forward_launches_the_forwards_operators_once_more():
+    """Operator launches a micro-batch: the forward's (84 a dense block, 23 for embedding, final norm and loss head),
+    twice that in the backward, and once more where activation checkpointing recomputes the forward: 4 x under full
+    checkpointing, eager, at op_overhead_us each."""
+    layout, shape = _layout(1, "--train.activation_checkpointing=full", "--train.global_batch_size=8")
+    overhead = Efficiency(0.5, 0.5, 0.5, loss_head=0.5, op_overhead_us=10.0)
+    priced = step_time(layout.config, layout.dims, shape, _toy(), overhead, layout.batch.micro_batches)
+    forward = 84 * shape.n_layers + 23
+    assert priced.parts["op_overhead"] == pytest.approx(layout.batch.micro_batches * 10e-6 * forward * 4, rel=1e-9)
+
+
+def test_recomputing_the_mlp_alone_reads_the_dense_weights_a_fourth_time():
+    """Roofline under selective checkpointing of the MLP: the recomputed forward reads the dense matrices once more,
+    4 passes of fp32 over the rank's dense weights (blocks and head) where memory binds; attention, not
+    recomputed, keeps its training FLOPs alone."""
+    config = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--train.dtype=fp32", "--train.micro_batch_size=1",
+                                                             "--train.seq_len=128", "--train.global_batch_size=1",
+                                                             "--train.activation_checkpointing=selective",
+                                                             "--train.recompute=[mlp]"])
+    layout = validate_layout(config, 1)
+    shape, m, cluster = ModelShape.of(layout.config), layout.config.model, _toy(hbm_gb_s=1)
+    priced = step_time(layout.config, layout.dims, shape, cluster, HALF, layout.batch.micro_batches)
+    layers = shape.n_layers
+    dense = layers * (shape.block_tp_split + shape.block_replicated) + shape.head
+    attention = 128 * 12 * layers * m.d_model * 128 / (0.5 * cluster.peak_flops("fp32"))
+    assert priced.parts["compute"] == pytest.approx(4 * 4 * dense / 1e9 + attention, rel=1e-9)
+
+
+def test_a_compiled_block_moves_the_fused_bytes_and_launches_a_tenth_of_its_operators():
+    """Under train.compile each block's elementwise work moves the fused count (eager_memory_traffic does not apply:
+    per token and block 4h + 4 (h + kv) + 6h + 3f elements, 3 passes without recompute, fp32) at memory_bound of
+    HBM, and launches COMPILED_OPERATOR_SHARE (0.1) of its 84 operators; the root's 23 stay eager."""
+    layout, shape = _layout(1, "--train.compile=true", "--train.global_batch_size=8")
+    costly = Efficiency(0.5, 0.5, 0.5, memory_bound=0.5, loss_head=0.5, op_overhead_us=10.0,
+                        eager_memory_traffic=3.0)
+    priced = step_time(layout.config, layout.dims, shape, _toy(), costly, layout.batch.micro_batches)
+    m, layers, micro_batches = layout.config.model, shape.n_layers, layout.batch.micro_batches
+    h, kv, f = m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden
+    per_token_layer = 4 * h + 4 * (h + kv) + 6 * h + 3 * f
+    memory = 8 * 4096 * layers * per_token_layer * 4 * 3 / (3000e9 * 0.5)
+    assert priced.parts["memory_bound"] == pytest.approx(micro_batches * memory, rel=1e-9)
+    launches = (0.1 * 84 * layers + 23) * 3
+    assert priced.parts["op_overhead"] == pytest.approx(micro_batches * 10e-6 * launches, rel=1e-9)
