@@ -195,10 +195,11 @@ def print_stored(path: Path, json_path: str, cluster: str | None = None) -> int:
     from optimus.config import ConfigError
     from optimus.plan.cluster import load_cluster
 
-    try:
-        load_cluster(cluster) if cluster else None
-    except ConfigError as error:
-        raise SystemExit(f"plan_gpu: --cluster {cluster}: {error}") from None
+    if cluster:
+        try:
+            load_cluster(cluster)
+        except ConfigError as error:
+            raise SystemExit(f"plan_gpu: --cluster {cluster}: {error}") from None
     try:
         rows = stored_rows(path, cluster)
     except (OSError, ValueError, KeyError, TypeError) as error:  # no file, not JSON, or not runs of measured rows

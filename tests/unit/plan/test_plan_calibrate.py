@@ -445,16 +445,22 @@ def test_a_rank_is_priced_at_no_more_threads_than_the_machine_has_cores():
     assert thread_rate(one, "fp32", 4) == pytest.approx(3e10)
 
 
+def _fake_machine(cores: int, fitted_ranks: str, **changes) -> dict:
+    """A `here` machine entry of `cores` cores (fp32 3e10 a thread, bf16 crawling, copies 8 / 32 GB/s), its gloo
+    collectives fitted for a job of `fitted_ranks` ranks; `changes` replace or add keys."""
+    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
+    return {"cpu": "c", "cores": cores, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
+            "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
+            "copy_gb_s_all_cores": 32.0, "measured_at": "t",
+            "collectives": {"timing": "mean call", "rows": [], "fits": {fitted_ranks: fit}}, **changes}
+
+
 def test_the_measured_share_prices_one_thread_ranks_only():
     """The measured share comes from one-thread matmul processes: a job of 2 ranks of 2 threads on 4 cores keeps
     its idle share (4 cores / 4 threads = 1) and runs 2 threads at the all-cores probe's per-core rate,
     8e10 / 4 x 2 = 4e10, although one-thread pairs measured half a core each."""
-    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
-    machine = {"cpu": "c", "cores": 4, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
-               "bf16_flops_per_thread": 6e10, "fp32_flops_all_cores": 8e10, "bf16_flops_all_cores": 1.6e11,
-               "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0, "copy_gb_s_all_cores": 20.0,
-               "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}}, "measured_at": "t",
-               "share": {"1": 1.0, "2": 0.5}}
+    machine = _fake_machine(4, "2", bf16_flops_per_thread=6e10, fp32_flops_all_cores=8e10,
+                            bf16_flops_all_cores=1.6e11, copy_gb_s_all_cores=20.0, share={"1": 1.0, "2": 0.5})
     cluster = here_cluster({"machine": machine}, 2, threads=2)
     assert cluster.peak_flops("fp32") == pytest.approx(4e10) and cluster.core_share == 1.0
 
@@ -463,33 +469,21 @@ def test_a_job_size_not_timed_reads_the_nearest_job_of_several_ranks_not_the_lon
     """A share measured for one rank says nothing of ranks competing for cores: 2 ranks where only 1 and 4 were
     timed take 4 ranks' cores (4 x 0.25 = 1 core) spread over 2, half a core each (1.5e10 of a 3e10 thread), not
     the lone rank's 0.8 over 2."""
-    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
-    machine = {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
-               "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
-               "copy_gb_s_all_cores": 32.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}},
-               "measured_at": "t", "share": {"1": 0.8, "4": 0.25}}
+    machine = _fake_machine(2, "2", share={"1": 0.8, "4": 0.25})
     assert here_cluster({"machine": machine}, 2).peak_flops("fp32") == pytest.approx(1.5e10)
 
 
 def test_a_job_size_not_timed_never_gets_more_than_a_whole_core_a_rank():
     """On 8 cores where only 4 one-thread ranks were timed (each a whole core), 3 ranks spread 4 cores' worth over
     themselves only up to their idle share: one core each (3e10), not 4/3 of one."""
-    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
-    machine = {"cpu": "c", "cores": 8, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
-               "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
-               "copy_gb_s_all_cores": 32.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"4": fit}},
-               "measured_at": "t", "share": {"1": 1.0, "4": 1.0}}
+    machine = _fake_machine(8, "4", share={"1": 1.0, "4": 1.0})
     assert here_cluster({"machine": machine}, 3).peak_flops("fp32") == pytest.approx(3e10)
 
 
 def test_collectives_overlap_compute_only_where_a_core_is_left_over():
     """gloo moves a collective's bytes on the ranks' own cores: it runs beside compute only where the ranks'
     threads leave a core free (1 rank on 2 cores), not where they fill every core (2 ranks, or 1 of 2 threads)."""
-    fit = {"alpha_us": 100.0, "beta_gb_s": 2.0, "worst_relative_error": 0.1}
-    machine = {"cpu": "c", "cores": 2, "memory_bytes": 8 * 1024**3, "fp32_flops_per_thread": 3e10,
-               "bf16_flops_per_thread": 1e8, "auto_dtype": "fp32", "copy_gb_s_one_thread": 8.0,
-               "copy_gb_s_all_cores": 32.0, "collectives": {"timing": "mean call", "rows": [], "fits": {"2": fit}},
-               "measured_at": "t"}
+    machine = _fake_machine(2, "2")
     assert here_cluster({"machine": machine}, 1).comm_overlaps_compute
     assert not here_cluster({"machine": machine}, 2).comm_overlaps_compute
     assert not here_cluster({"machine": machine}, 1, threads=2).comm_overlaps_compute
