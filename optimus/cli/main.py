@@ -18,7 +18,7 @@ from pathlib import Path
 from optimus.cli.errors import (EXIT_BAD_INPUT, OneLineErrorParser, UsageError, stop_writing_to_a_closed_pipe,
                                 usage_error_line, user_errors)
 from optimus.cli.info import cmd_info
-from optimus.cli.plan import cmd_plan, cmd_tune
+from optimus.cli.plan import cmd_plan, cmd_tune, token_count
 from optimus.cli.runs import cmd_eval, cmd_export, cmd_generate, cmd_import, cmd_report, cmd_verify
 from optimus.cli.train import cmd_chaos, cmd_tokenize, cmd_train
 
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --calibrate on a GPU node: the cluster file to write (default: "
                            "CLUSTER-calibrated.yaml here)")
     plan.add_argument("--devices", type=int, required=True, help="devices (GPU tiles / GCDs) of the job: whole nodes")
-    plan.add_argument("--tokens", type=float, default=None, help="token budget: also print days, MWh and tCO2e")
+    plan.add_argument("--tokens", type=token_count, default=None,
+                      help="token budget (100e9, 100B, 2.5T): also print days, MWh and tCO2e")
     plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
     plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")

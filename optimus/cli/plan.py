@@ -16,6 +16,22 @@ if TYPE_CHECKING:  # the CLI imports torch only for the command it runs
     from optimus.plan.routing import Routing
 
 
+# how token budgets are spoken of: OLMoE's 5T, a 100B-token run
+TOKEN_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def token_count(text: str) -> float:
+    """`--tokens`: a number (100e9) or one with a K, M, B (or G) or T suffix (100B, 2.5T)."""
+    value = text.strip()
+    scale = TOKEN_SUFFIXES.get(value[-1:].lower(), 1.0)
+    number = value[:-1] if scale != 1.0 else value
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens: give e.g. 100e9 or 100B "
+                                         "(suffixes K, M, B, T)") from None
+
+
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.plan.cluster import load_cluster
     from optimus.plan.report import (describe_routing, describe_scaling, format_table, write_best_config,

@@ -24,7 +24,11 @@ def _line(verb: str, value: str) -> str:
 
 @pytest.mark.parametrize("argv, line", [
     (["plan", CONFIG, "--cluster", "h100", "--devices", "8", "--tokens", "abc"],
-     "optimus plan: error: argument --tokens: invalid float value: 'abc' (usage: optimus plan --help)"),
+     "optimus plan: error: argument --tokens: 'abc' is not a number of tokens: give e.g. 100e9 or 100B (suffixes "
+     "K, M, B, T) (usage: optimus plan --help)"),
+    (["plan", CONFIG, "--cluster", "h100", "--devices", "8", "--tokens", "B"],
+     "optimus plan: error: argument --tokens: 'B' is not a number of tokens: give e.g. 100e9 or 100B (suffixes "
+     "K, M, B, T) (usage: optimus plan --help)"),
     (["plan", "--cluster", "h100"],
      "optimus plan: error: the following arguments are required: config, --devices (usage: optimus plan --help)"),
     (["tune", CONFIG, "--trials", "x"], "optimus tune: error: argument --trials: invalid int value: 'x' (usage: "

@@ -35,6 +35,15 @@ def test_a_flag_the_plan_cannot_use_is_refused_in_one_line_before_the_search(fla
     assert message in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("text, tokens", [("100e9", 100e9), ("100B", 100e9), ("2.5t", 2.5e12), ("500M", 5e8),
+                                          ("64k", 64e3), ("5G", 5e9), (" 4T ", 4e12)])
+def test_a_token_budget_is_read_as_people_write_it(text, tokens):
+    """`--tokens 100B` as the papers say it, `100e9` as Python reads it: the same budget."""
+    from optimus.cli.plan import token_count
+
+    assert token_count(text) == pytest.approx(tokens)
+
+
 def test_a_restrictions_values_are_listed_in_numeric_order():
     """`--only dp_shard=16,2,4` is said back as 2, 4, 16 (not as text sorts them: 16, 2, 4); names alphabetically."""
     from optimus.cli.plan import sorted_values
