@@ -52,12 +52,20 @@ def format_table(candidates: list[Candidate], cluster: Cluster, devices: int, to
                      f"{cluster.pue:g} x {cluster.grid_kgco2_per_kwh:g} kgCO2e/kWh (cluster preset '{cluster.name}')")
         if best is not None:
             cost = best.entry(cluster, tokens)
-            label = f"this plan: {tokens:.3g} tokens, {cost['days']:.1f} days"
+            label = f"this plan: {token_text(tokens)} tokens, {cost['days']:.1f} days"
             hardware = f"{devices} x {cluster.device}"
             lines += ["", "energy and carbon beside published trainings (LUMI's table, REFERENCE.md):",
                       energy_table([(label, hardware, cost["energy_mwh"], cost["pue"], cost["kgco2_per_kwh"],
                                      cost["co2_t"])])]
     return "\n".join(lines)
+
+
+def token_text(tokens: float) -> str:
+    """A token budget as `--tokens` takes it and papers write it: 100B, 2.5T, 6.3M."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:.3g}{suffix}"
+    return f"{tokens:.3g}"
 
 
 def breakdown(candidate: Candidate, rank: int) -> list[str]:

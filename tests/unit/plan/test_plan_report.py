@@ -109,3 +109,14 @@ def test_the_routing_line_counts_tensor_parallel_ranks_as_expert_shards():
                          "layer's token copies on average, its activations at 1.12x in the worst step")
     alone = describe_routing(routing, _candidate(["--parallel.dp_shard=8"], True, 1.0, 0.5))
     assert alone.endswith("each hold every expert (ep x tp = 1): none waits for another's")
+
+
+@pytest.mark.parametrize("tokens, text", [(100e9, "100B"), (1e12, "1T"), (2.5e12, "2.5T"), (6.29e6, "6.29M"),
+                                          (999e9, "999B"), (4096, "4.1K"), (500, "500")])
+def test_a_token_budget_is_printed_as_plan_tokens_takes_it(tokens, text):
+    """What `--tokens` reads back (cli/plan.token_count) is what the energy table's row prints."""
+    from optimus.cli.plan import token_count
+    from optimus.plan.report import token_text
+
+    assert token_text(tokens) == text
+    assert token_count(text) == pytest.approx(tokens, rel=0.01)
