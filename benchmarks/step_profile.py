@@ -18,8 +18,9 @@ uncovered: launches and Python the GPU waits for). So a miss of plan_gpu.py's st
 ran below its preset's efficiency, and how much of the step the GPU sat idle. Where the idle time goes on the
 host: the GPU's idle time within each phase of the step (train/step.py names forward_backward, clip_gradients
 and optimizer_step for profilers; the rest is data, callbacks and logging), the host events (aten operators, CUDA
-runtime calls, autograd and checkpoint frames) with the most self time per step, and how many operators and
-kernel launches a step ran.
+runtime calls, autograd and checkpoint frames) with the most self time per step, how many operators and
+kernel launches a step ran, and the idle gaps between kernels by length and by the kernels on either side (many
+launch-sized gaps through runs of small kernels, or a few long stalls: what the eager steps' idle still leaves open).
 """
 
 from __future__ import annotations
@@ -87,6 +88,41 @@ def idle_by_phase(phases: list[tuple[str, float, float]], kernels: list[tuple[fl
         phase["host_s"] += (end - start) * 1e-6 / steps
         phase["gpu_idle_s"] += (end - start - busy) * 1e-6 / steps
     return out
+
+
+# how long the GPU waits between two kernels, in us: under launch-bound runs of small kernels the gaps are a few to a
+# few tens of microseconds each; a host stall (a sync, the allocator, Python between phases) leaves a long one
+GAP_BUCKETS_US = (5.0, 20.0, 100.0, 1000.0)
+
+
+def _bucket(gap_us: float) -> str:
+    low = 0.0
+    for high in GAP_BUCKETS_US:
+        if gap_us < high:
+            return f"{low:g}-{high:g} us"
+        low = high
+    return f">= {low:g} us"
+
+
+def idle_gaps(kernels: list[tuple[str, float, float]], steps: int, top: int = 15) -> dict:
+    """Per step: the GPU's idle gaps between kernels (name, start, end in us) by length (count and seconds in each
+    GAP_BUCKETS_US range) and the kernel pairs (the last to finish before a gap -> the first after it) whose gaps
+    add up to the most: whether the eager idle is many launch-sized gaps through stretches of small kernels, or a
+    few long stalls, and where in the model."""
+    buckets = {_bucket(b): {"count": 0.0, "s": 0.0} for b in (0.0, *GAP_BUCKETS_US)}
+    pairs: dict[str, float] = {}
+    last_name, covered_to = None, None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if covered_to is not None and start > covered_to:
+            gap = start - covered_to
+            bucket = buckets[_bucket(gap)]
+            bucket["count"] += 1 / steps
+            bucket["s"] += gap * 1e-6 / steps
+            key = f"{last_name[:60]} -> {name[:60]}"
+            pairs[key] = pairs.get(key, 0.0) + gap * 1e-6 / steps
+        if covered_to is None or end > covered_to:
+            last_name, covered_to = name, end
+    return {"by_length": buckets, "top_pairs_s": dict(sorted(pairs.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def host_summary(events, steps: int, top: int = 25) -> dict:
@@ -158,6 +194,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
     phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
               if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("optimus.")]
     by_phase = idle_by_phase(phases, [(k.time_range.start, k.time_range.end) for k in kernels], steps)
+    gaps = idle_gaps([(k.name, k.time_range.start, k.time_range.end) for k in kernels], steps)
     # the rest of the step: data, callbacks, logging, the loss's .item()
     by_phase["between phases"] = {"host_s": wall - sum(p["host_s"] for p in by_phase.values()),
                                   "gpu_idle_s": wall - busy - sum(p["gpu_idle_s"] for p in by_phase.values())}
@@ -166,7 +203,7 @@ def profile_case(name: str, cluster_name: str, steps: int, warmup: int, more: li
             "preset_efficiency": cluster.efficiency.to_dict(), "predicted_step_s": predicted.step_s,
             "predicted_parts_s": predicted.parts,
             "top_kernels_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]), "idle_by_phase": by_phase,
-            **host}
+            "idle_gaps": gaps, **host}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {secs:8.4f} s  {kernel[:110]}")
         print("  GPU idle by step phase: " + ", ".join(f"{name} {p['gpu_idle_s']:.3f} of {p['host_s']:.3f} s"
                                                        for name, p in row["idle_by_phase"].items()))
+        print("  GPU idle gaps by length, per step: " + ", ".join(
+            f"{label} {b['count']:.0f} ({b['s']:.3f} s)" for label, b in row["idle_gaps"]["by_length"].items()))
+        for pair, secs in list(row["idle_gaps"]["top_pairs_s"].items())[:8]:
+            print(f"    {secs:8.4f} s idle  {pair[:110]}")
         print(f"  host, per step: {row['aten_ops_per_step']:.0f} aten operators, {row['launches_per_step']:.0f} "
               "kernel launches; most self time:")
         for event, secs in list(row["top_host_s"].items())[:12]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.plan_gpu import CASES, case_overrides, cluster_for_device, main, predict, stored_rows
-from benchmarks.step_profile import _union, host_summary, idle_by_phase, kernel_class
+from benchmarks.step_profile import _union, host_summary, idle_by_phase, idle_gaps, kernel_class
 from tests.gpu.resume_check import resumed_at, rewind
 
 
@@ -40,6 +40,17 @@ def test_gpu_idle_is_split_by_the_steps_phases():
     split = idle_by_phase(phases, [(10, 60), (80, 120)], steps=1)
     assert split["optimus.forward_backward"] == pytest.approx({"host_s": 100e-6, "gpu_idle_s": 30e-6})
     assert split["optimus.optimizer_step"] == pytest.approx({"host_s": 30e-6, "gpu_idle_s": 10e-6})
+
+
+def test_gpu_idle_gaps_are_counted_by_length_and_by_the_kernels_around_them():
+    # two steps: a 3 us and a 50 us gap after "norm" (the second overlapped by "gemm" running on), a 2 ms stall
+    kernels = [("norm", 0, 10), ("gemm", 13, 100), ("add", 20, 40), ("silu", 150, 160), ("norm", 2160, 2170)]
+    gaps = idle_gaps(kernels, steps=2)
+    assert gaps["by_length"]["0-5 us"] == pytest.approx({"count": 0.5, "s": 1.5e-6})
+    assert gaps["by_length"]["20-100 us"] == pytest.approx({"count": 0.5, "s": 25e-6})  # from gemm's end, not add's
+    assert gaps["by_length"][">= 1000 us"] == pytest.approx({"count": 0.5, "s": 1e-3})
+    assert gaps["by_length"]["5-20 us"]["count"] == 0
+    assert list(gaps["top_pairs_s"]) == ["silu -> norm", "gemm -> silu", "norm -> gemm"]
 
 
 def test_the_host_summary_counts_operators_and_ranks_self_time_per_step():
