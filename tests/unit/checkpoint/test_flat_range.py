@@ -97,3 +97,29 @@ def test_tensor_operations_are_refused_with_a_pointer_to_local():
     staged = ranged.staged()
     assert staged.local().data_ptr() != ranged.local().data_ptr() and torch.equal(staged.local(), ranged.local())
     assert staged.__create_chunk_list__() == ranged.__create_chunk_list__()
+
+
+def test_an_empty_range_of_a_scalar_has_no_boxes():
+    """A rank that owns none of a 0-d parameter writes no box (a box of a scalar is one element it lacks)."""
+    assert range_boxes((), 0, 0) == []
+    assert FlatRangeTensor(torch.zeros(0), (), (), (), 0).__create_chunk_list__() == []
+
+
+def test_a_shard_index_hint_one_past_the_last_box_falls_back_to_the_offset():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    ranged = FlatRangeTensor(torch.arange(4.0), (2, 3), (0, 0), (2, 3), 1)  # boxes at (0, 1) and (1, 0)
+    box = ranged.__get_tensor_shard__(MetadataIndex("w", torch.Size((1, 0)), index=2))
+    assert torch.equal(box, torch.tensor([[2.0, 3.0]]))
+
+
+def test_an_asynchronous_saves_staging_copies_ranges_as_ranges_even_alone_in_their_dict(tmp_path):
+    from optimus.checkpoint.writer import CheckpointWriter
+
+    live = torch.arange(4.0)
+    staged = CheckpointWriter(tmp_path, "{}").stage(
+        {"opt": {"state": {"w": FlatRangeTensor(live, (2, 3), (0, 0), (2, 3), 1)}}, "b": torch.ones(2)})
+    copy = staged["opt"]["state"]["w"]
+    assert isinstance(copy, FlatRangeTensor) and copy.__create_chunk_list__()[0].offsets == torch.Size((0, 1))
+    live.add_(10.0)  # training goes on while the background write runs: the copy keeps the staged values
+    assert copy.local().tolist() == [0.0, 1.0, 2.0, 3.0] and torch.equal(staged["b"], torch.ones(2))

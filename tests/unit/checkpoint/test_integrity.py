@@ -340,3 +340,60 @@ def test_a_manifest_never_lists_itself_even_when_sealed_again(tmp_path):
     seal(tmp_path)
     records = read_manifest(tmp_path)
     assert set(records) == {"a.bin"} and check_files(tmp_path, records) is None
+
+
+@pytest.mark.parametrize("name", ["", ".", ".."])
+def test_a_manifest_name_for_the_folder_itself_or_its_parent_is_refused(tmp_path, name):
+    """'.' or '..' with the folder's size in a sizes-only manifest would otherwise check as a good file."""
+    from optimus.checkpoint.integrity import FileRecord, check_files
+
+    record = FileRecord((tmp_path / name).stat().st_size, None)
+    assert check_files(tmp_path, {name: record}) == f"COMMITTED lists '{name}', which is not a file name"
+
+
+def test_a_manifest_size_that_is_not_a_number_is_refused_in_one_line(tmp_path):
+    from optimus.checkpoint.integrity import ManifestError
+
+    (tmp_path / "COMMITTED").write_text('{"format": 2, "files": {"meta.json": {"bytes": "ten", "blake2b": "ab"}}}')
+    with pytest.raises(ManifestError, match="^COMMITTED is not a manifest Optimus wrote$"):
+        read_manifest(tmp_path)
+
+
+def test_verify_takes_the_step_of_a_third_moved_aside_copy_before_its_suffix(tmp_path):
+    (tmp_path / "checkpoints" / "damaged-step-5.3").mkdir(parents=True)
+    (report,) = verify_run(tmp_path)
+    assert (report.name, report.step, report.files, report.bytes) == ("damaged-step-5.3", 5, 0, 0)
+
+
+def test_verify_reports_the_bytes_of_a_checkpoint(tmp_path):
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    files = [p for p in manager.step_dir(1).iterdir()]
+    (report,) = verify_run(tmp_path)
+    assert (report.files, report.bytes) == (len(files), sum(p.stat().st_size for p in files))
+    assert report.bytes > report.files
+
+
+def test_verify_refuses_a_pickled_index_item_only_in_a_checkpoint_with_values_json(tmp_path, monkeypatch):
+    """Optimus keeps values in values.json, so a pickled item in such a checkpoint's index was put there by someone
+    else; a checkpoint from before values.json held its values pickled, and is not refused for it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from optimus.checkpoint import verify
+    from optimus.checkpoint.integrity import seal
+
+    manager, _ = saved_run(tmp_path, steps=(1,))
+    read_index = verify.read_index
+
+    def with_pickled_item(folder):
+        index = read_index(folder)
+        index.state_dict_metadata["extra"] = BytesStorageMetadata()
+        return index
+
+    monkeypatch.setattr(verify, "read_index", with_pickled_item)
+    folder = manager.step_dir(1)
+    assert verify.check_checkpoint(folder) == (
+        "index holds pickled item 'extra', which Optimus never writes (altered checkpoint)")
+    (folder / "values.json").unlink()
+    (folder / "COMMITTED").unlink()
+    seal(folder)
+    assert verify.check_checkpoint(folder) is None

@@ -63,3 +63,33 @@ def test_the_size_the_trainer_reserves_is_what_a_checkpoint_of_weights_and_adam_
     written = sum(path.stat().st_size for path in manager.step_dir(1).iterdir())
     estimate = sum(p.numel() for p in model.parameters()) * CHECKPOINT_BYTES_PER_PARAMETER
     assert written == pytest.approx(estimate, rel=0.1)
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (512, "512 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
+                                     (1536, "1.5 KiB"), (3 * 1024 ** 2, "3.0 MiB"), (5 * 1024 ** 5, "5120.0 TiB")])
+def test_human_bytes_units(n, text):
+    from optimus.checkpoint.preflight import human_bytes
+
+    assert human_bytes(n) == text
+
+
+def test_exactly_enough_free_space_is_enough(tmp_path, monkeypatch):
+    from optimus.checkpoint import preflight
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda _path: usage._replace(free=5000))
+    check_run_dir(tmp_path, checkpoint_bytes=5000)
+    with pytest.raises(RunDirError, match="only 4.9 KiB free"):
+        check_run_dir(tmp_path, checkpoint_bytes=5001)
+
+
+def test_the_probe_writes_real_bytes_to_disk(tmp_path, monkeypatch):
+    """An empty probe file would not notice a full disk: the probe writes (and syncs) 4 KiB."""
+    import os
+
+    from optimus.checkpoint import preflight
+
+    sizes, fsync = [], os.fsync
+    monkeypatch.setattr(preflight.os, "fsync", lambda fd: (sizes.append(os.fstat(fd).st_size), fsync(fd))[1])
+    check_run_dir(tmp_path, checkpoint_bytes=1)
+    assert sizes == [4096]

@@ -124,3 +124,63 @@ def test_index_unpickler_allows_only_named_records(tmp_path, module, name):
     (tmp_path / ".metadata").write_bytes(_call_global(module, name))
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         read_index(tmp_path)
+
+
+def _rewrite_index(folder, **changes):
+    """Point the index's first storage record elsewhere (the test's own file: plain pickle is fine here)."""
+    import dataclasses
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    first = next(iter(metadata.storage_data))
+    metadata.storage_data[first] = dataclasses.replace(metadata.storage_data[first], **changes)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    ({"relative_path": "..\\secrets.distcp"}, "outside its folder"),
+    ({"relative_path": "."}, "outside its folder"),
+    ({"transform_descriptors": ["zip"]}, "asks to transform"),
+])
+def test_an_index_pointing_out_of_its_folder_or_asking_for_transforms_is_refused(tmp_path, changes, refusal):
+    from optimus.checkpoint.safe_reader import UnsafeCheckpoint
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state()[3], {})
+    _rewrite_index(manager.step_dir(1), **changes)
+    with pytest.raises(UnsafeCheckpoint, match=refusal):
+        read_index(manager.step_dir(1))
+
+
+def test_per_rank_indexes_are_refused_for_rank_0_too_and_an_index_without_storage_meta_gets_one(tmp_path):
+    from optimus.checkpoint.safe_reader import UnsafeCheckpoint
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state()[3], {})
+    reader = SafeFileSystemReader(manager.step_dir(1))
+    for rank in (0, 1):
+        with pytest.raises(UnsafeCheckpoint, match="per-rank checkpoint indexes are not supported"):
+            reader.read_metadata(rank=rank)
+    reader._index.storage_meta = None  # an index written before DCP recorded storage_meta
+    reader.reset()
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+
+
+def test_a_refused_byte_item_with_an_empty_unpickler_message_still_fails_in_one_line(monkeypatch):
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from optimus.checkpoint import safe_reader
+    from optimus.checkpoint.safe_reader import UnsafeCheckpoint
+
+    def refuse(*_args, **_kwargs):
+        raise pickle.UnpicklingError("")
+
+    monkeypatch.setattr(safe_reader.torch, "load", refuse)
+    planner = SafeLoadPlanner()
+    planner.state_dict = {}
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("opt.lr"), torch.Size(()), MetadataIndex("opt.lr"),
+                    torch.Size(()), torch.Size(()))
+    with pytest.raises(UnsafeCheckpoint, match=r"'opt.lr' holds a pickle that is not plain data \(refused\)"):
+        planner.load_bytes(item, io.BytesIO(b""))

@@ -34,3 +34,13 @@ def test_train_refuses_a_source_listed_twice_at_config_load(tmp_path, capsys):
     assert main(["train", str(path), "--dry-run"]) == 2
     assert capsys.readouterr() == ("", f"optimus train: error: data source name 'sotu' {TWICE}\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_source_without_a_location_and_a_heldout_fraction_of_zero_are_refused():
+    from optimus.data.config import DataConfig, DataSource
+
+    with pytest.raises(ValueError, match="exactly one"):
+        DataSource(weight=2.0)
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        DataConfig(heldout_fraction=0.0)
+    assert DataConfig(heldout_fraction=0.5).heldout_fraction == 0.5

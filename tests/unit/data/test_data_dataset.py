@@ -60,3 +60,33 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, write_token_file):
     empty = write_token_file(tmp_path / "empty.bin", [])
     with pytest.raises(DataError, match="holds no tokens"):
         TokenDataset(empty)
+
+
+def test_window_bounds(tmp_path, write_token_file):
+    dataset = TokenDataset(write_token_file(tmp_path / "train.bin", np.arange(12)))
+    with pytest.raises(DataError, match="seq_len is 0: use a positive sequence length"):
+        dataset.num_instances(0)
+    assert dataset.num_instances(3) == 3
+    with pytest.raises(IndexError, match="instance -1 out of range"):
+        dataset.instance(-1, 3)
+
+
+def test_a_folder_without_train_bin_says_the_token_file_is_missing(tmp_path):
+    with pytest.raises(DataError, match=r"train.bin does not exist: ") as err:
+        open_token_dataset(tmp_path)
+    assert "heldout-fraction" not in str(err.value)
+
+
+def test_a_sidecar_that_is_not_an_object_is_unreadable(tmp_path, write_token_file):
+    path = write_token_file(tmp_path / "train.bin", np.arange(12))
+    path.with_suffix(".json").write_text("[1, 2]")
+    with pytest.raises(DataError, match="train.json is unreadable"):
+        TokenDataset(path)
+
+
+def test_another_tokenizer_names_a_token_file_not_named_train_or_heldout(tmp_path, write_token_file):
+    from optimus.data.dataset import check_same_tokenizer
+
+    dataset = TokenDataset(write_token_file(tmp_path / "mine.bin", np.arange(12)))  # tokenizer_sha256 "test"
+    with pytest.raises(DataError, match=f"^{tmp_path / 'mine.bin'} was tokenized with another tokenizer"):
+        check_same_tokenizer(dataset, "olmoe")

@@ -152,3 +152,41 @@ def test_training_data_without_a_micro_batch_gives_each_rank_its_share(small_tok
     assert config.train.micro_batch_size is None
     loader = build_training_data(config, dp_rank=1, dp_size=2).loader
     assert loader.micro_batch_size == 4 and len(loader.next_batch()) == 1
+
+
+def test_check_token_ids_refuses_a_negative_id_and_passes_an_empty_batch():
+    from optimus.data.loader import check_token_ids
+
+    with pytest.raises(DataError, match="^the batch holds token id -1, outside model.vocab_size 10: "):
+        check_token_ids(np.array([[3, -1, 9]]), 10, "the batch")
+    check_token_ids(np.empty((0, SEQ_LEN + 1), dtype=np.int64), 10, "the batch")
+
+
+def test_a_bad_token_id_names_the_training_batch_counting_from_1(tmp_path, write_token_file):
+    source = TokenDataset(write_token_file(tmp_path / "train.bin", np.full(4 * (SEQ_LEN + 1), 9)))
+    loader = BatchLoader(Mixture([source], [1.0], SEQ_LEN, seed=0), 2, 1, vocab_size=9)
+    loader.load_state_dict({"step": 4})
+    with pytest.raises(DataError, match="^training batch 5 holds token id 9"):
+        loader.next_batch()
+
+
+@pytest.mark.parametrize("global_batch, micro_batch", [(8, 0), (8, -2), (0, 1)])
+def test_batch_sizes_below_1_are_refused(mixture, global_batch, micro_batch):
+    with pytest.raises(DataError, match="batch sizes must be positive"):
+        BatchLoader(mixture, global_batch, micro_batch)
+
+
+def test_a_numpy_integer_resume_step_is_accepted(mixture):
+    loader = BatchLoader(mixture, 8, 4)
+    loader.load_state_dict({"step": np.int64(3)})
+    assert loader.step == 3 and type(loader.step) is int
+
+
+@pytest.mark.parametrize("batch, count, micro", [(4, 0, 1), (0, 1, 1), (4, 1, 0)])
+def test_heldout_batch_counts_and_sizes_below_1_are_refused(tmp_path, write_token_file, batch, count, micro):
+    sources = [_numbered_source(tmp_path, write_token_file, 0, 4)]
+    with pytest.raises(DataError, match="must be positive"):
+        heldout_share(sources, SEQ_LEN, batch, count, micro_batch_size=micro)
+    if micro:
+        with pytest.raises(DataError, match="must be positive"):
+            heldout_batches(sources, SEQ_LEN, batch_size=batch, n_batches=count)

@@ -107,3 +107,41 @@ def test_invalid_mixtures_raise(labelled_sources, tmp_path, write_token_file):
     foreign.meta["tokenizer_sha256"] = "another tokenizer"
     with pytest.raises(DataError, match="different tokenizers"):
         Mixture([labelled_sources[0], foreign], [1, 1], SEQ_LEN, seed=0)
+
+
+def test_apportion_slots_takes_excess_back_only_from_sources_above_one_slot():
+    assert apportion_slots([1000, 1, 1], 3) == [1, 1, 1]
+
+
+def test_the_lru_cache_keeps_the_most_recently_used_items_up_to_its_capacity():
+    from optimus.data.mixture import _LRUCache
+
+    cache, computed = _LRUCache(capacity=2), []
+
+    def get(key):
+        return cache.get(key, lambda: computed.append(key) or np.array(key))
+
+    for key in ("a", "b", "a", "c", "a", "b"):
+        get(key)
+    assert computed == ["a", "b", "c", "b"]  # "a" used again stays; "b" then least recent goes when "c" comes
+
+
+def test_mixture_boundaries(labelled_sources):
+    mixture = Mixture(labelled_sources, [1, 1, 1], SEQ_LEN, seed=0, block_size=3)  # one slot per source
+    assert sorted(mixture.source_of(i) for i in range(3)) == [0, 1, 2]
+    with pytest.raises(DataError, match="block_size 2 is smaller than the 3 sources"):
+        Mixture(labelled_sources, [1, 1, 1], SEQ_LEN, seed=0, block_size=2)
+    with pytest.raises(DataError, match="seed is -1: use a non-negative integer"):
+        Mixture(labelled_sources, [1, 1, 1], SEQ_LEN, seed=-1)
+    with pytest.raises(DataError, match="weights .* are invalid: use non-negative numbers, not all zero"):
+        Mixture(labelled_sources, [0, 0, 0.0], SEQ_LEN, seed=0)
+    with pytest.raises(IndexError, match="sample index -1 is negative"):
+        mixture.sample(-1)
+
+
+def test_a_source_of_more_windows_than_int16_holds_is_permuted_whole(tmp_path, write_token_file):
+    source = TokenDataset(write_token_file(tmp_path / "big.bin", np.zeros(2 * 40_000)))
+    mixture = Mixture([source], [1.0], seq_len=1, seed=0)
+    order = mixture._instance_permutation(0, 0)
+    assert np.array_equal(np.sort(order), np.arange(40_000))
+    assert mixture.locate(4096 * 9)[2] == int(order[4096 * 9])

@@ -217,3 +217,68 @@ def test_ids_below_65536_are_stored_in_16_bits_and_larger_vocabularies_in_32():
 
     for choose in (dtype_for_vocab, token_dtype):
         assert [choose(v) for v in (50_304, 65_536, 65_537, 200_000)] == [np.uint16, np.uint16, np.uint32, np.uint32]
+
+
+def test_a_real_npy_of_signed_ids_is_refused(tmp_path):
+    np.save(tmp_path / "signed.npy", np.arange(100, dtype=np.int32))
+    with pytest.raises(DataError, match="holds a int32 array of shape \\(100,\\): token files must be flat unsigned"):
+        TokenFiles(str(tmp_path / "signed.npy"), VOCAB, EOS)
+
+
+def test_a_short_file_with_zeros_at_odd_positions_is_not_taken_for_uint32(tmp_path):
+    np.array([5, 0, 7, 0, 9, 0], dtype=np.uint16).tofile(tmp_path / "short.npy")
+    assert TokenFiles(str(tmp_path / "short.npy"), VOCAB, EOS).num_tokens == 6
+
+
+def test_windows_and_document_ends_are_counted_across_the_files(tmp_path):
+    np.array([1, 2, EOS, 3, 4], dtype=np.uint16).tofile(tmp_path / "a.npy")  # 2 windows of 2 tokens
+    np.array([EOS, 5, 6, EOS], dtype=np.uint16).tofile(tmp_path / "b.npy")  # 2 more
+    files = TokenFiles(str(tmp_path / "*.npy"), VOCAB, EOS)
+    assert files.document_ends().tolist() == [2, 5, 8]
+    assert files.num_instances(1) == 4 and files.instance(3, 1).tolist() == [6, EOS]
+    with pytest.raises(IndexError, match="instance 4 out of range"):
+        files.instance(4, 1)
+    with pytest.raises(DataError, match="seq_len is 0: use a positive sequence length"):
+        files.num_instances(0)
+
+
+def test_a_file_whose_name_looks_like_a_glob_is_read_as_named(tmp_path):
+    path = tmp_path / "tokens[0].npy"
+    np.arange(1, 9, dtype=np.uint16).tofile(path)
+    assert TokenFiles(str(path), VOCAB, EOS).files == [path]
+
+
+def _recipe(folder: Path, sources) -> Path:
+    path = folder / "mix.yaml"
+    recipe = {"name": "mix", "dtype": "uint16", "eos_id": 0, "sources": sources}
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("sources, problem", [
+    ({}, "has no 'sources' mapping"),
+    ({"web": {"tokens": 5}}, "source 'web' needs a 'path'"),
+    ({"web": {"tokens": "lots", "path": "web/*.npy"}}, "source 'web' has tokens 'lots': write a number like"),
+])
+def test_recipe_file_mistakes_are_one_line(tmp_path, sources, problem):
+    from optimus.data.recipe import load_recipe
+
+    with pytest.raises(DataError, match=problem):
+        load_recipe(str(_recipe(tmp_path, sources)))
+
+
+def test_a_recipe_is_found_relative_to_the_working_folder_and_its_sources_keep_their_own_dtype(tmp_path,
+                                                                                                 monkeypatch):
+    from optimus.data.recipe import load_recipe
+
+    for name in ("web", "code"):
+        (tmp_path / name).mkdir()
+        np.full(100, 7, dtype=np.uint16).tofile(tmp_path / name / "a.npy")
+    _recipe(tmp_path, {"web": {"tokens": "3.86e12", "path": "web/*.npy"},
+                       "code": {"tokens": 1e9, "path": "code/*.npy", "dtype": "uint32", "eos_id": 5}})
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("mix.yaml")["sources"]["web"]["tokens"] == 3.86e12
+    sources = recipe_sources(DataConfig(recipe="mix.yaml", root=str(tmp_path)))
+    assert [(s.weight, s.dtype, s.eos_id) for s in sources] == [(3.86e12, "uint16", 0), (1e9, "uint32", 5)]
+    with pytest.raises(DataError, match="every source of recipe mix.yaml has weight 0"):
+        recipe_sources(DataConfig(recipe="mix.yaml", root=str(tmp_path), weights={"web": 0, "code": 0}))

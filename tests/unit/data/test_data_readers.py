@@ -109,3 +109,18 @@ def test_expand_inputs_errors(tmp_path):
         expand_inputs([str(tmp_path / "*.jsonl")])
     with pytest.raises(DataError, match="no input files given"):
         expand_inputs([])
+
+
+def test_a_zstd_file_decompressing_to_more_than_one_read_buffer_is_read_whole(tmp_path):
+    docs = [f"document {i} " + "x" * 3000 for i in range(40)]  # 120 KB: chunks larger than a read's buffer
+    path = _write(tmp_path, "big.jsonl.zst", docs)
+    assert list(read_documents(path)) == docs
+
+
+def test_expand_inputs_takes_a_single_path_and_upper_case_suffixes(tmp_path):
+    from pathlib import Path
+
+    (tmp_path / "SPEECH.TXT").write_text("hello")
+    (tmp_path / "notes.md").write_text("skip")
+    assert expand_inputs(tmp_path / "SPEECH.TXT") == [tmp_path / "SPEECH.TXT"]
+    assert expand_inputs([str(tmp_path)]) == [Path(tmp_path / "SPEECH.TXT")]

@@ -274,3 +274,10 @@ def test_leaving_waits_for_the_peers_only_after_a_clean_run(monkeypatch, exit_co
     with pytest.raises(Exited):
         leave_distributed(exit_code)
     assert calls == [*([("barrier",)] if barrier else []), ("destroy",), ("exit", exit_code)]
+
+
+def test_pals_and_pmi_fall_back_to_their_other_names_for_sizes_and_local_ranks():
+    pals = detect_launch_env({"PALS_RANKID": "7", "PALS_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_SIZE": "6"})
+    assert (pals.rank, pals.world_size, pals.local_rank, pals.local_world_size) == (7, 24, 1, 6)
+    pmi = detect_launch_env({"PMI_RANK": "6", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "2", "PMI_LOCAL_SIZE": "4"})
+    assert (pmi.rank, pmi.world_size, pmi.local_rank, pmi.local_world_size) == (6, 8, 2, 4)

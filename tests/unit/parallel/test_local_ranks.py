@@ -112,3 +112,26 @@ def test_a_rank_still_running_at_the_timeout_is_killed_and_named_as_timed_out(mo
     assert str(err.value) == "rank 0 of 1 did not finish within 0.6 s"  # (a sub-second timeout read "within 0 s")
     with pytest.raises(ChildProcessError):  # killed and reaped: nothing left running
         os.waitpid(spawned[0], os.WNOHANG)
+
+
+def _leave_without_a_result(rank, world):
+    import os
+
+    os._exit(3)
+
+
+def test_a_rank_that_exits_without_a_result_is_said_to_have_died():
+    with pytest.raises(LocalRanksError, match="^rank 0 of 1 died without a result$"):
+        run_on_local_ranks(_leave_without_a_result, 1, timeout=60.0)
+
+
+def test_a_child_compiles_in_its_own_process_where_inductor_is_loaded(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from optimus.parallel.local_ranks import compile_without_the_parents_workers
+
+    inductor_config = SimpleNamespace(compile_threads=4)  # stands for the loaded torch._inductor.config
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", inductor_config)
+    compile_without_the_parents_workers()
+    assert inductor_config.compile_threads == 1

@@ -66,3 +66,15 @@ def test_expert_data_parallelism_and_data_parallelism_by_hand():
     assert not ParallelDims(tp=2, world_size=2).has_data_parallel
     assert not ParallelDims(pp=2, world_size=2).has_data_parallel
     assert ParallelDims(dp_replicate=2, world_size=2).has_data_parallel
+
+
+def test_tensor_parallel_ranks_must_divide_the_kv_heads_too():
+    gqa = ModelConfig(d_model=64, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=256)
+    ParallelDims(tp=2, world_size=2).check_model(gqa)
+    with pytest.raises(LayoutError, match=r"n_kv_heads \(2\): use a tp that divides 2$"):
+        ParallelDims(tp=4, world_size=4).check_model(gqa)
+
+
+def test_a_degree_below_1_names_the_setting():
+    with pytest.raises(LayoutError, match=r"^parallel.tp: Input should be greater than 0 \(got 0\)$"):
+        ParallelDims(tp=0, world_size=1)

@@ -88,3 +88,28 @@ def test_the_micro_batch_counts_tried_are_every_divisor_in_order():
         assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
     assert _divisors(99_999_989) == [1, 99_999_989]  # a prime share of 10^8 samples: 10^4 trial divisions
     assert _divisors(10**8)[-3:] == [25_000_000, 50_000_000, 100_000_000]
+
+
+def test_the_interleaved_schedule_takes_micro_batches_in_whole_rounds_of_about_pp():
+    """torch's interleaved 1F1B runs max(1, n // pp) rounds and needs n to divide into them."""
+    from optimus.parallel.validate import check_pipeline_micro_batches
+
+    for n_micro in (3, 4, 6, 10, 12):  # pp 2: 3 is one round of 3; pp 4: 6 one round, 10 two of 5
+        check_pipeline_micro_batches("interleaved_1f1b", 4 if n_micro in (6, 10) else 2, n_micro)
+    with pytest.raises(LayoutError, match=r"cannot split 9 micro-batches per step into rounds of pp \(4\)"):
+        check_pipeline_micro_batches("interleaved_1f1b", 4, 9)
+
+
+def test_selective_ops_is_refused_only_where_the_experts_fsdp_group_is_one_rank_under_hsdp():
+    from optimus.parallel.mesh import ParallelDims
+    from optimus.parallel.validate import check_checkpointing_layout
+
+    check_checkpointing_layout("selective_ops", ParallelDims(dp_shard=2, ep=2, world_size=2))
+    check_checkpointing_layout("selective_ops", ParallelDims(dp_replicate=2, dp_shard=4, ep=2, world_size=8))
+    with pytest.raises(LayoutError, match="selective_ops does not work with parallel.ep = dp_shard"):
+        check_checkpointing_layout("selective_ops", ParallelDims(dp_replicate=2, dp_shard=2, ep=2, world_size=4))
+
+
+def test_virtual_stages_do_not_count_without_a_pipeline():
+    layout = validate_layout(_config({"pp_virtual_stages": 2}, {"global_batch_size": 8}, {"n_layers": 1}))
+    assert layout.dims.pp == 1

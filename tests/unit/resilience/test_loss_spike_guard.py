@@ -92,3 +92,38 @@ def test_a_loss_equal_to_flat_losses_is_not_a_spike():
     assert guard.threshold() == 2.5
     assert not guard.is_spike(2.5) and guard.is_spike(2.5000001)
     assert not guard(2.5) and len(guard.losses) == 8
+
+
+def test_a_zscore_of_zero_is_refused():
+    with pytest.raises(ValueError, match="zscore > 0 and window >= 1, got 0"):
+        LossSpikeGuard(zscore=0.0, window=8)
+
+
+def test_a_window_smaller_than_the_minimum_judges_once_it_is_full():
+    guard = LossSpikeGuard(zscore=3.0, window=3)
+    for loss in (3.0, 3.1, 2.9):
+        assert not guard(loss)
+    assert guard.ready and guard(50.0)
+
+
+def test_non_finite_losses_never_join_the_statistics():
+    guard = LossSpikeGuard(zscore=3.0, window=20)
+    for loss in (math.nan, math.inf):  # before the guard can judge: not spikes, yet not kept
+        assert not guard(loss)
+    for loss in STEADY:
+        guard(loss)
+    assert not guard(math.nan)
+    assert list(guard.losses) == STEADY
+
+
+def test_the_threshold_uses_the_population_std_of_the_accepted_losses():
+    guard = LossSpikeGuard(zscore=2.0, window=8)
+    for loss in (1.0, 3.0) * 4:
+        guard(loss)
+    assert guard.threshold() == 4.0  # mean 2 + 2 x std 1
+    assert guard.describe(5.0) == "loss 5 vs 2 +- 1 over the last 8 accepted steps"
+
+
+def test_a_skip_without_detail_names_only_its_reason():
+    with pytest.raises(TooManySkippedSteps, match=r"^step 7: 1 optimizer steps in a row were skipped \(last: nan\): "):
+        ConsecutiveSkips(limit=1).update(7, "nan")

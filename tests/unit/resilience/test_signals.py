@@ -58,3 +58,33 @@ def test_outside_the_main_thread_nothing_is_installed(previous_handlers):
     thread.start()
     thread.join()
     assert outcome == {"handlers": handlers, "received": 0}
+
+
+def test_leaving_twice_does_not_put_back_stale_handlers():
+    def mine(signum, frame):
+        pass
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        guard = PreemptionSignals()
+        with guard:
+            pass
+        signal.signal(signal.SIGUSR1, mine)
+        guard.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _signal_seen_by_the_ranks(rank, world):
+    import torch
+
+    guard = PreemptionSignals()
+    guard.received = (signal.SIGTERM, signal.SIGUSR1)[rank]
+    return guard.received_on_any_rank(torch.device("cpu"))
+
+
+def test_when_ranks_received_different_signals_every_rank_names_the_highest():
+    from optimus.parallel.local_ranks import run_on_local_ranks
+
+    assert run_on_local_ranks(_signal_seen_by_the_ranks, 2, timeout=60.0) == [signal.SIGTERM] * 2

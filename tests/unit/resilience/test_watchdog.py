@@ -84,3 +84,12 @@ def test_a_short_timeout_is_checked_at_least_four_times_per_timeout():
         watchdog._stopped = RecordingStop()
         watchdog._watch()
         assert watchdog._stopped.waits == [poll_s], timeout_s
+
+
+def test_a_watchdog_timeout_of_zero_is_refused():
+    import pytest
+
+    from optimus.resilience.watchdog import HangWatchdog
+
+    with pytest.raises(ValueError, match="timeout_s must be positive, got 0"):
+        HangWatchdog(0)
