@@ -80,9 +80,10 @@ fi
 preset=$("$PYTHON" -c "import torch; from optimus.plan.tune import accelerator_preset as p
 print(p(torch.cuda.get_device_name(0)) or '')" 2>/dev/null)
 if [ -n "$preset" ]; then
+    # at the config's own micro-batch (1 sequence), as a user would: the compute classes' table by rows prices the
+    # stored steps (4 and 8 sequences) at theirs
     step calibrate "$PYTHON" -m optimus plan configs/mula-7b-a1b.yaml --cluster "$preset" --devices 8 --calibrate \
-        --calibrated-cluster "$OUT/calibrated.yaml" --overwrite --json "$OUT/plan_calibrated.json" --top 5 \
-        --train.micro_batch_size=4
+        --calibrated-cluster "$OUT/calibrated.yaml" --overwrite --json "$OUT/plan_calibrated.json" --top 5
     step calibrated-vs-stored "$PYTHON" benchmarks/plan_gpu.py --stored --cluster "$OUT/calibrated.yaml" \
         --json "$OUT/plan_gpu_calibrated.json"
 else

@@ -181,9 +181,15 @@ def _calibrate_node(config, cluster, path: Path, args: argparse.Namespace):
     print("\n".join(describe_node(cluster, measured)))
     # one H200's kernels ran Mula-7B-A1B's projections at 0.60 of peak and its experts at 0.28 at 1 x 2,048 tokens,
     # at 0.70 and 0.48 at 4 x 2,048 (BENCHMARKS.md, stop 58): one micro-batch's rates do not hold for all
-    print(f"note: timed at {config.train.micro_batch_size} x {config.train.seq_len} tokens a micro-batch; layouts at "
-          "other micro-batches are priced at these rates (a GPU's kernels run faster at larger ones): "
-          "--train.micro_batch_size=N calibrates at another")
+    table = measured["efficiency"].get("by_rows") or {}
+    timed = sorted({round(float(rows) / config.train.seq_len) for rows in table.get("dense_gemm", {})})
+    if len(timed) > 1:
+        print(f"note: the compute classes timed at {', '.join(map(str, timed))} x {config.train.seq_len} tokens a "
+              "micro-batch; each layout is priced at its own micro-batch's rows (between those, and at the nearest "
+              "beyond them); the other classes at the configured micro-batch")
+    else:
+        print(f"note: timed at {config.train.micro_batch_size} x {config.train.seq_len} tokens a micro-batch only (no "
+              "larger one fit); layouts at other micro-batches are priced at these rates")
     print(f"calibration written to {path}: plan on it with --cluster {path}")
     return load_cluster(str(path))
 

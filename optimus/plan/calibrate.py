@@ -105,28 +105,22 @@ def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS, device: torch.dev
 COMPUTE_REPEATS = 4
 
 
-def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float,
-                       device: torch.device | None = None, time_dtensor: bool = True) -> dict[str, Any]:
-    """Time each op class at `config`'s shapes (on this process's threads, against the peak and copy bandwidth
-    they have; or on an accelerator `device`, against its datasheet peak and HBM bandwidth: calibrate_node.py);
-    return each class's efficiency and what it timed. `time_dtensor` False: no DTensor overhead (an accelerator's
-    host dispatches it ahead of the device: the GPU presets' 0)."""
+def _time_compute_classes(config: Config, dt: torch.dtype, device: torch.device | None) -> dict[str, dict]:
+    """The compute classes (dense_gemm, grouped_gemm where the model has experts, attention, loss_head) timed at
+    `config`'s shapes: {"seconds", "flops"} each (see the module)."""
     from optimus.ops import moe_experts_forward
     from optimus.ops.cross_entropy import linear_cross_entropy
 
     m, train = config.model, config.train
-    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-    width = 2 if dtype == "bf16" else 4
     tokens = (train.micro_batch_size or 1) * train.seq_len
     h, kv, f = m.d_model, m.kv_heads * m.head_dim, (m.ffn_hidden or 4 * m.d_model)
-
     on_host = device is None or device.type == "cpu"
 
-    def tensor(*shape: int, grad: bool = True) -> torch.Tensor:
-        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_(grad)
+    def tensor(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_()
 
-    def timed(fn: Callable[[], None], repeats: int = COMPUTE_REPEATS) -> float:
-        return device_seconds(fn, repeats, device)  # on an accelerator its kernels' time: the host's is op_overhead
+    def timed(fn: Callable[[], None]) -> float:
+        return device_seconds(fn, COMPUTE_REPEATS, device)  # on an accelerator its kernels' time
 
     x = tensor(tokens, h)
     measured: dict[str, Any] = {}
@@ -163,20 +157,49 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     run = _forward_backward(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, kk, vv)
     measured["attention"] = {"seconds": timed(run),
                              "flops": 12.0 * tokens * heads * m.head_dim * seq}
-    # memory bound: a norm, a SwiGLU product, a residual add, and the loss's fp32 softmax over the vocabulary
-    from optimus.models.layers import RMSNorm
-
-    norm = RMSNorm(h).to(device=device, dtype=dt)
-    gate, up, res = tensor(tokens, f), tensor(tokens, f), tensor(tokens, h)
-    block = memory_bound_call(memory_bound_block(norm), (x, gate, up, res), writes_outputs=not on_host)
-    # tens of milliseconds: more repeats, or one slow call (another process on the core) sets the efficiency
-    measured["memory_bound"] = {"seconds": timed(block, 6), "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
     # the loss head over a tp rank's share of the vocabulary (optimus/parallel/vocab_parallel.py): the CPU's chunked
     # kernel keeps one rate per row past a chunk; an accelerator's plain path (ops/cross_entropy.py) runs all rows
     rows, vocab = (min(tokens, 1024) if on_host else tokens), -(-m.vocab_size // tp)
     labels = torch.randint(0, vocab, (rows,), device=device)
     run = _forward_backward(lambda a, w: linear_cross_entropy(a, w, labels), tensor(rows, h), tensor(vocab, h))
     measured["loss_head"] = {"seconds": timed(run), "flops": 6.0 * rows * h * vocab}
+    return measured
+
+
+def compute_class_rates(config: Config, dtype: str, peak_flops: float,
+                        device: torch.device | None = None) -> dict[str, float]:
+    """The compute classes' fractions of `peak_flops` at `config`'s shapes (one point of calibrate_node's by_rows
+    table)."""
+    measured = _time_compute_classes(config, torch.float32 if dtype == "fp32" else torch.bfloat16, device)
+    return {name: min(1.0, t["flops"] / t["seconds"] / peak_flops) for name, t in measured.items()}
+
+
+def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes_s: float,
+                       device: torch.device | None = None, time_dtensor: bool = True) -> dict[str, Any]:
+    """Time each op class at `config`'s shapes (on this process's threads, against the peak and copy bandwidth
+    they have; or on an accelerator `device`, against its datasheet peak and HBM bandwidth: calibrate_node.py);
+    return each class's efficiency and what it timed. `time_dtensor` False: no DTensor overhead (an accelerator's
+    host dispatches it ahead of the device: the GPU presets' 0)."""
+    m, train = config.model, config.train
+    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    width = 2 if dtype == "bf16" else 4
+    tokens = (train.micro_batch_size or 1) * train.seq_len
+    h, f = m.d_model, (m.ffn_hidden or 4 * m.d_model)
+    on_host = device is None or device.type == "cpu"
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_()
+
+    measured = _time_compute_classes(config, dt, device)
+    # memory bound: a norm, a SwiGLU product and a residual add
+    from optimus.models.layers import RMSNorm
+
+    norm = RMSNorm(h).to(device=device, dtype=dt)
+    x, gate, up, res = tensor(tokens, h), tensor(tokens, f), tensor(tokens, f), tensor(tokens, h)
+    block = memory_bound_call(memory_bound_block(norm), (x, gate, up, res), writes_outputs=not on_host)
+    # tens of milliseconds: more repeats, or one slow call (another process on the core) sets the efficiency
+    measured["memory_bound"] = {"seconds": device_seconds(block, 6, device),
+                                "bytes": tokens * (2 * h + 3 * f + 3 * h) * width * 3}
     scale = 1 if on_host else ACCELERATOR_ELEMENTS_SCALE
     measured["optimizer"] = measure_optimizer_step(OPTIMIZER_ELEMENTS * scale, device)
     measured["buffer_copy"] = measure_buffer_copies(

@@ -10,6 +10,10 @@ node with another software stack, clock or power cap reaches its own. Timed here
     memory_bound   the norm, SwiGLU and residual block compiled (fused kernels: the count memory_bound is read on)
                    and eager: eager_memory_traffic is the eager time over the compiled (1 where torch.compile cannot
                    build here, memory_bound then being the eager block's)
+    by_rows        the compute classes again at TABLE_MICRO_BATCHES micro-batches of the config's sequences, each
+                   point at the rows its calls run (efficiency.call_rows): the planner prices each layout at its
+                   own (one H200: Mula-7B-A1B's projections 0.60 / 0.69 / 0.73 of peak at 1 / 4 / 8 x 2,048
+                   tokens, its experts 0.28 / 0.48 / 0.54); a micro-batch the device has no memory for ends the table
     op_overhead    a chain of tiny autograd operators, timed to the device's end: the host's time per operator,
                    what a run of small kernels leaves the device idle for
     intra-node     NCCL/RCCL (XCCL) all-reduce, all-gather, reduce-scatter and all-to-all over the node's devices
@@ -35,10 +39,11 @@ import torch
 from optimus.atomic_write import write_text_whole
 from optimus.config import Config, ConfigError
 from optimus.parallel.local_ranks import run_on_local_ranks
-from optimus.plan.calibrate import measure_op_classes, memory_bound_block, memory_bound_call
+from optimus.plan.calibrate import (compute_class_rates, measure_op_classes, memory_bound_block,
+                                    memory_bound_call)
 from optimus.plan.calibrate_collectives import COLLECTIVES, _time_collectives, fit_alpha_beta
 from optimus.plan.cluster import Cluster
-from optimus.plan.efficiency import Efficiency
+from optimus.plan.efficiency import ROW_CLASSES, Efficiency, call_rows
 from optimus.plan.timing import device_seconds
 from optimus.train.hardware import LocalAccelerators
 
@@ -47,6 +52,8 @@ from optimus.train.hardware import LocalAccelerators
 NODE_COLLECTIVE_BYTES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 256 * 1024 * 1024)
 NODE_COLLECTIVE_REPEATS = 10
 MATMUL_SIZE = 8192  # a square bf16 product this size reaches a GPU's sustained matmul rate
+# the micro-batches (x the config's sequence) the compute classes are tabulated at: the search's usual range
+TABLE_MICRO_BATCHES = (1, 2, 4, 8)
 
 
 def check_devices(cluster: Cluster, found: LocalAccelerators | None, name: str) -> None:
@@ -61,18 +68,49 @@ def check_devices(cluster: Cluster, found: LocalAccelerators | None, name: str) 
 
 
 def _device_op_classes(rank: int, world: int, device_type: str, config: Config, dtype: str, peak_flops: float,
-                       hbm_bytes_s: float, compile_block: bool, matmul_size: int) -> dict[str, Any]:
-    """(a forked rank on device 0) the op classes, the compiled memory-bound block and the largest matmul's rate."""
+                       hbm_bytes_s: float, compile_block: bool, matmul_size: int,
+                       micro_batches: tuple[int, ...]) -> dict[str, Any]:
+    """(a forked rank on device 0) the op classes, their rates by rows, the compiled memory-bound block and the
+    largest matmul's rate."""
     from optimus.parallel.launch import device_for
     from optimus.train.hardware import best_matmul_rate
 
     device = device_for(rank, device_type)
     measured = measure_op_classes(config, dtype, peak_flops, hbm_bytes_s, device, time_dtensor=False)
+    measured["efficiency"]["by_rows"] = rates_by_rows(config, dtype, peak_flops, device, micro_batches,
+                                                      measured["efficiency"])
     dt = torch.float32 if dtype == "fp32" else torch.bfloat16
     measured["timed"]["matmul"] = {"flops_s": best_matmul_rate(dt, matmul_size, 1.0, device), "size": matmul_size}
     measured["timed"]["memory_bound_compiled"] = _compiled_block(config, dt, device) if compile_block else {
         "not timed": "compile_block off"}
     return measured
+
+
+def rates_by_rows(config: Config, dtype: str, peak_flops: float, device: torch.device,
+                  micro_batches: tuple[int, ...], at_config: dict[str, float]) -> dict[str, dict[float, float]]:
+    """The compute classes' rates at each of `micro_batches` x the config's sequence, as {class: {rows: fraction}}
+    (efficiency.call_rows' rows at the config's ep); the config's own micro-batch takes `at_config`'s rates (the
+    efficiency block's). Stops at the first micro-batch the device has no memory for."""
+    m = config.model
+    own = config.train.micro_batch_size or 1
+    table: dict[str, dict[float, float]] = {name: {} for name in ROW_CLASSES if name != "grouped_gemm" or m.is_moe}
+    for micro_batch in sorted(set(micro_batches) | {own}):
+        if micro_batch == own:
+            rates = {name: at_config[name] for name in table}
+        else:
+            train = config.train.model_copy(update={"micro_batch_size": micro_batch})
+            try:
+                rates = compute_class_rates(config.model_copy(update={"train": train}), dtype, peak_flops, device)
+            except torch.OutOfMemoryError:
+                break  # larger micro-batches would not fit either: the table ends at the last that did
+            finally:
+                if device.type != "cpu":
+                    getattr(torch, device.type).empty_cache()
+        rows = call_rows(micro_batch * config.train.seq_len, m.top_k, m.n_experts if m.is_moe else 0,
+                         config.parallel.ep)
+        for name in table:
+            table[name][rows[name]] = rates[name]
+    return table
 
 
 def _compiled_block(config: Config, dt: torch.dtype, device: torch.device) -> dict[str, Any]:
@@ -100,7 +138,8 @@ def _node_collectives(rank: int, world: int, device_type: str, sizes: tuple[int,
 
 def measure_node(config: Config, cluster: Cluster, found: LocalAccelerators, *, compile_block: bool = True,
                  sizes: tuple[int, ...] = NODE_COLLECTIVE_BYTES, repeats: int = NODE_COLLECTIVE_REPEATS,
-                 matmul_size: int = MATMUL_SIZE, device_type: str | None = None) -> dict[str, Any]:
+                 matmul_size: int = MATMUL_SIZE, device_type: str | None = None,
+                 micro_batches: tuple[int, ...] = TABLE_MICRO_BATCHES) -> dict[str, Any]:
     """Time the op classes on one of `found` and the collectives over up to devices_per_node of them, for `config`
     (dtype resolved) priced on `cluster`. {"efficiency", "timed", "link" (or None), "ranks", "dtype"}.
     `device_type` overrides found.device_type (the tests' CPU ranks)."""
@@ -109,7 +148,8 @@ def measure_node(config: Config, cluster: Cluster, found: LocalAccelerators, *, 
     dtype = config.train.dtype
     hbm = cluster.hbm_gb_s * 1e9
     measured = run_on_local_ranks(_device_op_classes, 1, device_type, config, dtype, cluster.peak_flops(dtype), hbm,
-                                  compile_block, matmul_size, timeout=1800.0, device_type=device_type)[0]
+                                  compile_block, matmul_size, micro_batches, timeout=1800.0,
+                                  device_type=device_type)[0]
     efficiency = measured["efficiency"]
     timed = measured["timed"]
     compiled = timed["memory_bound_compiled"].get("seconds")
@@ -158,8 +198,15 @@ def calibrated_cluster_text(cluster: Cluster, measured: dict[str, Any], found: L
     efficiency = measured["efficiency"]
     for f in fields(Efficiency):
         value = efficiency.get(f.name)
-        if value is not None:
+        if value is not None and f.name != "by_rows":
             lines.append(f"  {f.name}: {_number(value)}")
+    table = efficiency.get("by_rows")
+    if table:
+        lines.append("  by_rows:  # the same classes by the rows a call runs: tokens a micro-batch (grouped_gemm: "
+                     "rows per expert); a layout is priced at its own")
+        for name, points in table.items():
+            read = sorted((float(rows), value) for rows, value in points.items())
+            lines.append(f"    {name}: {{" + ", ".join(f"{r:g}: {_number(v)}" for r, v in read) + "}")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +220,9 @@ def describe_node(cluster: Cluster, measured: dict[str, Any]) -> list[str]:
     for name in ("dense_gemm", "grouped_gemm", "attention", "loss_head", "memory_bound", "optimizer", "buffer_copy",
                  "eager_memory_traffic", "op_overhead_us"):
         lines.append(f"  {name:<21} {e[name]:8.3f}   ({cluster.name}: {getattr(before, name):.3f})")
+    for name, points in (e.get("by_rows") or {}).items():
+        read = sorted((float(rows), value) for rows, value in points.items())
+        lines.append(f"  {name:<21} by rows  " + ", ".join(f"{rows:g}: {value:.3f}" for rows, value in read))
     if "not timed" in timed["memory_bound_compiled"]:
         lines.append(f"  memory_bound is the eager block's: {timed['memory_bound_compiled']['not timed']}")
     link = measured["link"]

@@ -38,10 +38,17 @@ fraction of a peak:
 
 A cluster preset carries defaults under `efficiency:` (each with its source or reasoning, in the YAML); the
 `here` cluster gets them from `optimus plan --calibrate`, which times each class at the planned model's shapes.
+
+A GPU's kernels run closer to peak the more rows a call has: one H200 ran Mula-7B-A1B's projections at 0.60, 0.69
+and 0.73 of peak at 1, 4 and 8 x 2,048 tokens a micro-batch, its experts at 0.28, 0.48 and 0.54 (BENCHMARKS.md,
+stop 58). So a node's calibration (plan/calibrate_node.py) also tabulates the compute classes by the rows a call
+runs, `by_rows` (ROW_CLASSES: tokens a micro-batch, rows per expert for the experts: call_rows), and a layout is
+priced at its own rows (Efficiency.at_rows: log-linear between the timed points, the nearest one's beyond them).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -54,6 +61,54 @@ DEFAULT_LOSS_HEAD = 0.70
 # stays in cache, can beat the large copy (see `optimizer` below), by far less than this; a larger value is a broken
 # measurement
 OPTIMIZER_MAX = 4.0
+# the classes a calibration may tabulate by the rows a call runs (by_rows)
+ROW_CLASSES = ("dense_gemm", "grouped_gemm", "attention", "loss_head")
+RowsTable = tuple[tuple[str, tuple[tuple[float, float], ...]], ...]  # ((class, ((rows, fraction), ...)), ...)
+
+
+def call_rows(tokens: float, top_k: int = 0, n_experts: int = 0, ep: int = 1) -> dict[str, float]:
+    """The rows each ROW_CLASSES call runs at `tokens` a micro-batch: every token for the projections, attention and
+    the loss head; for the experts, the rows each expert gets where ep ranks send their copies (ep T k / E, as
+    calibrate.measure_op_classes times them)."""
+    rows = {"dense_gemm": tokens, "attention": tokens, "loss_head": tokens}
+    if n_experts:
+        rows["grouped_gemm"] = tokens * top_k * ep / n_experts
+    return rows
+
+
+def _between(points: tuple[tuple[float, float], ...], rows: float) -> float:
+    """A table's fraction at `rows`: log-linear between its points, the nearest point's beyond them."""
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, f0), (r1, f1) in zip(points, points[1:]):
+        if rows <= r1:
+            return f0 + (f1 - f0) * math.log(rows / r0) / math.log(r1 / r0)
+    return points[-1][1]
+
+
+def _rows_table(raw: Any, where: str) -> RowsTable:
+    """`by_rows:` as read from a file: {class: {rows: fraction}}, or ValueError naming `where`."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: efficiency by_rows must be a mapping of op class to {{rows: fraction of peak}}")
+    table = []
+    for name, points in raw.items():
+        if name not in ROW_CLASSES:
+            raise ValueError(f"{where}: efficiency by_rows has an unknown class '{name}': the classes are "
+                             f"{', '.join(ROW_CLASSES)}")
+        if not isinstance(points, dict) or not points:
+            raise ValueError(f"{where}: efficiency by_rows {name} must map rows to fractions of peak, e.g. "
+                             "{2048: 0.6, 8192: 0.7}")
+        try:
+            read = sorted((float(rows), float(value)) for rows, value in points.items())
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: efficiency by_rows {name} must map rows to fractions of peak, e.g. "
+                             "{2048: 0.6, 8192: 0.7}") from None
+        bad = [(r, v) for r, v in read if not (0 < r < math.inf and 0 < v <= 1)]
+        if bad:
+            raise ValueError(f"{where}: efficiency by_rows {name} {bad[0][0]:g}: {bad[0][1]:g} is out of range "
+                             "(rows a positive number, fractions in (0, 1])")
+        table.append((name, tuple(read)))
+    return tuple(table)
 
 
 @dataclass(frozen=True)
@@ -70,6 +125,7 @@ class Efficiency:
     optimizer: float = DEFAULT_MEMORY_BOUND
     eager_memory_traffic: float = 1.0
     buffer_copy: float | None = None  # None: as memory_bound
+    by_rows: RowsTable = ()  # a calibration's ROW_CLASSES rates by the rows a call runs (none: one rate each)
 
     def __post_init__(self) -> None:
         if self.buffer_copy is None:
@@ -86,7 +142,8 @@ class Efficiency:
         unknown = sorted(map(str, set(raw) - known))
         if unknown:
             raise ValueError(f"{where}: unknown efficiency key '{unknown[0]}': the keys are {', '.join(sorted(known))}")
-        values = {k: float(v) for k, v in raw.items()}
+        table = _rows_table(raw["by_rows"], where) if raw.get("by_rows") is not None else ()
+        values = {k: float(v) for k, v in raw.items() if k != "by_rows"}
         costs = ("op_overhead_us", "dtensor_overhead_us")  # microseconds, the rest fractions of a peak
 
         def out_of_range(name: str, value: float) -> bool:
@@ -103,12 +160,23 @@ class Efficiency:
                              "eager_memory_traffic >= 1)")
         # presets and calibrations from before the optimizer was timed price it as the other memory-bound work
         values.setdefault("optimizer", values.get("memory_bound", DEFAULT_MEMORY_BOUND))
-        return cls(**values)
+        return cls(**values, by_rows=table)
 
-    def to_dict(self) -> dict[str, float]:
-        """Plain mapping (for the calibration cache and --json)."""
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping (for the calibration cache and --json); by_rows as {class: {rows: fraction}} where any."""
+        out = asdict(self)
+        del out["by_rows"]
+        if self.by_rows:
+            out["by_rows"] = {name: dict(points) for name, points in self.by_rows}
+        return out
+
+    def at_rows(self, rows: dict[str, float]) -> "Efficiency":
+        """The rates at `rows` (call_rows: each class's rows a call) where by_rows tabulates them; the others as
+        they are."""
+        if not self.by_rows:
+            return self
+        return replace(self, **{name: _between(points, rows[name]) for name, points in self.by_rows if name in rows})
 
     def with_gemm(self, value: float) -> "Efficiency":
-        """The same with one efficiency for every compute class (the `--efficiency` flag)."""
-        return replace(self, dense_gemm=value, grouped_gemm=value, attention=value, loss_head=value)
+        """The same with one efficiency for every compute class (the `--efficiency` flag), whatever the rows."""
+        return replace(self, dense_gemm=value, grouped_gemm=value, attention=value, loss_head=value, by_rows=())

@@ -56,7 +56,8 @@
                  the clipping's norm, the callbacks' figures: step_collectives.py)
 
 Efficiency (optimus/plan/efficiency.py): the fraction of peak each op class reaches; by default the cluster
-preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`.
+preset's `efficiency:` block, or what `optimus plan --calibrate` measured for `--cluster here`; where a node's
+calibration tabulated the compute classes by the rows a call runs (by_rows), at this layout's rows.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from optimus.plan.block_collectives import (TensorParallelGaps, expert_parallel_
 from optimus.plan.comms import group_link, send_time, sync_after_compute  # noqa: F401 (re-exported)
 from optimus.plan.data_parallel_time import data_parallel_time
 from optimus.plan.dtensor_cost import dtensor_operators
-from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency  # noqa: F401 (re-exported: the old import path)
+from optimus.plan.efficiency import DEFAULT_EFFICIENCY, Efficiency, call_rows  # noqa: F401 (Efficiency re-exported)
 from optimus.plan.memory import ModelShape
 from optimus.plan.step_collectives import step_collectives_time
 
@@ -305,6 +306,9 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     peak = cluster.peak_flops(dtype)
     h = config.model.d_model
     tokens_mb = train.micro_batch_size * train.seq_len
+    m = config.model
+    # a calibration's rates by the rows a call runs: this layout's (its micro-batch, its experts' rows under ep)
+    efficiency = efficiency.at_rows(call_rows(tokens_mb, m.top_k, m.n_experts if m.is_moe else 0, dims.ep))
     by_class = _flops_by_class(config, shape)
     recomputed = _recomputed_flops(config, by_class)
     rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.loss_head,

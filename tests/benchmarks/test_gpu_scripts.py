@@ -103,6 +103,26 @@ def test_the_h200s_own_calibration_prices_its_steps_as_the_preset_does():
     assert [r["predicted_memory_gib"] for r in calibrated] == [r["predicted_memory_gib"] for r in preset]
 
 
+def test_a_calibration_at_one_sequence_a_micro_batch_prices_the_stored_steps_by_its_table_of_rows(tmp_path):
+    """The Mula configs calibrate at their own micro-batch, 1 x 2,048 tokens, where the H200's kernels ran slowest
+    (projections 0.60 of peak, experts 0.28). Priced at those rates alone, the stored steps (4 and 8 sequences a
+    micro-batch) read up to 40% slow; with the rates tabulated by rows each step is priced at its own micro-batch's,
+    whatever micro-batch the efficiency block was timed at."""
+    stored = Path(__file__).resolve().parents[2] / "benchmarks/gpu_calibrated_h200.yaml"
+    at_one = stored.read_text()
+    for name, at_four, at_1 in (("dense_gemm", 0.6917, 0.598), ("grouped_gemm", 0.4783, 0.277),
+                                ("attention", 0.6195, 0.455), ("loss_head", 0.5323, 0.495)):
+        assert f"\n  {name}: {at_four}\n" in at_one, name
+        at_one = at_one.replace(f"\n  {name}: {at_four}\n", f"\n  {name}: {at_1}\n")
+    (tmp_path / "table.yaml").write_text(at_one)
+    (tmp_path / "alone.yaml").write_text(at_one[:at_one.index("  # the compute classes by rows")])
+    with_table = stored_rows(cluster=str(tmp_path / "table.yaml"))
+    assert [r["predicted_step_s"] for r in with_table] == [r["predicted_step_s"] for r in stored_rows(
+        cluster=str(stored))]
+    alone = stored_rows(cluster=str(tmp_path / "alone.yaml"))
+    assert max(r["step_error"] for r in alone) > 0.35  # +39.7% when this was written
+
+
 def test_a_cluster_that_does_not_load_is_named_not_the_stored_file(tmp_path):
     with pytest.raises(SystemExit, match=r"plan_gpu: --cluster nowhere.yaml: cluster file 'nowhere.yaml' not found"):
         main(["--stored", "--cluster", "nowhere.yaml", "--json", str(tmp_path / "out.json")])

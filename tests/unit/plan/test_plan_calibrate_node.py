@@ -62,7 +62,8 @@ def test_the_written_file_is_the_preset_with_what_the_node_measured(measured, tm
     assert node.intra_node_gb_s == pytest.approx(link["beta_gb_s"], rel=1e-3)
     # every op class measured (fractions of the H100's peaks: tiny on a CPU, but what was timed), to 4 digits
     for name, value in measured["efficiency"].items():
-        assert getattr(node.efficiency, name) == pytest.approx(value, rel=1e-3, abs=1e-12), name
+        if name != "by_rows":  # test_the_compute_classes_are_tabulated_by_the_rows_a_call_runs
+            assert getattr(node.efficiency, name) == pytest.approx(value, rel=1e-3, abs=1e-12), name
     assert 0 < node.efficiency.dense_gemm < 0.05 and node.efficiency.op_overhead_us > 0
     assert node.efficiency.dtensor_overhead_us == 0  # not timed: an accelerator's host dispatches ahead
     assert node.efficiency.eager_memory_traffic == 1  # compile_block off: memory_bound is the eager block's
@@ -76,11 +77,59 @@ def test_the_written_file_is_the_preset_with_what_the_node_measured(measured, tm
     assert on_node.step_s > 10 * on_preset.step_s
 
 
+def test_the_compute_classes_are_tabulated_by_the_rows_a_call_runs(measured, tmp_path):
+    """At micro-batches 1, 2, 4 and 8 of the config's 64-token sequences: the projections, attention and loss head
+    by tokens a micro-batch, the tiny MoE's experts (top 4 of 16, ep 1) by rows per expert; the config's own
+    micro-batch (2) is the efficiency block's point; written, read back and priced at a layout's own rows."""
+    table = measured["efficiency"]["by_rows"]
+    assert set(table) == {"dense_gemm", "grouped_gemm", "attention", "loss_head"}
+    for name in ("dense_gemm", "attention", "loss_head"):
+        assert sorted(map(float, table[name])) == [64.0, 128.0, 256.0, 512.0], name
+    assert sorted(map(float, table["grouped_gemm"])) == [16.0, 32.0, 64.0, 128.0]  # T x 4 / 16
+    for name, points in table.items():
+        assert {float(rows): value for rows, value in points.items()}[128.0 if name != "grouped_gemm" else 32.0] == \
+            measured["efficiency"][name], name
+        assert all(0 < value <= 1 for value in points.values()), name
+    path = tmp_path / "node.yaml"
+    calibrate_node.write_calibrated(path, calibrated_cluster_text(load_cluster("h100"), measured, H100S, "a test"))
+    node = load_cluster(str(path)).efficiency
+    read = dict(node.by_rows)
+    for name, points in table.items():
+        assert dict(read[name]) == pytest.approx({float(r): v for r, v in points.items()}, rel=1e-3), name
+    from optimus.plan.efficiency import call_rows
+
+    at_eight = node.at_rows(call_rows(512, top_k=4, n_experts=16))
+    assert at_eight.dense_gemm == pytest.approx(dict(read["dense_gemm"])[512.0])
+    assert at_eight.grouped_gemm == pytest.approx(dict(read["grouped_gemm"])[128.0])
+
+
+def test_the_table_ends_at_the_first_micro_batch_the_device_has_no_memory_for(monkeypatch):
+    import torch
+
+    timed = []
+
+    def rates(config, dtype, peak, device):
+        timed.append(config.train.micro_batch_size)
+        if config.train.micro_batch_size >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"dense_gemm": 0.1 * config.train.micro_batch_size, "attention": 0.2, "loss_head": 0.3}
+
+    monkeypatch.setattr(calibrate_node, "compute_class_rates", rates)
+    config = _config("--model.preset=mula-tiny-dense", "--train.micro_batch_size=1")
+    own = {"dense_gemm": 0.05, "attention": 0.25, "loss_head": 0.35}
+    table = calibrate_node.rates_by_rows(config, "fp32", 1e12, torch.device("cpu"), (1, 2, 4, 8), own)
+    assert timed == [2, 4]  # its own micro-batch (1) is the efficiency block's; 8 never tried after 4 failed
+    assert table == {"dense_gemm": {64: 0.05, 128: 0.2}, "attention": {64: 0.25, 128: 0.2},
+                     "loss_head": {64: 0.35, 128: 0.3}}
+
+
 def test_what_was_measured_is_printed_beside_the_clusters_figures(measured):
     lines = describe_node(load_cluster("h100"), measured)
     assert lines[0].startswith("  fp32 matmul 256^3:") and "of the 67 TFLOP/s h100 prices" in lines[0]
     assert any(line.split()[0] == "grouped_gemm" and "(h100: 0.600)" in line for line in lines)
     assert "memory_bound is the eager block's: compile_block off" in "\n".join(lines)
+    assert any(line.split()[:3] == ["grouped_gemm", "by", "rows"] and "16: " in line and "128: " in line
+               for line in lines)
     assert lines[-1].startswith("  intra-node, 2 devices: alpha")
     assert "(h100: 3 us, 450 GB/s); 64 KiB: all_reduce" in lines[-1]
 
@@ -140,7 +189,8 @@ def test_the_cli_writes_the_calibrated_cluster_plans_on_it_and_keeps_it(monkeypa
     code, out, err = _in_process(capsys, *args)
     assert code == 0, err
     assert "calibrating h100 on this node's 2 NVIDIA H100 80GB HBM3" in out
-    assert "note: timed at 8 x 64 tokens a micro-batch; layouts at other micro-batches are priced at these" in out
+    assert ("note: the compute classes timed at 1, 2, 4, 8 x 64 tokens a micro-batch; each layout is priced at its "
+            "own micro-batch's rows") in out
     assert "calibration written to h100-calibrated.yaml: plan on it with --cluster h100-calibrated.yaml" in out
     assert "valid layouts of 8 h100-calibrated devices (" in out.split("calibration written")[1]  # planned on it
     written = (tmp_path / "h100-calibrated.yaml").read_text()
