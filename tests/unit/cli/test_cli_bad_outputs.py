@@ -156,3 +156,22 @@ def test_an_existing_output_folder_no_file_can_be_made_in_is_refused_though_its_
     with pytest.raises(errors.UsageError, match=f"^--out {out}: {out} is not writable: choose a path you can write$"):
         output_location("--out", out, folder=True)
     assert output_location("--out", tmp_path / "other", folder=True) == tmp_path / "other"  # a new one beside it
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+    (["--seed", str(2**63)], f"--seed {2**63}: use 0 <= seed < 2**63 (torch takes a 64-bit seed)"),
+    (["--seed", "-1"], "--seed -1: use 0 <= seed < 2**63 (torch takes a 64-bit seed)"),
+])
+def test_generate_flags_at_the_edge_of_their_range_are_refused_before_the_run_is_read(tmp_path, flags, line, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "hi", *flags]) == 2
+    assert one_error_line(capsys).endswith(f"error: {line}")
+
+
+@pytest.mark.parametrize("flags", [["--max-new-tokens", "1000000"], ["--max-new-tokens", "1"],
+                                   ["--seed", str(2**63 - 1)], ["--temperature", "0"]])
+def test_generate_flags_at_their_largest_or_smallest_allowed_value_reach_the_run(tmp_path, flags, capsys):
+    """Accepted, so the next check to fail is the run folder's (tmp_path is none)."""
+    assert main(["generate", str(tmp_path), "--prompt", "hi", *flags]) == 2
+    assert "is not a run directory (no config.yaml)" in one_error_line(capsys)

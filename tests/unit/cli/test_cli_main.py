@@ -181,3 +181,68 @@ def test_a_chaos_harness_that_cannot_run_is_one_line(monkeypatch, capsys):
     assert main(["info"]) == 2
     assert capsys.readouterr().err == ("optimus info: error: 10 faults need at least 24 training steps: raise "
                                        "--train.max_steps\n")
+
+
+def test_a_full_disk_quota_is_one_line_as_a_full_disk(monkeypatch, capsys):
+    """EDQUOT (a user's quota on a shared filesystem) is the disk being full for this user: the same one line."""
+    import errno
+
+    cli_main = importlib.import_module("optimus.cli.main")
+
+    def exceeds_the_quota(args, overrides):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(cli_main, "cmd_info", exceeds_the_quota)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{os.strerror(errno.EDQUOT)} where it writes: free space there" in err
+
+
+def test_an_interrupted_command_says_so_and_exits_130(monkeypatch, capsys):
+    """Ctrl-C: one line naming the verb and the shell's code for SIGINT (128 + 2), not a traceback."""
+    cli_main = importlib.import_module("optimus.cli.main")
+
+    def interrupted(args, overrides):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "cmd_info", interrupted)
+    assert main(["info"]) == 130
+    assert capsys.readouterr().err == "optimus info: interrupted\n"
+
+
+def test_only_rank_0_prints_the_error_line_and_every_rank_records_it(monkeypatch, capsys, tmp_path):
+    """Every rank usually meets the same bad input: the line is printed once (rank 0), while each rank's torchrun
+    error file records it."""
+    import json
+    from types import SimpleNamespace
+
+    cli_main = importlib.import_module("optimus.cli.main")
+    monkeypatch.setattr(cli_main, "_quiet_rank_delay", lambda: 0.0)
+    monkeypatch.delenv("OPTIMUS_WORKER_ERRORS", raising=False)
+    for rank in (1, 0):
+        monkeypatch.setattr("optimus.parallel.launch.detect_launch_env", lambda rank=rank: SimpleNamespace(rank=rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error-{rank}.json"))
+        cli_main._report_user_error(f"optimus train: error: bad on rank {rank}")
+        assert json.loads((tmp_path / f"error-{rank}.json").read_text())["message"]["message"].endswith(f"rank {rank}")
+    assert capsys.readouterr().err == "optimus train: error: bad on rank 0\n"
+
+
+def test_info_counts_in_the_largest_unit_a_count_reaches():
+    """1,000,000,000 parameters is 1.00B, not 1000.00M; one under a unit stays in the unit below."""
+    from optimus.cli.info import _human
+
+    assert [_human(n) for n in (10**9, 10**9 - 10**6, 10**6, 999, 1000)] == ["1.00B", "999.00M", "1.00M", "999",
+                                                                             "1.00K"]
+
+
+@pytest.mark.parametrize("seq_len", ["0", "-1"])
+def test_info_at_no_sequence_length_is_one_line(seq_len, capsys):
+    assert main(["info", "--seq-len", seq_len]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"optimus info: error: --seq-len must be at least 1 (got {seq_len})"]
+
+
+def test_info_names_a_yaml_path_that_is_not_there_as_a_missing_file_not_a_preset(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["info", "mine.yaml"]) == 2
+    assert "error: config file 'mine.yaml' not found: give the path of a YAML config" in capsys.readouterr().err

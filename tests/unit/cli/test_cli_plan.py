@@ -50,3 +50,77 @@ def test_a_restrictions_values_are_listed_in_numeric_order():
 
     assert sorted_values(frozenset({"16", "2", "4"})) == "2, 4, 16"
     assert sorted_values(frozenset({"zero1", "fsdp"})) == "fsdp, zero1"
+
+
+TUNE = ["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warmup", "-1"], "--warmup must be at least 0 (got -1)"),
+    (["--steps", "0"], "--steps must be at least 1 (got 0)"),
+    (["--trial-timeout", "0"], "--trial-timeout must be a positive number of seconds (got 0)"),
+    (["--trial-timeout", "inf"], "--trial-timeout must be a positive number of seconds (got inf)"),
+])
+def test_a_tune_flag_no_trial_could_run_with_is_one_line_before_any_trial(flags, message, tmp_path, capsys,
+                                                                          monkeypatch):
+    def measured(*args, **kwargs):
+        raise AssertionError("the search went on past the flags")
+
+    monkeypatch.setattr("optimus.cli.plan._here_cluster", measured)
+    monkeypatch.setattr("optimus.plan.tune.tune", measured)
+    assert main([*TUNE, *flags, "--out", str(tmp_path / "tune")]) == 2
+    assert one_error_line(capsys).endswith(f"error: {message}")
+    assert not (tmp_path / "tune").exists()
+
+
+def test_the_trials_run_one_thread_a_rank_unless_omp_num_threads_says_otherwise(tmp_path, capsys, monkeypatch):
+    """No OMP_NUM_THREADS: each trial's ranks get 1 thread (torchrun's own choice for several ranks), priced so."""
+    pytest.importorskip("optuna")
+    from optimus.cli.errors import UsageError
+
+    threads = []
+
+    def here_cluster(config, devices, calibrate, config_path, environ=None, quiet=False):
+        threads.append(environ["OMP_NUM_THREADS"])
+        raise UsageError("stop here")
+
+    monkeypatch.setattr("optimus.cli.plan._here_cluster", here_cluster)
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", lambda: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert main([*TUNE, "--warmup", "0", "--out", str(tmp_path / "a")]) == 2
+    assert one_error_line(capsys).endswith("error: stop here")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert main([*TUNE, "--out", str(tmp_path / "b")]) == 2
+    assert threads == ["1", "3"] and one_error_line(capsys).endswith("error: stop here")
+
+
+def test_calibrated_cluster_with_the_here_cluster_is_one_line_before_measuring(tmp_path, capsys, monkeypatch):
+    """`here` keeps its calibration in its own cache: a file to write it to is refused, not silently unused."""
+    def here_cluster(*args, **kwargs):
+        raise AssertionError("measured before the flags were checked")
+
+    monkeypatch.setattr("optimus.cli.plan._here_cluster", here_cluster)
+    out = tmp_path / "here.yaml"
+    assert main(["plan", str(CONFIGS / "mula-tiny-moe.yaml"), "--cluster", "here", "--devices", "1", "--calibrate",
+                 "--calibrated-cluster", str(out)]) == 2
+    assert "--calibrated-cluster names the file --calibrate writes on a GPU node" in one_error_line(capsys)
+    assert not out.exists()
+
+
+def test_calibrate_replaces_an_existing_cluster_file_only_with_overwrite(tmp_path, capsys, monkeypatch):
+    """Checked before anything is measured (minutes on a GPU node): a calibration must not end by replacing a file
+    unasked; with --overwrite it goes on to the measurement (here a stand-in that stops there)."""
+    from optimus.cli.errors import UsageError
+
+    def probe():
+        raise UsageError("reached the measurement")
+
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", probe)
+    out = tmp_path / "h100-calibrated.yaml"
+    out.write_text("kept: true\n")
+    assert main([*PLAN, "--calibrate", "--calibrated-cluster", str(out)]) == 2
+    assert one_error_line(capsys).endswith(f"error: --calibrated-cluster {out} already exists: choose another file, or "
+                                           "pass --overwrite to replace it")
+    assert main([*PLAN, "--calibrate", "--calibrated-cluster", str(out), "--overwrite"]) == 2
+    assert one_error_line(capsys).endswith("error: reached the measurement")
+    assert out.read_text() == "kept: true\n"

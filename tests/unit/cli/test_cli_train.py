@@ -66,3 +66,21 @@ def test_chaos_draws_from_every_fault_kind_the_rank_count_allows(ranks, monkeypa
     expected = list(FAULT_KINDS) if ranks > 1 else [k for k in FAULT_KINDS if k not in IN_JOB_KINDS]
     assert asked == [dict(ranks=ranks, kinds=expected)]
     assert ("kill_rank" in expected and "hang_rank" in expected) is (ranks > 1)
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2"])
+def test_a_dry_run_for_no_ranks_is_one_line(world_size, capsys):
+    assert main(["train", CONFIG, "--dry-run", "--world-size", world_size]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["optimus train: error: --world-size must be at least 1"]
+
+
+@pytest.mark.parametrize("flags", [["--faults", "0"], ["--ranks", "0"], ["--ranks", "-1"]])
+def test_chaos_with_no_fault_or_no_rank_is_one_line_before_any_run(flags, capsys, monkeypatch):
+    def run_chaos(*args, **kwargs):
+        raise AssertionError("the harness ran")
+
+    monkeypatch.setattr("optimus.resilience.chaos.run_chaos", run_chaos)
+    assert main(["chaos", CONFIG, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["optimus chaos: error: --faults and --ranks must be at least 1"]

@@ -140,3 +140,33 @@ def test_the_model_scores_in_eval_mode():
     model = Recording(10.0).train()
     continuation_logliks(model, [([1, 2], [3])], torch.device("cpu"), max_len=8)
     assert modes == [False] and model.training
+
+
+def test_a_model_scored_in_eval_mode_stays_in_eval_mode():
+    """The mode is restored, not set to training: an evaluation of a model in eval mode leaves it so."""
+    model = SuccessorModel(10.0).eval()
+    continuation_logliks(model, [([1, 2], [3])], torch.device("cpu"), max_len=8)
+    assert not model.training
+
+
+def test_a_continuation_of_only_a_space_counts_as_one_character(monkeypatch):
+    """" " has no character past its leading space: divided by 1, not by 0. Planted log-likelihoods: " " -0.5,
+    " ab" -3.0 (-1.5 a character)."""
+    monkeypatch.setattr("optimus.eval.scoring.continuation_logliks", lambda model, requests, *a, **k: [-0.5, -3.0])
+    question = Question(contexts=("Q:", "Q:"), continuations=(" ", " ab"), gold=0)
+    scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"t": [question]}, torch.device("cpu"), max_len=16)
+    assert scores["t"].acc == 1.0 and scores["t"].acc_norm == 1.0
+
+
+def test_a_task_with_no_questions_scores_zero_of_zero():
+    scores = score_questions(SuccessorModel(10.0), CharTokenizer(), {"none": [], "count": QUESTIONS[:1]},
+                             torch.device("cpu"), max_len=32)
+    assert scores["none"].as_record() == {"acc": 0.0, "acc_norm": 0.0, "n": 0} and scores["count"].acc == 1.0
+
+
+def test_the_table_gives_each_task_its_questions_and_accuracies_in_percent_to_one_decimal():
+    from optimus.eval.scoring import TaskScore, format_table
+
+    table = format_table({"arc_easy": TaskScore(acc=0.5, acc_norm=0.33333, questions=12)})
+    assert table.splitlines() == ["task                  n      acc  acc_norm",
+                                  "arc_easy             12    50.0%     33.3%"]

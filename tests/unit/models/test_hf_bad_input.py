@@ -120,3 +120,86 @@ def test_a_max_position_embeddings_that_is_no_context_length_is_refused(value, s
     assert str(err.value) == (f"config.json field max_position_embeddings must be a positive whole number (got "
                               f"{shown}): set it to the context the model was trained at, or delete it and pass "
                               "--train.seq_len=N to optimus train")
+
+
+def _hf(family: str, **extra) -> dict:
+    """The fewest fields config_from_hf needs for `family`: every optional one left to its default."""
+    hf = {"model_type": family, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "vocab_size": 128, "intermediate_size": 32}
+    return hf | ({"num_experts": 4, "num_experts_per_tok": 2} if family == "olmoe" else {}) | extra
+
+
+def test_a_config_json_without_its_optional_fields_gets_the_transformers_defaults():
+    """OLMoE: no top-k renormalisation, router aux loss 0.01; every family: RoPE theta 10,000, RMSNorm eps 1e-5, init
+    std 0.02. A dense model has no router, so neither router loss."""
+    from optimus.models.hf import config_from_hf
+
+    moe = config_from_hf(_hf("olmoe"))
+    assert (moe.norm_topk_prob, moe.aux_loss_coef, moe.rope_theta, moe.norm_eps, moe.init_std) == (
+        False, 0.01, 10000.0, 1e-5, 0.02)
+    assert (moe.qk_norm, moe.norm_placement, moe.n_experts, moe.top_k, moe.expert_ffn_hidden) == (True, "pre", 4, 2, 32)
+    for family, qk_norm, placement in (("olmo2", True, "post"), ("llama", False, "pre")):
+        dense = config_from_hf(_hf(family))
+        assert (dense.qk_norm, dense.norm_placement, dense.n_experts, dense.ffn_hidden) == (qk_norm, placement, 0, 32)
+        assert (dense.aux_loss_coef, dense.z_loss_coef, dense.rope_theta, dense.norm_eps) == (0.0, 0.0, 10000.0, 1e-5)
+
+
+def test_rope_theta_is_read_from_rope_parameters_or_the_older_rope_scaling():
+    from optimus.models.hf import config_from_hf
+
+    for key in ("rope_parameters", "rope_scaling"):
+        hf = _hf("llama", **{key: {"rope_type": "default", "rope_theta": 500000.0}}, rope_theta=1.0)
+        assert config_from_hf(hf).rope_theta == 500000.0
+
+
+def test_swish_is_silu_and_another_activation_is_refused():
+    from optimus.models.hf import config_from_hf
+
+    assert config_from_hf(_hf("llama", hidden_act="swish")).n_experts == 0
+    with pytest.raises(InteropError, match="uses hidden_act, which Optimus's decoder lacks"):
+        config_from_hf(_hf("llama", hidden_act="gelu"))
+
+
+def test_an_moe_without_qk_norm_has_no_hf_layout():
+    from optimus.models.hf import pick_format
+
+    config = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128, n_experts=4, top_k=2,
+                         expert_ffn_hidden=32, qk_norm=False)
+    with pytest.raises(InteropError, match="HF OLMoE needs norm_placement 'pre' and qk_norm true"):
+        pick_format(config)
+
+
+def test_a_tied_config_without_an_embedding_names_the_missing_tensor(tmp_path):
+    path = _exported(tmp_path)
+    edit_hf_config(path, tie_word_embeddings=True)
+    _edit_weights(path, **{"model.embed_tokens.weight": None})
+    assert hf_import_error(path) == ("tensor 'model.embed_tokens.weight' is missing from the safetensors files: is the "
+                                     "checkpoint complete?")
+
+
+def test_one_unexpected_tensor_is_named_alone_and_old_rope_buffers_are_ignored(tmp_path):
+    path = _exported(tmp_path)
+    _edit_weights(path, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    import_hf(path)
+    _edit_weights(path, **{"extra.weight": torch.ones(2)})
+    assert hf_import_error(path) == ("unexpected tensor 'extra.weight' for a llama model of this config: is "
+                                     "config.json from the same checkpoint?")
+
+
+def test_fused_experts_that_are_not_3_d_are_refused_in_one_line():
+    from optimus.models.hf import _take_experts
+
+    config = ModelConfig(d_model=8, n_layers=1, n_heads=2, vocab_size=16, n_experts=2, top_k=1, expert_ffn_hidden=4)
+    prefix = "model.layers.0.mlp.experts."
+    for gate_up, down in ((torch.zeros(2, 8, 8), torch.zeros(8, 4)), (torch.zeros(16, 8), torch.zeros(2, 8, 4))):
+        with pytest.raises(InteropError, match="fused experts of layer 0 are not 3-d tensors"):
+            _take_experts({prefix + "gate_up_proj": gate_up, prefix + "down_proj": down}, 0, config)
+
+
+def test_an_export_over_an_earlier_one_leaves_none_of_its_shards_or_index(tmp_path):
+    path = _exported(tmp_path)
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (path / stale).write_text("{}")
+    export_hf(build_model(CONFIG, seed=1), CONFIG, path, dense_format="llama", overwrite=True)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    import_hf(path)

@@ -73,3 +73,34 @@ def test_a_mix_of_devices_with_one_torch_does_not_fuse_gets_foreach():
     mixed = [{"params": [torch.nn.Parameter(torch.zeros(2))]},
              {"params": [torch.nn.Parameter(torch.zeros(2, device="meta"))]}]
     assert adamw_kernel(mixed) == {"foreach": True}
+
+
+def test_biases_do_not_decay_and_frozen_parameters_are_left_out():
+    """A 1-D parameter (a bias) is kept from decay like a norm's weight; one that does not train is in no group."""
+    from optimus.optim.build import param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight.requires_grad_(False)
+    groups = param_groups(model, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert groups[0]["params"] == [model[0].weight] and groups[1]["params"] == [model[0].bias, model[1].bias]
+
+
+def test_within_a_decay_setting_plain_parameters_come_before_dtensor_ones(monkeypatch):
+    """The group order is fixed (a checkpoint's optimizer state is matched by position): decay first, and in each the
+    plain parameters' group before the DTensor one, whatever order the model registers them in. A Parameter subclass
+    stands in for DTensor (a real one needs a process group)."""
+    import optimus.optim.build as build
+
+    class Sharded(torch.nn.Parameter):
+        pass
+
+    monkeypatch.setattr(build, "DTensor", Sharded)
+    model = torch.nn.Module()
+    model.router = Sharded(torch.zeros(4, 4))
+    model.proj = torch.nn.Parameter(torch.zeros(4, 4))
+    model.norm = Sharded(torch.zeros(4))
+    model.bias = torch.nn.Parameter(torch.zeros(4))
+    groups = build.param_groups(model, 0.1)
+    assert [(g["weight_decay"], [p is model.router or p is model.norm for p in g["params"]]) for g in groups] == [
+        (0.1, [False]), (0.1, [True]), (0.0, [False]), (0.0, [True])]

@@ -49,3 +49,37 @@ def test_wsd_decays_over_the_floor_of_its_fraction_of_the_steps():
     config = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="wsd", decay_fraction=0.27)
     assert [lr_at(step, 10, config) for step in (7, 8)] == [1.0, 1.0]
     assert lr_at(9, 10, config) == pytest.approx(1.0 + (0.1 - 1.0) / 2)
+
+
+def test_a_constant_schedule_holds_the_peak_after_warm_up_to_the_last_step_and_past_it():
+    """Not WSD's decay at the end (round 12's s07: a constant run fell through to the decay)."""
+    config = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=2, schedule="constant", decay_fraction=0.2)
+    assert [lr_at(step, 10, config) for step in (2, 8, 9, 10, 50)] == [1.0] * 5
+
+
+def test_a_schedule_with_no_steps_after_warm_up_or_no_whole_decay_step_does_not_divide_by_zero():
+    """All steps warm-up (cosine's span 0) and a decay fraction under one step (WSD's 0 decay steps): each is floored
+    at one step (the decay starts at the last step and ends one past it), not a ZeroDivisionError."""
+    cosine = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    assert lr_at(10, 10, cosine) == 1.0 and lr_at(12, 10, cosine) == pytest.approx(0.1)
+    wsd = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=0, schedule="wsd", decay_fraction=0.05)
+    assert lr_at(9, 10, wsd) == 1.0 and lr_at(10, 10, wsd) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("settings", [{"lr": 0.0}, {"betas": (0.9, 1.0)}, {"betas": (-0.1, 0.9)},
+                                      {"decay_fraction": 0.0}, {"decay_fraction": 1.01}, {"eps": 0.0},
+                                      {"warmup_steps": -1}, {"weight_decay": -0.1}, {"grad_clip": -1.0}])
+def test_optim_settings_out_of_range_are_refused(settings):
+    with pytest.raises(ValueError):
+        OptimConfig(**settings)
+
+
+def test_optim_settings_at_their_allowed_edges_are_taken_and_the_defaults_are_the_documented_ones():
+    """beta 0 (no momentum), a WSD that decays over every step, no clipping, no decay, no warm-up, a floor of 0."""
+    config = OptimConfig(betas=(0.0, 0.0), decay_fraction=1.0, grad_clip=0.0, weight_decay=0.0, warmup_steps=0,
+                         min_lr=0.0)
+    assert config.decay_fraction == 1.0 and config.grad_clip == 0.0 and config.betas == (0.0, 0.0)
+    default = OptimConfig()
+    assert (default.lr, default.min_lr, default.warmup_steps, default.schedule) == (4e-4, 4e-5, 10, "cosine")
+    assert (default.decay_fraction, default.weight_decay, default.betas, default.eps) == (0.2, 0.1, (0.9, 0.95), 1e-8)
+    assert (default.grad_clip, default.clip_after_warmup) == (1.0, False)

@@ -246,3 +246,109 @@ def test_a_job_of_exactly_max_ranks_drawn_keeps_every_rank_memory(tmp_path):
     path.write_text(json.dumps({"step": 1, "loss": 1.0, "memory_peak_gib": memory}) + "\n")
     (step,) = RunRecords.read(path).steps
     assert step["memory_peak_gib"] == memory and "memory_ranks" not in step
+
+
+def test_the_configuration_summary_states_the_model_batch_schedule_layout_and_tasks():
+    """The rows a reader needs first, from config.yaml's sections: only the layout degrees above 1, the words a
+    missing micro-batch or evaluation interval stands for, and the downstream tasks where the run has some."""
+    from optimus.report.page import config_summary
+
+    config = {"model": {"preset": "mula-tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_experts": 8, "top_k": 2,
+                        "vocab_size": 100},
+              "train": {"global_batch_size": 8, "seq_len": 32, "micro_batch_size": None, "max_steps": 10,
+                        "ckpt_every": 5, "eval_every": 0, "dtype": "bf16", "eval_tasks": ["arc_easy", "piqa"]},
+              "optim": {"lr": 0.001, "min_lr": 0.0001, "schedule": "wsd", "warmup_steps": 2, "weight_decay": 0.1,
+                        "grad_clip": 1.0},
+              "parallel": {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 4, "shard_mode": "fsdp"},
+              "data": {"sources": [{"name": "web"}, {"path": "/data/code"}]}}
+    assert dict(config_summary(config)) == {
+        "model": "mula-tiny: 2 layers, d_model 64, 4 heads, MoE, 8 experts, top-2, vocabulary 100",
+        "batch": "8 sequences of 32 tokens per step (micro-batch derived)",
+        "steps": "10 (checkpoint every 5, evaluation every run end)",
+        "optimizer": "AdamW lr 0.001 -> 0.0001 (wsd, 2 warm-up steps), weight decay 0.1, clip 1.0",
+        "dtype": "bf16", "layout": "dp_shard=2, ep=4", "data": "web, /data/code", "downstream tasks": "arc_easy, piqa"}
+    dense = {"model": {"n_experts": 0, "top_k": 2}, "train": {"micro_batch_size": 2, "eval_every": 50},
+             "parallel": {"dp_shard": 1, "tp": 1}, "data": {"recipe": "mula"}}
+    rows = dict(config_summary(dense))
+    assert "dense" in rows["model"] and "MoE" not in rows["model"] and "(micro-batch 2)" in rows["batch"]
+    assert rows["steps"].endswith("evaluation every 50)") and rows["layout"] == "one replica"
+    assert rows["data"] == "mula" and "downstream tasks" not in rows
+
+
+def test_the_headline_gives_the_tokens_seen_with_thousands_separators_and_the_peak_in_tflops(tmp_path):
+    from optimus.report.page import render_report
+
+    line = {"step": 3, "loss": 2.0, "tokens_seen": 1234567, "dtype": "bf16", "dtype_requested": "bf16",
+            "dtype_reason": "asked", "peak_flops_per_device": 989.5e12, "peak_source": "H100 table", "world_size": 8}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    page = render_report(tmp_path)
+    assert "step 3 of ?, 1,234,567 tokens seen, last loss 2.0000</p>" in page
+    assert ("precision: bf16 (train.dtype=bf16; asked); peak for MFU: 989.5 TFLOP/s per device (H100 table); "
+            "8 device(s)") in page
+
+
+def test_a_curve_goes_logarithmic_only_past_a_threefold_spread_of_its_positive_finite_values():
+    from optimus.report.panels import _spread_is_wide
+
+    assert not _spread_is_wide([1.0, 3.0]) and _spread_is_wide([1.0, 3.01])
+    assert not _spread_is_wide([0.0, -2.0, 1.0, 2.0, float("nan"), float("inf")])  # zeros, negatives, nan left out
+    assert _spread_is_wide([0.0, 1.0, 4.0]) and not _spread_is_wide([0.0, -1.0])
+
+
+def _figures_of(monkeypatch):
+    from optimus.report import panels
+
+    figures = []
+    monkeypatch.setattr(panels, "_png", lambda fig: figures.append(fig) or "png")
+    return panels, figures
+
+
+def _records(tmp_path, lines):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return RunRecords.read(path)
+
+
+def test_the_loss_panel_draws_the_cross_entropy_only_where_it_differs_from_the_loss(tmp_path, monkeypatch):
+    """A dense run's loss is its cross-entropy (one curve); an MoE's adds the router losses (two)."""
+    panels, figures = _figures_of(monkeypatch)
+    for ce_offset in (0.0, 0.1):
+        panels.loss_panel(_records(tmp_path, [{"step": s, "loss": 3.0 - s / 10, "ce_loss": 3.0 - s / 10 - ce_offset}
+                                              for s in (1, 2)]))
+    labels = [[line.get_label() for line in fig.axes[0].get_lines()] for fig in figures]
+    assert labels == [["train loss"], ["train loss", "train cross-entropy"]]
+
+
+def test_the_gradient_norm_panel_marks_only_the_skipped_steps(tmp_path, monkeypatch):
+    panels, figures = _figures_of(monkeypatch)
+    lines = [{"step": s, "loss": 1.0, "grad_norm": float(s), "skipped": s == 3} for s in (1, 2, 3, 4)]
+    panels.grad_norm_panel(_records(tmp_path, lines))
+    (marks,) = [line for line in figures[0].axes[0].get_lines() if line.get_label() == "skipped step"]
+    assert list(marks.get_xdata()) == [3] and list(marks.get_ydata()) == [3.0]
+
+
+def test_the_skipped_steps_and_straggler_tables_give_their_numbers_at_a_fixed_precision():
+    from optimus.report.panels import skipped_steps_table, stragglers_table
+
+    records = RunRecords(steps=[
+        {"step": 2, "loss": 1.23456, "grad_norm": 12345.678, "skipped": True, "skip_reason": "non-finite <loss>"},
+        {"step": 5, "loss": 1.0, "stragglers": [{"rank": 3, "host": "<n1>", "step_time_s": 1.23456,
+                                                  "median_s": 0.5}]}])
+    assert "<tr><td>2</td><td>non-finite &lt;loss&gt;</td><td>1.235</td><td>1.235e+04</td></tr>" in (
+        skipped_steps_table(records))
+    assert "<tr><td>5</td><td>3</td><td>&lt;n1&gt;</td><td>1.235</td><td>0.500</td></tr>" in stragglers_table(records)
+
+
+@pytest.mark.parametrize("layers, legend", [(12, True), (13, False)])
+def test_the_expert_load_panel_has_a_legend_up_to_twelve_layers(tmp_path, monkeypatch, layers, legend):
+    panels, figures = _figures_of(monkeypatch)
+    records = _records(tmp_path, [{"step": s, "loss": 1.0, "expert_counts": [[2, 1]] * layers} for s in (1, 2)])
+    panels.expert_load_panels(records, panels.expert_load_data(records))
+    assert (figures[0].axes[0].get_legend() is not None) == legend
+
+
+@pytest.mark.parametrize("ranks, ticks", [(16, list(range(16))), (17, [0, 8, 16])])
+def test_the_memory_per_rank_bars_name_every_rank_up_to_sixteen(tmp_path, monkeypatch, ranks, ticks):
+    panels, figures = _figures_of(monkeypatch)
+    panels.memory_panel(_records(tmp_path, [{"step": 1, "loss": 1.0, "memory_peak_gib": [1.0] * ranks}]))
+    assert list(figures[0].axes[1].get_xticks()) == ticks

@@ -98,3 +98,13 @@ def test_expert_load_scalars_are_each_layers_counts_over_its_even_share():
     assert scalars["expert_load/layer0/max"] == 3.0 and scalars["expert_load/layer0/min"] == 0.0
     assert scalars["expert_load/layer1/max"] == scalars["expert_load/layer1/min"] == 1.0
     assert scalars["train/loss"] == 2.0
+
+
+def test_step_scalars_are_the_records_numbers_but_its_step_and_skip_a_layer_that_routed_nothing():
+    """Integers (tokens_seen, a bool flag) are numbers too; the step is the x axis, not a scalar; text is left out;
+    a layer whose counts are all 0 has no even share to divide by."""
+    scalars = step_scalars({"step": 3, "loss": 2.5, "tokens_seen": 100, "skipped": False, "dtype": "bf16",
+                            "memory_peak_gib": [1.5, 2.0], "expert_counts": [[3, 1], [0, 0]]})
+    assert scalars == {"train/loss": 2.5, "train/tokens_seen": 100.0, "train/skipped": 0.0,
+                       "memory/peak_gib/rank0": 1.5, "memory/peak_gib/rank1": 2.0,
+                       "expert_load/layer0/max": 1.5, "expert_load/layer0/min": 0.5}

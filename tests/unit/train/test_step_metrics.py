@@ -43,3 +43,20 @@ def test_the_planned_peak_is_named_once_beside_every_rows_measured_peak():
     assert first["memory_planned_gib"] == 3.0 and first["memory_source"] == "peak RSS"
     assert "memory_planned_gib" not in second and "memory_source" not in second
     assert len(first["memory_peak_gib"]) == len(second["memory_peak_gib"]) == 1 and second["memory_peak_gib"][0] > 0
+
+
+def test_memory_is_logged_in_gib_to_four_decimals(monkeypatch):
+    from optimus.train.callbacks import step_metrics
+
+    monkeypatch.setattr(step_metrics, "peak_memory_bytes", lambda device: (1.23456789 * 2**30, "resident set"))
+    record = {}
+    MemoryMetrics(torch.device("cpu"), planned_peak_bytes=0.98765432 * 2**30).on_log(1, None, record)
+    assert record == {"memory_peak_gib": [1.2346], "memory_source": "resident set", "memory_planned_gib": 0.9877}
+
+
+def test_pacing_a_step_already_slower_than_the_pace_does_not_wait():
+    from optimus.train.callbacks.fault_injection import PaceSteps
+
+    pace = PaceSteps(0.0)
+    pace.on_step_start(1)
+    pace.on_step_end(1, {})  # 0 s minus the time the step took: no negative sleep
