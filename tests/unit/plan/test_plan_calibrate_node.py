@@ -24,7 +24,8 @@ from tests.helpers.cli import run_in_process as _in_process
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 H100S = LocalAccelerators("cuda", "NVIDIA H100 80GB HBM3", 2, 79.19)
-SMALL = {"sizes": (4096, 65536), "repeats": 3, "matmul_size": 256}  # a CPU's minute, not a GPU's
+# a CPU's minute, not a GPU's: the table by rows at 1 and 4 sequences a micro-batch (and the config's own)
+SMALL = {"sizes": (4096, 65536), "repeats": 3, "matmul_size": 256, "micro_batches": (1, 4)}
 
 
 def _config(*overrides: str):
@@ -78,14 +79,15 @@ def test_the_written_file_is_the_preset_with_what_the_node_measured(measured, tm
 
 
 def test_the_compute_classes_are_tabulated_by_the_rows_a_call_runs(measured, tmp_path):
-    """At micro-batches 1, 2, 4 and 8 of the config's 64-token sequences: the projections, attention and loss head
-    by tokens a micro-batch, the tiny MoE's experts (top 4 of 16, ep 1) by rows per expert; the config's own
-    micro-batch (2) is the efficiency block's point; written, read back and priced at a layout's own rows."""
+    """At micro-batches 1 and 4 of the config's 64-token sequences (SMALL's; a node times 1, 2, 4 and 8), and its
+    own, 2, which is the efficiency block's point: the projections, attention and loss head by tokens a micro-batch,
+    the tiny MoE's experts (top 4 of 16, ep 1) by rows per expert; written, read back and priced at a layout's own
+    rows."""
     table = measured["efficiency"]["by_rows"]
     assert set(table) == {"dense_gemm", "grouped_gemm", "attention", "loss_head"}
     for name in ("dense_gemm", "attention", "loss_head"):
-        assert sorted(map(float, table[name])) == [64.0, 128.0, 256.0, 512.0], name
-    assert sorted(map(float, table["grouped_gemm"])) == [16.0, 32.0, 64.0, 128.0]  # T x 4 / 16
+        assert sorted(map(float, table[name])) == [64.0, 128.0, 256.0], name
+    assert sorted(map(float, table["grouped_gemm"])) == [16.0, 32.0, 64.0]  # T x 4 / 16
     for name, points in table.items():
         assert {float(rows): value for rows, value in points.items()}[128.0 if name != "grouped_gemm" else 32.0] == \
             measured["efficiency"][name], name
@@ -98,9 +100,9 @@ def test_the_compute_classes_are_tabulated_by_the_rows_a_call_runs(measured, tmp
         assert dict(read[name]) == pytest.approx({float(r): v for r, v in points.items()}, rel=1e-3), name
     from optimus.plan.efficiency import call_rows
 
-    at_eight = node.at_rows(call_rows(512, top_k=4, n_experts=16))
-    assert at_eight.dense_gemm == pytest.approx(dict(read["dense_gemm"])[512.0])
-    assert at_eight.grouped_gemm == pytest.approx(dict(read["grouped_gemm"])[128.0])
+    at_four = node.at_rows(call_rows(256, top_k=4, n_experts=16))
+    assert at_four.dense_gemm == pytest.approx(dict(read["dense_gemm"])[256.0])
+    assert at_four.grouped_gemm == pytest.approx(dict(read["grouped_gemm"])[64.0])
 
 
 def test_the_table_ends_at_the_first_micro_batch_the_device_has_no_memory_for(monkeypatch):
@@ -128,7 +130,7 @@ def test_what_was_measured_is_printed_beside_the_clusters_figures(measured):
     assert lines[0].startswith("  fp32 matmul 256^3:") and "of the 67 TFLOP/s h100 prices" in lines[0]
     assert any(line.split()[0] == "grouped_gemm" and "(h100: 0.600)" in line for line in lines)
     assert "memory_bound is the eager block's: compile_block off" in "\n".join(lines)
-    assert any(line.split()[:3] == ["grouped_gemm", "by", "rows"] and "16: " in line and "128: " in line
+    assert any(line.split()[:3] == ["grouped_gemm", "by", "rows"] and "16: " in line and "64: " in line
                for line in lines)
     assert lines[-1].startswith("  intra-node, 2 devices: alpha")
     assert "(h100: 3 us, 450 GB/s); 64 KiB: all_reduce" in lines[-1]
@@ -189,7 +191,7 @@ def test_the_cli_writes_the_calibrated_cluster_plans_on_it_and_keeps_it(monkeypa
     code, out, err = _in_process(capsys, *args)
     assert code == 0, err
     assert "calibrating h100 on this node's 2 NVIDIA H100 80GB HBM3" in out
-    assert ("note: the compute classes timed at 1, 2, 4, 8 x 64 tokens a micro-batch; each layout is priced at its "
+    assert ("note: the compute classes timed at 1, 4, 8 x 64 tokens a micro-batch; each layout is priced at its "
             "own micro-batch's rows") in out
     assert "calibration written to h100-calibrated.yaml: plan on it with --cluster h100-calibrated.yaml" in out
     assert "valid layouts of 8 h100-calibrated devices (" in out.split("calibration written")[1]  # planned on it
