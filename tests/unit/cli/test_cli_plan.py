@@ -124,3 +124,9 @@ def test_calibrate_replaces_an_existing_cluster_file_only_with_overwrite(tmp_pat
     assert main([*PLAN, "--calibrate", "--calibrated-cluster", str(out), "--overwrite"]) == 2
     assert one_error_line(capsys).endswith("error: reached the measurement")
     assert out.read_text() == "kept: true\n"
+
+
+def test_a_routing_figure_for_a_dense_model_is_refused_before_the_search(no_search, capsys):
+    dense = ["plan", str(CONFIGS / "mula-tiny-dense.yaml"), "--cluster", "h100", "--devices", "8"]
+    assert main([*dense, "--moe-imbalance", "1.5"]) == 2
+    assert "--moe-imbalance prices an MoE's routing: this config's model is dense" in one_error_line(capsys)

@@ -65,6 +65,7 @@ def test_a_cluster_file_plans_and_its_numbers_move_the_plan(tmp_path):
     ({"speed": 3}, "unknown key 'speed': a cluster takes name, device"),
     ({"pue": None, "node_power_kw": None}, "missing node_power_kw, pue: add them"),
     ({"peak_tflops": {"bf16": 2500}}, "peak_tflops must be {bf16: TFLOPS, fp32: TFLOPS}"),
+    ({"peak_tflops": {"bf16": float("inf"), "fp32": 80}}, "peak_tflops must be {bf16: TFLOPS, fp32: TFLOPS}"),
     ({"peak_tflops": None}, "names device 'MI355X', which has no entry"),
     ({"efficiency": {"dense_gemm": 1.5}}, "efficiency dense_gemm=1.5 is out of range"),
     ({"efficiency": {"dense_gemm": "abc"}}, "efficiency: could not convert string to float"),
@@ -114,3 +115,11 @@ def test_a_presets_name_wins_over_a_file_of_that_name_here(tmp_path, monkeypatch
     (tmp_path / "mine").write_text(yaml.safe_dump(OWN_DEVICE))
     assert not is_cluster_file("h100") and load_cluster("h100").name == "h100"
     assert is_cluster_file("mine") and load_cluster("mine").name == "mi355"
+
+
+def test_whole_counts_written_with_a_decimal_point_are_read_as_integers(tmp_path):
+    """`devices_per_node: 8.0` is 8 devices, an int as a preset's is (it sizes groups and prints in messages as 8),
+    and every other number is read as a float."""
+    cluster = load_cluster(_file(tmp_path, {**OWN_DEVICE, "devices_per_node": 8.0, "nics_per_node": 4.0}))
+    assert (repr(cluster.devices_per_node), repr(cluster.nics_per_node)) == ("8", "4")
+    assert all(type(getattr(cluster, key)) is float for key in ("memory_gb", "hbm_gb_s", "intra_node_latency_us"))

@@ -91,3 +91,17 @@ def test_step_time_charges_dtensor_dispatch_only_under_tp():
         expected = 100e-6 * dtensor_operators(layout.config, 4, False, True) if tp > 1 else 0.0
         assert charged.parts["tp_dispatch"] == pytest.approx(expected)
         assert charged.step_s - free.step_s == pytest.approx(expected)
+
+
+def test_a_micro_batchs_dtensor_operators_add_the_roots_only_on_the_stage_holding_it():
+    from optimus.config import load_config
+    from optimus.plan.dtensor_cost import (DENSE_BLOCK_DTENSOR_OPS, ROOT_DTENSOR_OPS, dtensor_operators,
+                                           measured_block)
+
+    dense = load_config(CONFIGS / "mula-tiny-dense.yaml", [])
+    block = sum(DENSE_BLOCK_DTENSOR_OPS)
+    assert dtensor_operators(dense, 2, False, False) == 2 * block
+    assert dtensor_operators(dense, 2, False, True) == 2 * block + sum(ROOT_DTENSOR_OPS)
+    # a width that is no multiple of the timed one is timed whole (narrowing it would change its heads' width)
+    wide = load_config(CONFIGS / "mula-tiny-dense.yaml", ["--model.d_model=768", "--model.n_heads=8"]).model
+    assert (measured_block(wide).d_model, measured_block(wide).n_heads) == (768, 8)

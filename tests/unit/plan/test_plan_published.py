@@ -99,3 +99,16 @@ def test_strong_scaling_is_the_smaller_runs_step_over_the_larger_ones_times_its_
     assert [(r.published, r.ours) for r in rows] == [(0.89, 0.8333), (0.87, 0.8333)]
     assert priced == [(12288, 2, 5120), (12288, 16, 5120), (25600, 2, 3072), (25600, 6, 3072)]
     assert "128 -> 1024 GCDs (global batch 5120 fixed)" in rows[0].case
+
+
+def test_the_published_aurora_layout_is_ep_12_x_pp_8_without_tensor_parallelism():
+    """Their code has no tensor parallelism: an EP 12 x PP 8 layout under tp 2 is not the one they ran."""
+    from types import SimpleNamespace
+
+    from optimus.plan.published import _is_published_aurora_layout
+
+    def layout(tp, ep, pp):
+        return SimpleNamespace(parallel=SimpleNamespace(tp=tp, ep=ep, pp=pp))
+
+    assert _is_published_aurora_layout(layout(1, 12, 8))
+    assert not any(_is_published_aurora_layout(layout(*d)) for d in ((2, 12, 8), (1, 6, 8), (1, 12, 4)))

@@ -120,3 +120,69 @@ def test_a_token_budget_is_printed_as_plan_tokens_takes_it(tokens, text):
 
     assert token_text(tokens) == text
     assert token_count(text) == pytest.approx(tokens, rel=0.01)
+
+
+def test_the_headline_counts_only_the_rows_there_are_when_top_asks_for_more():
+    cluster = load_cluster("h100")
+    candidates = [_candidate(["--parallel.dp_shard=8"], True, 12.0, 0.5),
+                  _candidate(["--parallel.dp_shard=8", "--parallel.shard_mode=zero1"], True, 20.0, 0.6)]
+    table = format_table(candidates, cluster, 8, 5, None)
+    assert table.splitlines()[0].endswith("; best 2:") and len(_rows(table)) == 2
+
+
+def test_the_breakdown_leaves_out_terms_that_round_to_nothing():
+    """A term under half the last place printed (0.0 GiB, 0.000 s) says nothing: it is left out."""
+    from dataclasses import replace
+
+    candidate = _candidate(["--parallel.dp_shard=8"], True, 8.0, 0.4)
+    candidate = replace(candidate, parts={**candidate.parts, "stragglers": 0.0004},
+                        memory_parts={**candidate.memory_parts, "buffers": 0.04 * GIB})
+    memory, step = breakdown(candidate, 1)
+    assert "buffers" not in memory and "stragglers" not in step
+    assert step == "#1 step, 0.400 s: compute 0.300 s, optimizer 0.100 s"
+
+
+def test_a_pipelined_layouts_memory_is_said_to_be_its_fuller_stages():
+    """Under pp the memory broken down is one stage's (the first or the last, whichever holds more); without a
+    pipeline there is one stage, and nothing to say."""
+    piped = breakdown(_candidate(["--parallel.dp_shard=4", "--parallel.pp=2"], True, 8.0, 0.4), 1)[0]
+    assert piped.startswith("#1 memory per device (its fuller pipeline stage, first or last), 8.0 GiB: ")
+    assert breakdown(_candidate(["--parallel.dp_shard=8"], True, 8.0, 0.4), 1)[0].startswith(
+        "#1 memory per device, 8.0 GiB: ")
+
+
+def test_the_scaling_line_says_a_weak_baselines_batch_was_scaled():
+    small = _candidate(["--parallel.dp_shard=8"], True, 10.0, 0.5, tokens_per_s=1.6e6)
+    big = _candidate(["--parallel.dp_shard=16"], True, 10.0, 0.5, tokens_per_s=2.4e6, world=16)
+    line = describe_scaling(SmallerRun(8, "weak", 8, small), big, 16)
+    assert line.startswith("weak scaling from 8 to 16 devices: 75.0% of linear") and (
+        "global batch scaled to 8 sequences on 8" in line)
+
+
+def test_the_json_scores_no_layout_against_a_smaller_run_that_fits_nowhere(tmp_path):
+    """Without a fitting smaller run there is nothing to score against: the entries have no scaling_efficiency
+    (not a null), as without --scaling-from."""
+    import json
+
+    from optimus.plan.report import write_json
+
+    cluster = load_cluster("h100")
+    candidate = _candidate(["--parallel.dp_shard=16"], True, 10.0, 0.5, world=16)
+    write_json(tmp_path / "plan.json", [candidate], cluster, None, 16, SmallerRun(8, "strong", 16, None))
+    (entry,) = json.loads((tmp_path / "plan.json").read_text())
+    assert "scaling_efficiency" not in entry
+
+
+def test_a_layout_summary_names_a_schedule_only_where_there_is_a_pipeline():
+    flat = layout_summary(_candidate(["--parallel.dp_shard=8"], True, 1.0, 0.5))
+    piped = layout_summary(_candidate(["--parallel.dp_shard=4", "--parallel.pp=2"], True, 1.0, 0.5))
+    assert flat.startswith("dp_shard 8 (mbs ") and flat.endswith(", fsdp)")
+    assert piped.startswith("dp_shard 4 x pp 2 (mbs ") and piped.endswith(", fsdp, 1f1b)")
+
+
+def test_where_nothing_fits_no_plan_is_set_beside_the_published_trainings():
+    """A layout that does not fit never trains: the energy table compares only a plan that can run."""
+    cluster = load_cluster("h100")
+    table = format_table([_candidate(["--parallel.dp_shard=8"], False, 120.0, 0.4)], cluster, 8, 1, 8.64e9)
+    assert "energy: nodes x 10.2 kW x time" in table
+    assert "beside published trainings" not in table and "this plan" not in table

@@ -82,8 +82,10 @@ def test_a_run_folder_or_its_metrics_file_is_read_and_only_its_last_logged_steps
     ("folder", [], "{run}: no {metrics} (give a run folder"),
     ([], [], "{metrics} logged no expert counts (a dense model's run, or one stopped before its first logged step)"),
     ([[[1, 2], [3]]], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
+    ([[[2] * 15 + [-1]] * 4], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
     ([[[2] * 8] * 4], [], "logged 4 layers of 8 experts; this model has 4 of 16: give a run of the same model shape, "
                           "or --moe-imbalance X"),
+    ([[[2] * 16] * 3], [], "logged 3 layers of 16 experts; this model has 4 of 16"),
     ([[[2] * 16] * 4], ["--model.n_experts=0"], "--moe-routing prices an MoE's routing: this config's model is dense"),
 ])
 def test_a_run_that_cannot_price_this_plan_is_refused_in_one_line(tmp_path, steps, overrides, message):
@@ -153,3 +155,25 @@ def test_records_beyond_the_last_logged_steps_are_passed_over():
     records = [{"expert_counts": skewed}] + [{"expert_counts": even}] * LOGGED_STEPS
     routing = LoggedRouting.of_records(records, "run")
     assert routing.steps == LOGGED_STEPS and bool((routing.counts == 2).all())
+
+
+def test_virtual_stages_set_without_a_pipeline_split_nothing():
+    """pp_virtual_stages counts only under pp > 1 (as validate_layout reads it): a one-layer model with it set to 2
+    and no pipeline is one stage of its one layer, priced as such."""
+    routing = LoggedRouting(torch.tensor([[_layer(17)]], dtype=torch.float64), "run")
+    config = _config("--model.n_layers=1", "--parallel.pp_virtual_stages=2")
+    kept, paced = layout_imbalance(routing, config, _dims(ep=2))
+    assert kept == pytest.approx({0: 1.5}) and paced == pytest.approx(1.5)
+
+
+def test_the_routing_line_gives_the_fuller_stages_activations():
+    """Under pp 2 the first stage holds the skewed layer 0 (its busiest half 1.25x over the stage's layers), the last
+    stage even ones (1.0x): the line gives the larger."""
+    from optimus.parallel.validate import validate_layout
+    from optimus.plan.report import describe_routing
+    from optimus.plan.search import Candidate
+
+    routing = LoggedRouting(torch.tensor([[_layer(17)] + [[2] * 16] * 3], dtype=torch.float64), "run")
+    config = validate_layout(_config("--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.pp=2"), 4).config
+    line = describe_routing(routing, Candidate(config, True, 1.0, 0.5, 1e5, 0.3, {"compute": 0.5}))
+    assert line.endswith("its activations at 1.25x in the worst step")

@@ -95,3 +95,20 @@ def test_the_baseline_is_the_smaller_runs_best_fitting_layout_not_its_fastest(mo
     assert baseline.efficiency(SimpleNamespace(tokens_per_s=3e6), 16) == pytest.approx(3e6 / 16 / (1e6 / 8))
     assert scaling.smaller_run(config, None, 16, 8, "strong").best is None  # none fits: no baseline
     assert planned == [(4, 8), (8, 8)]
+
+
+def test_the_smaller_run_is_priced_at_the_same_routing_and_restrictions(monkeypatch):
+    """--moe-imbalance (or a run's routing) and --only hold for the smaller run as for the larger: the baseline is
+    the same job on fewer devices."""
+    from optimus.plan import scaling
+
+    seen = []
+
+    def plan(config, cluster, devices, efficiency, only, routing):
+        seen.append((devices, efficiency, only, routing))
+        return [SimpleNamespace(fits=True, tokens_per_s=1e6)]
+
+    monkeypatch.setattr(scaling, "plan", plan)
+    only = {"tp": frozenset({"1"})}
+    scaling.smaller_run(load_config(MOE, []), None, 16, 8, "strong", "efficiency", only, 1.5)
+    assert seen == [(8, "efficiency", only, 1.5)]

@@ -359,3 +359,77 @@ def test_layouts_that_fit_come_first_however_fast_the_others_are_predicted():
     assert fitting and too_large and min(c.step_s for c in too_large) < max(c.step_s for c in fitting)
     assert out == fitting + too_large
     assert [c.step_s for c in fitting] == sorted(c.step_s for c in fitting)
+
+
+def test_tensor_parallelism_spans_up_to_a_whole_node_and_no_further():
+    """tp takes every degree dividing the heads up to a node's devices, that many included: the tiny MoE's 4 heads
+    on 4-device nodes reach tp 4; on 2-device nodes (two nodes, the same 4 devices) tp stops at 2."""
+    from dataclasses import replace
+
+    from optimus.plan.search import _variants
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    for per_node, tps in ((4, {1, 2, 4}), (2, {1, 2})):
+        cluster = replace(load_cluster("h100"), devices_per_node=per_node)
+        assert {parallel["tp"] for parallel, _ in _variants(config, 4, cluster)} == tps, per_node
+
+
+def test_a_layout_needing_exactly_the_usable_memory_fits(monkeypatch):
+    """A layout fits where its memory is at most the device's usable share, that much included (HEADROOM raised to
+    1 here, and the device made exactly the best layout's size, so that no rounding stands between them)."""
+    from dataclasses import replace
+
+    from optimus.plan import search
+
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--train.global_batch_size=16"])
+    only = search.parse_only(["tp=1", "pp=1", "ep=1", "micro_batch_size=1", "activation_checkpointing=none",
+                              "shard_mode=fsdp"])
+    (best,) = plan(config, load_cluster("h100"), 8, only=only)
+    monkeypatch.setattr(search, "HEADROOM", 1.0)
+    cluster = replace(load_cluster("h100"), memory_gb=best.memory_bytes / 1024**3)
+    assert cluster.memory_bytes == best.memory_bytes
+    (same,) = plan(config, cluster, 8, only=only)
+    assert same.memory_bytes == best.memory_bytes and same.fits
+
+
+def test_an_integer_restriction_is_read_as_its_number():
+    """`--only tp=01,2` holds the search to tp 1 and 2: the values are compared as the numbers they name."""
+    from optimus.plan.search import parse_only, within
+
+    only = parse_only(["tp=01,2", "shard_mode=zero1"])
+    assert only == {"tp": frozenset({"1", "2"}), "shard_mode": frozenset({"zero1"})}
+    parallel = dict(dp_replicate=1, dp_shard=8, tp=1, pp=1, ep=1, shard_mode="zero1")
+    assert within(only, parallel, {"micro_batch_size": 1}, 16)
+
+
+def test_the_largest_machine_planned_is_planned(monkeypatch):
+    """--devices MAX_DEVICES itself is searched (MAX_DEVICES lowered to 16 here: two whole h100 nodes)."""
+    from optimus.plan import search
+
+    monkeypatch.setattr(search, "MAX_DEVICES", 16)
+    config = load_config(REPO / "configs" / "mula-tiny-moe.yaml", ["--model.n_layers=2",
+                                                                   "--train.global_batch_size=16"])
+    only = search.parse_only(["tp=1", "pp=1", "ep=1", "micro_batch_size=1", "activation_checkpointing=none"])
+    assert plan(config, load_cluster("h100"), 16, only=only)
+
+
+@pytest.mark.parametrize("mode, label", [("selective", "selective (moe+attention)"), ("full", "full"),
+                                         ("selective_ops", "selective_ops"), ("none", "none")])
+def test_a_layouts_checkpointing_names_the_recomputed_modules_only_under_selective(mode, label):
+    """train.recompute says what selective checkpointing runs again; the other modes ignore it and say nothing of it."""
+    from optimus.plan.search import Candidate
+
+    config = validate_layout(load_config(REPO / "configs" / "mula-tiny-moe.yaml", [
+        "--train.global_batch_size=16", f"--train.activation_checkpointing={mode}",
+        "--train.recompute=[moe,attention]"]), 1).config
+    candidate = Candidate(config, True, 2**30, 0.5, 1e5, 0.3, {"compute": 0.5})
+    assert candidate.layout()["activation_checkpointing"] == label
+
+
+def test_a_grad_accum_restriction_counts_every_data_parallel_rank():
+    """16 sequences over HSDP 2 x 4 in micro-batches of 2: one micro-batch a rank (grad_accum 1), not two."""
+    from optimus.plan.search import parse_only, within
+
+    parallel = dict(dp_replicate=2, dp_shard=4, tp=1, pp=1, ep=1)
+    assert within(parse_only(["grad_accum=1"]), parallel, {"micro_batch_size": 2}, 16)
+    assert not within(parse_only(["grad_accum=2"]), parallel, {"micro_batch_size": 2}, 16)

@@ -82,3 +82,72 @@ def test_the_norms_partial_gradients_are_summed_once_a_step_only_where_fsdp_does
     fsdp, _ = partial_sums("fsdp")
     zero1, nbytes = partial_sums("zero1")
     assert fsdp == [] and zero1 == [(("tp",), nbytes)]
+
+
+def test_zeros_gradient_norm_spans_the_job_and_one_rank_has_none():
+    from optimus.plan.step_collectives import MESH_DIMS, gradient_norm_groups
+
+    for mode in ("zero1", "zero2"):
+        alone = _layout("mula-tiny-moe.yaml", 1, f"--parallel.shard_mode={mode}")
+        assert gradient_norm_groups(alone.config, alone.dims) == []
+        spread = _layout("mula-tiny-moe.yaml", 2, "--parallel.dp_shard=2", f"--parallel.shard_mode={mode}")
+        assert gradient_norm_groups(spread.config, spread.dims) == [MESH_DIMS]
+
+
+def test_the_pipeline_sums_three_loss_terms_and_every_layers_expert_counts_in_fp64():
+    """Over pp, _gather_terms sends the loss terms but the total (ce, aux, z: 3) and each of the 4 layers' 16 expert
+    counts, 8 bytes each."""
+    layout = _layout("mula-tiny-moe.yaml", 2, "--parallel.pp=2")
+    (call,) = [c for c in step_collectives(layout.config, layout.dims, 2) if c.what == "pipeline terms"]
+    assert (call.op, call.group, call.nbytes) == ("all_reduce", ("pp",), 8 * (3 + 4 * 16))
+
+
+def test_expert_load_is_summed_only_where_several_exchange_groups_hold_the_experts():
+    """ep 2 = dp_shard 2: one exchange group, whose own counts are the load; no expert-load collective. HSDP 2 x 2
+    at ep 2: two groups, their counts summed over ep and the busiest group's share maxed over them."""
+    one = _layout("mula-tiny-moe.yaml", 2, "--parallel.dp_shard=2", "--parallel.ep=2")
+    assert not [c for c in step_collectives(one.config, one.dims, 4) if c.what == "expert load"]
+    two = _layout("mula-tiny-moe.yaml", 4, "--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2")
+    assert [c.group for c in step_collectives(two.config, two.dims, 4) if c.what == "expert load"] == [
+        ("ep",), ("dp_replicate", "dp_shard_mod_ep")]
+
+
+def test_a_tree_all_reduce_climbs_the_node_then_the_nodes():
+    from optimus.plan.step_collectives import _tree_all_reduce
+
+    aurora = load_cluster("aurora")
+    layout = _layout("mula-220b-a10b.yaml", 3072, "--parallel.ep=12", "--parallel.pp=8", "--parallel.dp_shard=384",
+                     "--train.global_batch_size=3072")
+    link = group_link(layout.dims, ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), aurora)
+    hops_on, hops_across = math.ceil(math.log2(link.per_node)), math.ceil(math.log2(link.nodes))
+    assert hops_on >= 1 and hops_across >= 1
+    assert _tree_all_reduce(link, 4) == pytest.approx(2 * (hops_on * (link.intra_alpha + 4 / link.intra_beta) +
+                                                          hops_across * (link.inter_alpha + 4 / link.inter_beta)))
+
+
+def test_a_pipelines_gradient_norm_is_summed_over_its_stages_last():
+    from optimus.plan.step_collectives import gradient_norm_groups
+
+    piped = _layout("mula-tiny-moe.yaml", 4, "--parallel.dp_shard=2", "--parallel.pp=2")
+    assert gradient_norm_groups(piped.config, piped.dims) == [("dp_shard_mod_ep",), ("pp",)]
+
+
+def test_a_pair_on_one_node_sums_its_loss_terms_on_the_ring_where_that_beats_the_tree():
+    """Two ranks on a node: the ring moves the bytes once each way, a tree's one hop twice, so past a few bytes the
+    ring is cheaper, and each call is priced at the cheaper of the two (not at the tree alone)."""
+    from optimus.plan import step_collectives as module
+
+    h100 = load_cluster("h100")
+    layout = _layout("mula-220b-a10b.yaml", 2, "--parallel.dp_shard=2", "--parallel.ep=1", "--parallel.pp=1",
+                     "--train.global_batch_size=2")
+    config, dims = layout.config, layout.dims
+    layers = config.model.n_layers
+    loss_terms = [c for c in step_collectives(config, dims, layers) if c.what == "loss terms"]
+    assert loss_terms and loss_terms[0].nbytes > 60_000  # 64 layers x 240 experts' counts
+    link = group_link(dims, loss_terms[0].group, h100)
+    assert all_reduce_time(link, loss_terms[0].nbytes) < module._tree_all_reduce(link, loss_terms[0].nbytes)
+    priced = step_collectives_time(config, dims, h100, layers)
+    tree_only = sum((module.ring_time(group_link(dims, c.group, h100), c.nbytes, "all_gather") if c.op == "all_gather"
+                     else module._tree_all_reduce(group_link(dims, c.group, h100), c.nbytes)) * c.per_step
+                    for c in step_collectives(config, dims, layers) if group_link(dims, c.group, h100).size > 1)
+    assert priced < tree_only

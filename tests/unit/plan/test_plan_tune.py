@@ -355,3 +355,42 @@ def test_overwrite_lets_a_search_replace_the_earlier_one_and_its_best(tmp_path):
     tune(config, "unused.yaml", [], _cluster(64), 2, 1, tmp_path, {}, runner=fake_run, say=lambda line: None,
          overwrite=True)
     assert not (tmp_path / "best.yaml").exists()
+
+
+def test_a_search_whose_every_trial_failed_has_no_best_layout(tmp_path):
+    """A failed trial measured nothing (its 0 tokens/s is no score): with none run to the end there is no best."""
+    config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
+
+    def fake_run(config_path, overrides, candidate, ranks, steps, warmup, env, timeout_s):
+        return TrialRun("failed: out of memory")
+
+    best, records = tune(config, "unused.yaml", [], _cluster(64), 2, 2, tmp_path, {}, runner=fake_run,
+                         say=lambda line: None)
+    assert best is None and records and all(r["status"].startswith("failed") for r in records if r["trial"] is not None)
+
+
+def test_tune_takes_no_warm_up_when_asked_for_none(monkeypatch, tmp_path):
+    """--warmup 0 scores every measured step (a negative count is refused; none is not)."""
+    from optimus.cli import main
+
+    asked = []
+
+    def stand_in(*args, **kwargs):
+        asked.append(kwargs["warmup"])
+        return None, []
+
+    monkeypatch.setattr("optimus.plan.tune.tune", stand_in)
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", lambda: H100_NODE)
+    main(["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--warmup", "0", "--out", str(tmp_path / "t")])
+    assert asked == [0]
+
+
+def test_tune_refuses_an_unbounded_trial_timeout_in_one_line(monkeypatch, capsys, tmp_path):
+    from optimus.cli import main
+
+    monkeypatch.setattr("optimus.plan.tune.tune", lambda *a, **k: pytest.fail("tuned past a bad --trial-timeout"))
+    monkeypatch.setattr("optimus.train.hardware.probe_local_accelerators", lambda: H100_NODE)
+    code = main(["tune", str(CONFIGS / "mula-tiny-moe.yaml"), "--trials", "1", "--trial-timeout", "inf",
+                 "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--trial-timeout must be a positive number of seconds (got inf)" in err, err
