@@ -64,7 +64,7 @@ def token_text(tokens: float) -> str:
     """A token budget as `--tokens` takes it and papers write it: 100B, 2.5T, 6.3M."""
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if tokens >= scale:
-            return f"{tokens / scale:.3g}{suffix}"
+            return f"{tokens / scale:.4g}{suffix}"  # 4 digits: 999.5B stays 999.5B, not 1e+03B
     return f"{tokens:.3g}"
 
 

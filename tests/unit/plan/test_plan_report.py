@@ -112,7 +112,7 @@ def test_the_routing_line_counts_tensor_parallel_ranks_as_expert_shards():
 
 
 @pytest.mark.parametrize("tokens, text", [(100e9, "100B"), (1e12, "1T"), (2.5e12, "2.5T"), (6.29e6, "6.29M"),
-                                          (999e9, "999B"), (4096, "4.1K"), (500, "500")])
+                                          (999.5e9, "999.5B"), (4096, "4.096K"), (500, "500")])
 def test_a_token_budget_is_printed_as_plan_tokens_takes_it(tokens, text):
     """What `--tokens` reads back (cli/plan.token_count) is what the energy table's row prints."""
     from optimus.cli.plan import token_count
