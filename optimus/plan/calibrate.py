@@ -28,12 +28,14 @@ its logits are step_time's), and read against the same formula the step-time mod
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from optimus.config import Config
+from optimus.parallel.data_parallel import TORCH_DTYPES
 from optimus.plan.dtensor_cost import measure_dtensor_overhead
 from optimus.plan.efficiency import OPTIMIZER_MAX, Efficiency
 from optimus.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT
@@ -105,6 +107,11 @@ def measure_optimizer_step(elements: int = OPTIMIZER_ELEMENTS, device: torch.dev
 COMPUTE_REPEATS = 4
 
 
+def _random_input(dt: torch.dtype, device: torch.device | None, *shape: int) -> torch.Tensor:
+    """A small-valued tensor that takes a gradient, as the timed blocks' inputs and weights."""
+    return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_()
+
+
 def _time_compute_classes(config: Config, dt: torch.dtype, device: torch.device | None) -> dict[str, dict]:
     """The compute classes (dense_gemm, grouped_gemm where the model has experts, attention, loss_head) timed at
     `config`'s shapes: {"seconds", "flops"} each (see the module)."""
@@ -115,9 +122,7 @@ def _time_compute_classes(config: Config, dt: torch.dtype, device: torch.device 
     tokens = (train.micro_batch_size or 1) * train.seq_len
     h, kv, f = m.d_model, m.kv_heads * m.head_dim, (m.ffn_hidden or 4 * m.d_model)
     on_host = device is None or device.type == "cpu"
-
-    def tensor(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_()
+    tensor = partial(_random_input, dt, device)
 
     def timed(fn: Callable[[], None]) -> float:
         return device_seconds(fn, COMPUTE_REPEATS, device)  # on an accelerator its kernels' time
@@ -170,7 +175,7 @@ def compute_class_rates(config: Config, dtype: str, peak_flops: float,
                         device: torch.device | None = None) -> dict[str, float]:
     """The compute classes' fractions of `peak_flops` at `config`'s shapes (one point of calibrate_node's by_rows
     table)."""
-    measured = _time_compute_classes(config, torch.float32 if dtype == "fp32" else torch.bfloat16, device)
+    measured = _time_compute_classes(config, TORCH_DTYPES[dtype], device)
     return {name: min(1.0, t["flops"] / t["seconds"] / peak_flops) for name, t in measured.items()}
 
 
@@ -181,14 +186,12 @@ def measure_op_classes(config: Config, dtype: str, peak_flops: float, copy_bytes
     return each class's efficiency and what it timed. `time_dtensor` False: no DTensor overhead (an accelerator's
     host dispatches it ahead of the device: the GPU presets' 0)."""
     m, train = config.model, config.train
-    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    dt = TORCH_DTYPES[dtype]
     width = 2 if dtype == "bf16" else 4
     tokens = (train.micro_batch_size or 1) * train.seq_len
     h, f = m.d_model, (m.ffn_hidden or 4 * m.d_model)
     on_host = device is None or device.type == "cpu"
-
-    def tensor(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, device=device) * 0.02).to(dt).requires_grad_()
+    tensor = partial(_random_input, dt, device)
 
     measured = _time_compute_classes(config, dt, device)
     # memory bound: a norm, a SwiGLU product and a residual add

@@ -38,6 +38,7 @@ import torch
 
 from optimus.atomic_write import write_text_whole
 from optimus.config import Config, ConfigError
+from optimus.parallel.data_parallel import TORCH_DTYPES
 from optimus.parallel.local_ranks import run_on_local_ranks
 from optimus.plan.calibrate import (compute_class_rates, measure_op_classes, memory_bound_block,
                                     memory_bound_call)
@@ -79,7 +80,7 @@ def _device_op_classes(rank: int, world: int, device_type: str, config: Config, 
     measured = measure_op_classes(config, dtype, peak_flops, hbm_bytes_s, device, time_dtensor=False)
     measured["efficiency"]["by_rows"] = rates_by_rows(config, dtype, peak_flops, device, micro_batches,
                                                       measured["efficiency"])
-    dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+    dt = TORCH_DTYPES[dtype]
     measured["timed"]["matmul"] = {"flops_s": best_matmul_rate(dt, matmul_size, 1.0, device), "size": matmul_size}
     measured["timed"]["memory_bound_compiled"] = _compiled_block(config, dt, device) if compile_block else {
         "not timed": "compile_block off"}
@@ -205,8 +206,7 @@ def calibrated_cluster_text(cluster: Cluster, measured: dict[str, Any], found: L
         lines.append("  by_rows:  # the same classes by the rows a call runs: tokens a micro-batch (grouped_gemm: "
                      "rows per expert); a layout is priced at its own")
         for name, points in table.items():
-            read = sorted((float(rows), value) for rows, value in points.items())
-            lines.append(f"    {name}: {{" + ", ".join(f"{r:g}: {_number(v)}" for r, v in read) + "}")
+            lines.append(f"    {name}: {{" + ", ".join(f"{r:g}: {_number(v)}" for r, v in _by_rows(points)) + "}")
     return "\n".join(lines) + "\n"
 
 
@@ -221,8 +221,7 @@ def describe_node(cluster: Cluster, measured: dict[str, Any]) -> list[str]:
                  "eager_memory_traffic", "op_overhead_us"):
         lines.append(f"  {name:<21} {e[name]:8.3f}   ({cluster.name}: {getattr(before, name):.3f})")
     for name, points in (e.get("by_rows") or {}).items():
-        read = sorted((float(rows), value) for rows, value in points.items())
-        lines.append(f"  {name:<21} by rows  " + ", ".join(f"{rows:g}: {value:.3f}" for rows, value in read))
+        lines.append(f"  {name:<21} by rows  " + ", ".join(f"{r:g}: {v:.3f}" for r, v in _by_rows(points)))
     if "not timed" in timed["memory_bound_compiled"]:
         lines.append(f"  memory_bound is the eager block's: {timed['memory_bound_compiled']['not timed']}")
     link = measured["link"]
@@ -234,6 +233,11 @@ def describe_node(cluster: Cluster, measured: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"  intra-node: one device here, {cluster.name}'s link kept")
     return lines
+
+
+def _by_rows(points: dict) -> list[tuple[float, float]]:
+    """A by_rows class's (rows, fraction) points in order (a forked rank's JSON gives the rows as text)."""
+    return sorted((float(rows), value) for rows, value in points.items())
 
 
 def _largest(rows: list[dict[str, Any]], nbytes: int) -> str:

@@ -307,8 +307,8 @@ def _priced_step(config: Config, dims: ParallelDims, shape: ModelShape, cluster:
     h = config.model.d_model
     tokens_mb = train.micro_batch_size * train.seq_len
     m = config.model
-    # a calibration's rates by the rows a call runs: this layout's (its micro-batch, its experts' rows under ep)
-    efficiency = efficiency.at_rows(call_rows(tokens_mb, m.top_k, m.n_experts if m.is_moe else 0, dims.ep))
+    if efficiency.by_rows:  # a calibration's rates by the rows a call runs: this layout's (micro-batch, ep)
+        efficiency = efficiency.at_rows(call_rows(tokens_mb, m.top_k, m.n_experts if m.is_moe else 0, dims.ep))
     by_class = _flops_by_class(config, shape)
     recomputed = _recomputed_flops(config, by_class)
     rate = {"attention_proj": efficiency.dense_gemm, "mlp": efficiency.dense_gemm, "head": efficiency.loss_head,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import subprocess
@@ -95,20 +96,20 @@ def test_a_path_the_system_refuses_is_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "on /proc/optimus-plan.json: check that path" in err
 
 
-def test_a_full_disk_is_one_line_even_when_the_error_names_no_path(monkeypatch, capsys):
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_or_quota_is_one_line_even_when_the_error_names_no_path(code, monkeypatch, capsys):
     """A flush or close that hits a full disk raises OSError(ENOSPC) without a filename: `optimus report`, `export`,
-    `tokenize` and `plan --json` ended in a traceback on a full tmpfs."""
-    import errno
-
+    `tokenize` and `plan --json` ended in a traceback on a full tmpfs. EDQUOT (a user's quota on a shared
+    filesystem) is the disk being full for this user: the same one line."""
     cli_main = importlib.import_module("optimus.cli.main")
 
     def fills_the_disk(args, overrides):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(cli_main, "cmd_info", fills_the_disk)
     assert main(["info"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "No space left on device where it writes: free space there" in err
+    assert err.count("\n") == 1 and f"{os.strerror(code)} where it writes: free space there" in err
 
 
 def test_an_os_error_without_a_path_keeps_its_traceback(monkeypatch):
@@ -181,21 +182,6 @@ def test_a_chaos_harness_that_cannot_run_is_one_line(monkeypatch, capsys):
     assert main(["info"]) == 2
     assert capsys.readouterr().err == ("optimus info: error: 10 faults need at least 24 training steps: raise "
                                        "--train.max_steps\n")
-
-
-def test_a_full_disk_quota_is_one_line_as_a_full_disk(monkeypatch, capsys):
-    """EDQUOT (a user's quota on a shared filesystem) is the disk being full for this user: the same one line."""
-    import errno
-
-    cli_main = importlib.import_module("optimus.cli.main")
-
-    def exceeds_the_quota(args, overrides):
-        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
-
-    monkeypatch.setattr(cli_main, "cmd_info", exceeds_the_quota)
-    assert main(["info"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{os.strerror(errno.EDQUOT)} where it writes: free space there" in err
 
 
 def test_an_interrupted_command_says_so_and_exits_130(monkeypatch, capsys):
