@@ -14,11 +14,24 @@ STEP_1 = json.dumps({"step": 1, "loss": 10.0})
 STEP_2 = json.dumps({"step": 2, "loss": 9.0})
 
 
-def test_torn_last_line_is_skipped_without_a_warning(tmp_path, capsys):
+def _read_back(tmp_path, capsys, text: str) -> tuple[list[int], str]:
+    """A metrics.jsonl of `text` read by read_metrics: the steps it kept and what it printed to stderr."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text(f"{STEP_1}\n{STEP_2}\n" + '{"step": 3, "lo')
-    assert [r["step"] for r in read_metrics(path)] == [1, 2]
-    assert capsys.readouterr().err == ""
+    path.write_text(text)
+    steps = [r["step"] for r in read_metrics(path)]
+    return steps, capsys.readouterr().err
+
+
+def _resume_at_step_2_and_log_step_3(path) -> None:
+    """What the trainer's JSONL logger does to `path` on a resume at step 2 that logs step 3."""
+    logger = JsonlMetrics(path)
+    logger.on_train_start(start_step=2, max_steps=4)
+    logger.on_step_end(3, {"step": 3, "loss": 8.0})
+    logger.on_train_end(3)
+
+
+def test_torn_last_line_is_skipped_without_a_warning(tmp_path, capsys):
+    assert _read_back(tmp_path, capsys, f"{STEP_1}\n{STEP_2}\n" + '{"step": 3, "lo') == ([1, 2], "")
 
 
 def test_non_utf8_and_non_object_lines_are_skipped_with_one_warning(tmp_path, capsys):
@@ -91,10 +104,7 @@ def test_the_trainer_log_is_rewound_by_cutting_its_tail_in_place(tmp_path, monke
                      + b'{"step": 4, "lo')
     inode = path.stat().st_ino
     monkeypatch.setattr("os.replace", None)  # no copy renamed over it
-    logger = JsonlMetrics(path)
-    logger.on_train_start(start_step=2, max_steps=4)
-    logger.on_step_end(3, {"step": 3, "loss": 8.0})
-    logger.on_train_end(3)
+    _resume_at_step_2_and_log_step_3(path)
     assert path.stat().st_ino == inode
     assert path.read_bytes() == f"{STEP_1}\n".encode() + b"\xff\n" + f"{STEP_2}\n".encode() + \
         json.dumps({"step": 3, "loss": 8.0}).encode() + b"\n"
@@ -103,10 +113,7 @@ def test_the_trainer_log_is_rewound_by_cutting_its_tail_in_place(tmp_path, monke
 def test_a_whole_last_record_without_its_newline_is_kept_apart_from_the_next(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(f"{STEP_1}\n{STEP_2}")
-    logger = JsonlMetrics(path)
-    logger.on_train_start(start_step=2, max_steps=4)
-    logger.on_step_end(3, {"step": 3, "loss": 8.0})
-    logger.on_train_end(3)
+    _resume_at_step_2_and_log_step_3(path)
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 
@@ -139,10 +146,8 @@ WRONGLY_TYPED = [
 def test_a_record_with_wrongly_typed_fields_is_skipped_with_the_warning(tmp_path, capsys, line):
     """An edited line whose step or numbers are not numbers crashed loss.png's redraw mid-training (KeyError on
     'step') and `optimus report` (TypeError): it is damage like an unreadable line, skipped with the one warning."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(f"{STEP_1}\n{line}\n{STEP_2}\n")
-    assert [r["step"] for r in read_metrics(path)] == [1, 2]
-    err = capsys.readouterr().err
+    steps, err = _read_back(tmp_path, capsys, f"{STEP_1}\n{line}\n{STEP_2}\n")
+    assert steps == [1, 2]
     assert err.count("\n") == 1 and "skipped 1 unreadable line(s) (line 2 has " in err
 
 
@@ -161,10 +166,8 @@ def test_loss_plot_and_report_read_around_wrongly_typed_records(tmp_path):
 
 def test_a_whole_last_line_that_is_not_an_object_is_damage_not_a_torn_write(tmp_path, capsys):
     """Only a last line cut short (not JSON) is a torn write: a whole JSON list there is an edit, warned of."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(f"{STEP_1}\n{STEP_2}\n[1, 2]\n")
-    assert [r["step"] for r in read_metrics(path)] == [1, 2]
-    err = capsys.readouterr().err
+    steps, err = _read_back(tmp_path, capsys, f"{STEP_1}\n{STEP_2}\n[1, 2]\n")
+    assert steps == [1, 2]
     assert err.count("\n") == 1 and "skipped 1 unreadable line(s) (line 3 is a JSON list, not an object)" in err
 
 
@@ -191,8 +194,5 @@ def test_a_copied_log_ends_its_last_kept_record_with_a_newline(tmp_path):
     the next step's record starts a line of its own."""
     path = tmp_path / "metrics.jsonl"
     path.write_text(f"{STEP_1}\n{json.dumps({'step': 3})}\n{STEP_2}")
-    logger = JsonlMetrics(path)
-    logger.on_train_start(start_step=2, max_steps=4)
-    logger.on_step_end(3, {"step": 3, "loss": 8.0})
-    logger.on_train_end(3)
+    _resume_at_step_2_and_log_step_3(path)
     assert path.read_text() == f"{STEP_1}\n{STEP_2}\n" + json.dumps({"step": 3, "loss": 8.0}) + "\n"
