@@ -344,11 +344,12 @@ def reference_run(config: Config, steps: int) -> RunRecord:
     return _REFERENCE_RUNS[key]
 
 
-def check_layout(config: Config, world_size: int, steps: int = 5) -> RunRecord:
-    """Train `config`'s layout on `world_size` forked ranks and assert parity with one process."""
+def check_layout(config: Config, world_size: int, steps: int = 5, timeout: float = 180.0) -> RunRecord:
+    """Train `config`'s layout on `world_size` forked ranks and assert parity with one process; `timeout` is the
+    ranks' deadline (run_distributed's)."""
     from tests.helpers.distributed import run_distributed
 
     reference = reference_run(config, steps)
-    candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps))
+    candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps, timeout=timeout))
     assert_parity(reference, candidate)
     return candidate
