@@ -55,7 +55,11 @@ def _child(rank: int, world_size: int, init_file: str, result_dir: str, fn: Call
         os._exit(0)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+RANK_DEADLINE_S = 180.0  # how long forked ranks may run before they are killed as hung
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = RANK_DEADLINE_S,
+                    **kwargs: Any) -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` forked ranks; return each rank's result.
 
     fn must be importable state-free code; its return value must be picklable (use .tolist() or
@@ -85,7 +89,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         return results
 
 
-def run_forked(fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) -> Any:
+def run_forked(fn: Callable, *args: Any, timeout: float = RANK_DEADLINE_S, **kwargs: Any) -> Any:
     """Run fn(*args, **kwargs) in a forked child and return its result (or raise its failure).
 
     For tests that must not leave state in the test process: a fake process group, DeviceMesh and

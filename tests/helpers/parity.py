@@ -344,12 +344,13 @@ def reference_run(config: Config, steps: int) -> RunRecord:
     return _REFERENCE_RUNS[key]
 
 
-def check_layout(config: Config, world_size: int, steps: int = 5, timeout: float = 180.0) -> RunRecord:
+def check_layout(config: Config, world_size: int, steps: int = 5, timeout: float | None = None) -> RunRecord:
     """Train `config`'s layout on `world_size` forked ranks and assert parity with one process; `timeout` is the
-    ranks' deadline (run_distributed's)."""
-    from tests.helpers.distributed import run_distributed
+    ranks' deadline (default: run_distributed's)."""
+    from tests.helpers.distributed import RANK_DEADLINE_S, run_distributed
 
     reference = reference_run(config, steps)
-    candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps, timeout=timeout))
+    candidate = merge_rank_records(run_distributed(run_parallel_rank, world_size, config, steps,
+                                                 timeout=timeout or RANK_DEADLINE_S))
     assert_parity(reference, candidate)
     return candidate
