@@ -75,7 +75,9 @@ def test_the_written_file_is_the_preset_with_what_the_node_measured(measured, tm
     # and it plans: slower than the preset, every op class being far below the preset's
     config = _config()
     on_node, on_preset = plan(config, node, 8)[0], plan(config, h100, 8)[0]
-    assert on_node.step_s > 10 * on_preset.step_s
+    # the compute at a CPU's fractions of an H100's peak; the whole step's ratio depends on how fast this CPU is (8.8x
+    # on an Intel Xeon with AMX, stop 60), its compute's does not
+    assert on_node.step_s > on_preset.step_s and on_node.parts["compute"] > 10 * on_preset.parts["compute"]
 
 
 def test_the_compute_classes_are_tabulated_by_the_rows_a_call_runs(measured, tmp_path):
