@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     plan.add_argument("--json", default=None, help="write every layout, ranked, to this JSON file")
     plan.add_argument("--write-config", default=None, help="write the best fitting layout as a config file")
-    plan.add_argument("--overwrite", action="store_true", help="replace the files --json and --write-config name")
+    plan.add_argument("--overwrite", action="store_true",
+                      help="replace the files --json, --write-config and --calibrated-cluster name")
     plan.add_argument("--efficiency", type=float, default=None,
                       help="fraction of peak FLOP/s every compute op class reaches (default: the cluster preset's "
                            "efficiency block)")
