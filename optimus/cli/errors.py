@@ -25,9 +25,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
     are this class (add_subparsers makes them of the parent's class), and so are the benchmarks' own."""
 
     def __init__(self, *args, **kwargs):
-        if kwargs.get("prog") is None and not args:
+        # a parser built without a prog is a benchmark script's (the verbs' have theirs from `optimus`)
+        self._checks_json_output = kwargs.get("prog") is None and not args
+        if self._checks_json_output:
             kwargs["prog"] = _bench_prog()
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        if self._checks_json_output and getattr(parsed, "json", None) is not None:
+            # checked before the benchmark times anything: a folder or an unwritable place found when it writes
+            # would end minutes of timing in a traceback, the figures unwritten
+            try:
+                output_location("--json", parsed.json)
+            except UsageError as err:
+                self.error(str(err))
+        return parsed, extra
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, usage_error_line(self.prog, message) + "\n")

@@ -127,6 +127,9 @@ def load_cluster(name: str) -> Cluster:
     malformed."""
     if is_cluster_file(name):
         path = Path(name)
+        if path.is_dir():
+            raise ConfigError(f"cluster file '{name}' is a directory: pass the path of a YAML file with a preset's "
+                              f"keys (optimus/plan/clusters/), or a preset ({', '.join(cluster_names())})")
         if not path.is_file():
             raise ConfigError(f"cluster file '{name}' not found: pass a preset ({', '.join(cluster_names())}) or the "
                               f"path of a YAML file with a preset's keys (optimus/plan/clusters/)")

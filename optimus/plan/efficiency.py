@@ -86,6 +86,14 @@ def _between(points: tuple[tuple[float, float], ...], rows: float) -> float:
     return points[-1][1]
 
 
+def _finite_number(name: str, value: Any, where: str) -> float:
+    """One efficiency value as a float, or ValueError naming its key: a NaN or infinite cost passes the range checks
+    (nan < 0 is false) and prices every layout at nan s a step; text, null or true would fail in float() unnamed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: efficiency {name} must be a finite number (got {value!r})")
+    return float(value)
+
+
 def _rows_table(raw: Any, where: str) -> RowsTable:
     """`by_rows:` as read from a file: {class: {rows: fraction}}, or ValueError naming `where`."""
     if not isinstance(raw, dict):
@@ -143,7 +151,7 @@ class Efficiency:
         if unknown:
             raise ValueError(f"{where}: unknown efficiency key '{unknown[0]}': the keys are {', '.join(sorted(known))}")
         table = _rows_table(raw["by_rows"], where) if raw.get("by_rows") is not None else ()
-        values = {k: float(v) for k, v in raw.items() if k != "by_rows"}
+        values = {k: _finite_number(k, v, where) for k, v in raw.items() if k != "by_rows"}
         costs = ("op_overhead_us", "dtensor_overhead_us")  # microseconds, the rest fractions of a peak
 
         def out_of_range(name: str, value: float) -> bool:

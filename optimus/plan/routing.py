@@ -78,7 +78,8 @@ class LoggedRouting:
             counts = torch.tensor(steps[-LOGGED_STEPS:], dtype=torch.float64)
         except (TypeError, ValueError):
             counts = None
-        if counts is None or counts.dim() != 3 or (counts < 0).any():
+        # a count that is not a finite number of 0 or more (NaN, from a damaged log) would price as balanced
+        if counts is None or counts.dim() != 3 or not ((counts >= 0) & counts.isfinite()).all():
             raise RoutingError(f"--moe-routing {source}: its expert_counts are not [layer][expert] counts of one "
                                f"shape: is it a metrics.jsonl `optimus train` wrote?")
         return cls(counts, source)

@@ -193,6 +193,10 @@ SEARCH_FILES = ("trials.jsonl", "best.yaml")  # what a search leaves in its --ou
 def check_tune_out(out_dir: Path, overwrite: bool = False) -> None:
     """ConfigError where `out_dir` holds an earlier search and `overwrite` is not given: a rerun with the default
     --out must not erase the last search's record."""
+    folders = [name for name in SEARCH_FILES if (Path(out_dir) / name).is_dir()]
+    if folders:  # --overwrite replaces files: a folder would stop the search only after its measuring and trials
+        raise ConfigError(f"--out {out_dir} holds a folder named '{folders[0]}' where the search writes a file: "
+                          "move it away, or choose another --out")
     held = [name for name in SEARCH_FILES if (Path(out_dir) / name).exists()]
     if held and not overwrite:
         raise ConfigError(f"--out {out_dir} already holds an earlier search ({', '.join(held)}): choose another "

@@ -113,6 +113,27 @@ def test_a_benchmarks_bad_flag_is_one_line(capfd):
                    "(usage: optimus bench plan_published --help)"), err
 
 
+@pytest.mark.parametrize("where, line", [
+    (lambda t: t, "is a directory: name a file"),
+    (lambda t: (t / "a-file").write_text("x") and t / "a-file" / "rows.json", "is a file, not a directory"),
+])
+def test_a_benchmarks_json_output_that_cannot_be_written_is_one_line_before_it_runs(where, line, tmp_path, capfd):
+    """Refused as its flags are read, not in a traceback after the timing: the figures would be lost."""
+    json_path = where(tmp_path)
+    assert main(["bench", "plan_published", "--no-search", "--json", str(json_path)]) == 2
+    captured = capfd.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"optimus bench plan_published: error: --json {json_path}") and line in err, err
+    assert "\n" not in err and "within their bands" not in captured.out
+
+
+def test_a_parser_of_the_verbs_leaves_json_to_the_verb(tmp_path):
+    """Only the benchmarks' parsers (built without a prog) check --json; `optimus plan` checks its own."""
+    parser = OneLineErrorParser(prog="optimus")
+    parser.add_argument("--json")
+    assert parser.parse_args(["--json", str(tmp_path)]).json == str(tmp_path)
+
+
 def test_a_benchmark_run_as_a_script_names_itself(monkeypatch, capsys):
     """Run directly, a script names its file; the variable `optimus bench` sets names the verb only for the script
     it ran, not for a program that script starts."""

@@ -68,7 +68,11 @@ def test_a_cluster_file_plans_and_its_numbers_move_the_plan(tmp_path):
     ({"peak_tflops": {"bf16": float("inf"), "fp32": 80}}, "peak_tflops must be {bf16: TFLOPS, fp32: TFLOPS}"),
     ({"peak_tflops": None}, "names device 'MI355X', which has no entry"),
     ({"efficiency": {"dense_gemm": 1.5}}, "efficiency dense_gemm=1.5 is out of range"),
-    ({"efficiency": {"dense_gemm": "abc"}}, "efficiency: could not convert string to float"),
+    ({"efficiency": {"dense_gemm": "abc"}}, "efficiency dense_gemm must be a finite number (got 'abc')"),
+    ({"efficiency": {"dense_gemm": True}}, "efficiency dense_gemm must be a finite number (got True)"),
+    ({"efficiency": {"op_overhead_us": float("nan")}}, "efficiency op_overhead_us must be a finite number (got nan)"),
+    ({"efficiency": {"eager_memory_traffic": float("inf")}},
+     "efficiency eager_memory_traffic must be a finite number (got inf)"),
     ({"name": ""}, "name must be a name"),
 ])
 def test_a_bad_value_is_one_line_naming_the_file_and_the_key(tmp_path, change, message):
@@ -123,3 +127,10 @@ def test_whole_counts_written_with_a_decimal_point_are_read_as_integers(tmp_path
     cluster = load_cluster(_file(tmp_path, {**OWN_DEVICE, "devices_per_node": 8.0, "nics_per_node": 4.0}))
     assert (repr(cluster.devices_per_node), repr(cluster.nics_per_node)) == ("8", "4")
     assert all(type(getattr(cluster, key)) is float for key in ("memory_gb", "hbm_gb_s", "intra_node_latency_us"))
+
+
+def test_a_folder_given_as_the_cluster_file_is_named_a_folder_not_missing(tmp_path):
+    folder = tmp_path / "mine.yaml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="cluster file '.*mine.yaml' is a directory: pass the path of a YAML file"):
+        load_cluster(str(folder))

@@ -47,6 +47,13 @@ def test_a_per_operator_cost_may_be_zero_but_not_negative(key):
         Efficiency.from_dict({key: -1}, "x")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), None, "150"])
+def test_a_cost_that_is_not_a_finite_number_is_refused_by_name(value):
+    """A NaN passes `value < 0` and would price every layout at nan s a step; null or text would fail unnamed."""
+    with pytest.raises(ValueError, match="x: efficiency op_overhead_us must be a finite number"):
+        Efficiency.from_dict({"op_overhead_us": value}, "x")
+
+
 def test_the_efficiency_flag_sets_every_compute_class_and_no_memory_bound_one():
     """`--efficiency X` is one fraction of the FLOP/s peak: the GEMMs', attention's and the loss head's; the
     bandwidth-bound classes and the per-operator costs keep the preset's."""

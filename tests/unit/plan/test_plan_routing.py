@@ -83,6 +83,8 @@ def test_a_run_folder_or_its_metrics_file_is_read_and_only_its_last_logged_steps
     ([], [], "{metrics} logged no expert counts (a dense model's run, or one stopped before its first logged step)"),
     ([[[1, 2], [3]]], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
     ([[[2] * 15 + [-1]] * 4], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
+    ([[[2] * 15 + [float("nan")]] * 4], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
+    ([[[2] * 15 + [float("inf")]] * 4], [], "{run}: its expert_counts are not [layer][expert] counts of one shape"),
     ([[[2] * 8] * 4], [], "logged 4 layers of 8 experts; this model has 4 of 16: give a run of the same model shape, "
                           "or --moe-imbalance X"),
     ([[[2] * 16] * 3], [], "logged 3 layers of 16 experts; this model has 4 of 16"),

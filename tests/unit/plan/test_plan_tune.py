@@ -357,6 +357,18 @@ def test_overwrite_lets_a_search_replace_the_earlier_one_and_its_best(tmp_path):
     assert not (tmp_path / "best.yaml").exists()
 
 
+@pytest.mark.parametrize("name", ["trials.jsonl", "best.yaml"])
+def test_a_folder_where_the_search_writes_a_file_is_refused_even_with_overwrite(tmp_path, name):
+    """Refused before any trial (cmd_tune checks first): --overwrite replaces files, never a folder."""
+    from optimus.plan.tune import check_tune_out
+
+    (tmp_path / name).mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match=f"holds a folder named '{name}' where the search writes a file: move"):
+            check_tune_out(tmp_path, overwrite=overwrite)
+    assert (tmp_path / name).is_dir()
+
+
 def test_a_search_whose_every_trial_failed_has_no_best_layout(tmp_path):
     """A failed trial measured nothing (its 0 tokens/s is no score): with none run to the end there is no best."""
     config = load_config(CONFIGS / "mula-tiny-moe.yaml", ["--train.seq_len=64", "--model.n_layers=2"])
