@@ -124,20 +124,21 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def check_plan_outputs(args: argparse.Namespace) -> None:
-    """--json and --write-config, before the (possibly long) search: writable places, two different files, and no
-    existing file (the input config included) replaced without --overwrite."""
+    """--json and --write-config, before the (possibly long) search: writable places, two different files, never the
+    config being planned (a resolved layout or a JSON list in place of the user's own file, comments and all, even
+    with --overwrite), and no other existing file replaced without --overwrite."""
     outputs = [(flag, path) for flag, path in (("--json", args.json), ("--write-config", args.write_config)) if path]
     for flag, path in outputs:
         output_location(flag, path)
+        if args.config and Path(path).resolve() == Path(args.config).resolve():
+            raise UsageError(f"{flag} {path} is the config being planned: write to another file")
     if len(outputs) == 2 and Path(args.json).resolve() == Path(args.write_config).resolve():
         raise UsageError(f"--json and --write-config both name {args.json}: give each its own file")
     if args.overwrite:
         return
     for flag, path in outputs:
         if Path(path).exists():
-            what = ("is the config being planned" if Path(path).resolve() == Path(args.config).resolve()
-                    else "already exists")
-            raise UsageError(f"{flag} {path} {what}: choose another file, or pass --overwrite to replace it")
+            raise UsageError(f"{flag} {path} already exists: choose another file, or pass --overwrite to replace it")
 
 
 def _calibrated_cluster_file(args: argparse.Namespace, cluster) -> Path | None:

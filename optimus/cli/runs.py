@@ -218,6 +218,8 @@ def cmd_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     from optimus.checkpoint.verify import verify_run
 
     run = Path(args.run)
+    if run.is_file():
+        raise UsageError(f"'{run}' is a file: pass the run.dir of a training run (the folder holding checkpoints/)")
     if not (run / "checkpoints").is_dir():
         raise UsageError(f"'{run}' holds no checkpoints folder: pass the run.dir of a training run")
     reports = verify_run(run)

@@ -262,6 +262,7 @@ BAD_INPUT_CASES = {
                                                   str(t / "hf")], "model.n_layers = 2"),
     "eval sequence of 0": (lambda t, tr: ["eval", str(tr[1]), "--seq-len", "0"], "--seq-len 0: must be at least 1"),
     "verify, not a run": (lambda t, tr: ["verify", str(t)], "holds no checkpoints folder"),
+    "verify, a file": (lambda t, tr: ["verify", str(_file(t))], "is a file: pass the run.dir of a training run"),
     "verify, no checkpoint": (lambda t, tr: (t / "checkpoints").mkdir() or ["verify", str(t)], "no checkpoint yet"),
     # Hugging Face folders
     "HF config.json a list": (lambda t, tr: _import(_hf_folder(t, config=[1, 2]), t), "holds a list, not a JSON object"),

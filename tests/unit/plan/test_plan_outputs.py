@@ -37,13 +37,16 @@ def test_plan_refuses_an_existing_output_before_searching(tmp_path, flag, no_sea
     assert out.read_text() == "keep me"
 
 
-def test_plan_refuses_writing_over_the_config_it_plans(tmp_path, no_search, capsys):
+@pytest.mark.parametrize("flag", ["--json", "--write-config"])
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
+def test_plan_refuses_writing_over_the_config_it_plans(tmp_path, flag, overwrite, no_search, capsys):
+    """Even with --overwrite: the user's own config (its comments, its other keys) is never the output."""
     config = tmp_path / "model.yaml"
     config.write_text((CONFIGS / "mula-tiny-moe.yaml").read_text())
-    argv = [*PLAN[:1], str(config), *PLAN[2:], "--write-config", str(config)]
+    argv = [*PLAN[:1], str(config), *PLAN[2:], flag, str(config), *overwrite]
     assert main(argv) == 2
-    assert one_error_line(capsys).endswith(f"error: --write-config {config} is the config being planned: choose "
-                                            "another file, or pass --overwrite to replace it")
+    assert one_error_line(capsys).endswith(f"error: {flag} {config} is the config being planned: write to another "
+                                            "file")
     assert config.read_text() == (CONFIGS / "mula-tiny-moe.yaml").read_text()
 
 
