@@ -2,6 +2,7 @@
 
     python benchmarks/plan_here_stored.py [--stored benchmarks/here_measured.json] [--json F]
     python benchmarks/plan_here_stored.py --stored benchmarks/here_measured_xeon_amx.json   # an Intel Xeon with AMX's
+    python benchmarks/plan_here_stored.py --stored benchmarks/here_measured_epyc_avx2.json  # an AVX2-only EPYC's
     python benchmarks/plan_here_stored.py --add RESULTS.json [--add ...]   # store a plan_vs_measured run's rows
 
 Runs nothing and times nothing: each stored row holds its layout (config and overrides), what was measured (the
