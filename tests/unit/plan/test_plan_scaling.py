@@ -69,6 +69,9 @@ def test_a_smaller_run_that_fits_nowhere_is_said_not_scored():
     (["--devices", "16", "--scaling-from", "16"], "--scaling-from 16: the smaller run needs between 1 and 15 devices"),
     (["--devices", "16", "--scaling-from", "4"], "--scaling-from 4 is not a multiple of the 8 devices per h100 node"),
     (["--devices", "24", "--scaling-from", "8", "--scaling", "weak"], "is not a whole number of sequences"),
+    # one node has no smaller whole-node run: the fix named, not a range of device counts none of which works
+    (["--devices", "8", "--scaling-from", "4"], "--devices 8 is at most one node of 8; plan at least 2 nodes (16 "
+                                                "devices) or drop --scaling-from"),
 ])
 def test_plan_refuses_a_smaller_run_it_cannot_compare_in_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setattr("optimus.plan.search.plan", lambda *a, **k: pytest.fail("searched before the flags held"))
