@@ -57,9 +57,10 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
                          f"--scaling-from M")
     if args.scaling_from is not None and cluster is not None and args.devices <= cluster.devices_per_node:
         # the smaller run is whole nodes (below): one node has none smaller, so name what does work
+        per_node = cluster.devices_per_node
         raise UsageError(f"--scaling-from compares whole {cluster.name} nodes: --devices {args.devices} is at most "
-                         f"one node of {cluster.devices_per_node}; plan at least 2 nodes ({2 * cluster.devices_per_node}"
-                         f" devices) or drop --scaling-from")
+                         f"one node of {per_node}; plan at least 2 nodes ({2 * per_node} devices) or drop "
+                         "--scaling-from")
     if args.moe_routing is not None and args.moe_imbalance != 1:
         raise UsageError("--moe-routing and --moe-imbalance both price the routing: give one (the run's logged "
                          "routing, or one figure for every layout)")
