@@ -11,12 +11,11 @@ on a negative bandwidth.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from optimus.config import ConfigError, YamlFileError, read_yaml
-from optimus.plan.efficiency import Efficiency
+from optimus.plan.efficiency import Efficiency, is_finite_number
 from optimus.train.hardware import DEVICE_PEAKS_TFLOPS
 
 PRESETS_DIR = Path(__file__).resolve().parent / "clusters"
@@ -182,7 +181,7 @@ def _cluster_from(raw: dict, path: Path) -> Cluster:
         if key not in values:
             continue
         value = values[key]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        number = is_finite_number(value)
         if key in _WHOLE:
             ok, what = number and value == int(value) and value >= 1, "a whole number, at least 1"
         elif key == "pue":
@@ -222,7 +221,7 @@ def unknown_device(who: str, device: str) -> str:
 def _peaks(raw, where: str) -> dict[str, float]:
     """peak_tflops {bf16: .., fp32: ..} (datasheet TFLOP/s of one device) as FLOP/s."""
     good = isinstance(raw, dict) and set(raw) == {"bf16", "fp32"} and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in raw.values())
+        is_finite_number(v) and v > 0 for v in raw.values())
     if not good:
         raise ConfigError(f"{where}: peak_tflops must be {{bf16: TFLOPS, fp32: TFLOPS}}, both positive (got {raw!r})")
     return {dtype: float(value) * 1e12 for dtype, value in raw.items()}

@@ -86,10 +86,15 @@ def _between(points: tuple[tuple[float, float], ...], rows: float) -> float:
     return points[-1][1]
 
 
+def is_finite_number(value: Any) -> bool:
+    """A real number as a cluster file may give one: not text, null or a YAML boolean, nor NaN or infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _finite_number(name: str, value: Any, where: str) -> float:
     """One efficiency value as a float, or ValueError naming its key: a NaN or infinite cost passes the range checks
     (nan < 0 is false) and prices every layout at nan s a step; text, null or true would fail in float() unnamed."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ValueError(f"{where}: efficiency {name} must be a finite number (got {value!r})")
     return float(value)
 
